@@ -1,0 +1,16 @@
+"""Grouped Cross Attention (GCA) operator: ``o = sum_r weights[:, r] * softmax(q k_r^T * scale) v_r``.
+
+Each retrieved chunk ``r`` gets its own softmax over its ``S`` memory slots; the per-chunk results are mixed by
+the retrieval weights. The weights are differentiable: ``d o / d weights[:, r]`` is the per-chunk output, which
+is the gradient that trains the retriever end to end (GCA-SPEC section 1.6).
+
+Backends:
+    ``naive``  readable fp32 PyTorch reference (``kernels.gca.naive``), any device.
+    ``triton`` fused Triton kernels (CUDA, or the CPU interpreter with ``TRITON_INTERPRET=1``).
+    ``auto``   ``triton`` for CUDA tensors, ``naive`` otherwise.
+"""
+
+from kernels.gca.dispatch import BACKENDS, gca_attention
+from kernels.gca.naive import naive_gca
+
+__all__ = ["BACKENDS", "gca_attention", "naive_gca"]

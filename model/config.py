@@ -1,0 +1,102 @@
+"""``GCAConfig``: every architectural choice of a GCA (DRT) model, validated once with errors naming the key."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+ATTN_BACKENDS = ("auto", "naive", "triton")
+RETRIEVAL_SCALES = ("d_model", "head_dim")
+
+
+class ConfigError(ValueError):
+    """A model configuration value breaks a rule; the message names the key (``model.<field>``)."""
+
+
+@dataclass
+class GCAConfig:
+    vocab_size: int = 4096
+    """Tokenizer vocabulary size (the landmark is a learned vector, not a vocabulary id)."""
+    d_model: int = 128
+    """Hidden size."""
+    n_heads: int = 4
+    """Query heads of self-attention and GCA."""
+    n_kv_heads: int = 4
+    """Key/value heads (grouped-query attention when smaller than ``n_heads``)."""
+    ffn_hidden: int = 384
+    """Hidden size of the SwiGLU MLP."""
+    n_lower_layers: int = 2
+    """Sliding-window decoder layers below the chunk encoder."""
+    groups: list[int] = field(default_factory=lambda: [2])
+    """Upper layers per retrieval group, e.g. ``[6]`` or ``[3, 3]``; each group retrieves once."""
+    n_encoder_layers: int = 1
+    """Bidirectional chunk-encoder layers producing landmark keys and chunk memories."""
+    chunk_size: int = 16
+    """Real tokens per chunk (the landmark is appended and never part of the chunk memory)."""
+    top_k: int = 4
+    """Chunks retrieved per query chunk."""
+    window: int = 64
+    """Sliding-window span in stream positions: position t attends to [t - window, t]."""
+    softmax_off_by_one: bool = True
+    """Add a virtual zero logit with zero value to every per-chunk GCA softmax."""
+    gumbel_topk: bool = True
+    """Sample the top-k with Gumbel noise during training (clean top-k in eval)."""
+    retrieval_grad: bool = True
+    """Let the LM loss train the retriever through the retrieval weights (false = stop-gradient ablation)."""
+    gca_output_bias: bool = True
+    """Bias on the GCA output projection."""
+    retrieval_scale: str = "d_model"
+    """Retrieval score scale: ``d_model`` (1/sqrt(d_model), the paper) or ``head_dim``."""
+    attn_backend: str = "auto"
+    """GCA operator backend: ``auto`` (triton on CUDA, naive on CPU), ``naive`` or ``triton``."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon (one value everywhere, the encoder included)."""
+    rope_theta: float = 10000.0
+    """RoPE base of the chunk encoder (positions restart in every chunk)."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation of every linear and embedding weight."""
+
+    def __post_init__(self) -> None:
+        positive = ("vocab_size", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "chunk_size", "top_k", "window")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"model.{name} must be a positive integer; got {value!r}")
+        for name in ("n_lower_layers", "n_encoder_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"model.{name} must be an integer >= 0; got {value!r}")
+        self.groups = list(self.groups)
+        if not self.groups or any(not isinstance(g, int) or isinstance(g, bool) or g < 1 for g in self.groups):
+            raise ConfigError(f"model.groups must be a non-empty list of positive layer counts; got {self.groups!r}")
+        if self.d_model % self.n_heads != 0:
+            raise ConfigError(f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ConfigError(
+                f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads}"
+            )
+        if self.attn_backend not in ATTN_BACKENDS:
+            raise ConfigError(f"model.attn_backend={self.attn_backend!r} is not one of {ATTN_BACKENDS}")
+        if self.retrieval_scale not in RETRIEVAL_SCALES:
+            raise ConfigError(f"model.retrieval_scale={self.retrieval_scale!r} is not one of {RETRIEVAL_SCALES}")
+        if not (self.norm_eps > 0 and self.init_std > 0 and self.rope_theta > 0):
+            raise ConfigError("model.norm_eps, model.init_std and model.rope_theta must be > 0")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def n_upper_layers(self) -> int:
+        return sum(self.groups)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> GCAConfig:
+        """Build from a plain dict (e.g. an export's ``config.json``), rejecting unknown keys by name."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown model config key(s): {', '.join('model.' + k for k in unknown)}")
+        return cls(**data)
