@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-DEPS_HASH := $(shell cat requirements.lock pyproject.toml | sha1sum | cut -c1-12)
+DEPS_HASH := $(shell cat requirements.lock pyproject.toml Makefile | sha1sum | cut -c1-12)
 STAMP := $(VENV)/.installed-$(DEPS_HASH)
 PYTEST := $(PY) -m pytest -q
 # The default CPU tier: everything not behind a heavier marker.
@@ -13,11 +13,11 @@ DEFAULT_MARKERS := not slow and not gpu and not dist and not slurm
 
 install: $(STAMP)
 
-$(STAMP): requirements.lock pyproject.toml
+$(STAMP): requirements.lock pyproject.toml Makefile
 	@echo "==> creating $(VENV) and installing pinned dependencies (first time: ~3 min)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --no-cache-dir --no-deps -r requirements.lock
-	$(VENV)/bin/pip install --quiet --no-deps --no-build-isolation -e .
+	$(VENV)/bin/pip install --quiet --no-deps --no-build-isolation --config-settings editable_mode=compat -e .
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 	@echo "==> environment ready ($(STAMP))"

@@ -1,0 +1,241 @@
+"""The GCA language model (DRT architecture), top to bottom.
+
+Paper: Hu et al., "Efficient Length-Generalizable Attention via Causal Retrieval for Long-Context Language
+Modeling", ICML 2025. Algorithm: ``shared/design/GCA-SPEC.md`` sections 1-3.
+
+Tokens are cut into chunks of ``S`` tokens and a learned landmark vector is appended to every chunk. Lower
+layers are sliding-window (ALiBi) decoder layers. A bidirectional chunk encoder turns each chunk into a landmark
+key and a K/V memory. Upper layers come in retrieval groups: at the start of a group, the landmark of chunk
+``i`` scores the keys of chunks ``j < i`` and keeps the top ``R``; every token of chunk ``i + 1`` then reads those
+chunks with Grouped Cross Attention -- one softmax per chunk, mixed by the retrieval weights, which receive the
+LM loss gradient (that is what trains the retriever). Each upper layer is
+``a = x + SWA(norm(x)); y = GCA(a); out = a + MLP(norm(a + y))`` (the GCA output never joins the residual).
+
+One code path serves training (a whole sequence at once) and streaming (segments or single tokens with a
+``StreamState``), so batch, segment-wise and incremental decoding give the same logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kernels.gca import gca_attention
+from model.config import GCAConfig
+from model.layers import ChunkEncoder, DecoderLayer, KVCache, RMSNorm, SlidingWindowAttention, SwiGLU
+from model.layout import StepLayout
+from model.retrieval import RetrievalRows, retrieve
+from model.stream import StreamState
+
+
+@dataclass
+class RetrievedMemory:
+    """The chunk memories one group reads, gathered once and shared by the group's layers."""
+
+    k: torch.Tensor  # [B, C, R, S, H, D]
+    v: torch.Tensor  # [B, C, R, S, H, D]
+    weights: torch.Tensor  # [B, C, R]
+
+
+@dataclass
+class GCAOutput:
+    logits: torch.Tensor
+    """``[B, T, vocab_size]``; ``logits[:, t]`` predicts token ``t + 1``."""
+    loss: torch.Tensor | None = None
+    """Mean next-token cross-entropy when labels were given."""
+
+
+class GroupedCrossAttention(nn.Module):
+    """Each token attends to the R chunks retrieved for its chunk, one softmax per chunk, weighted sum."""
+
+    def __init__(self, cfg: GCAConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.gca_output_bias)
+
+    def forward(self, a: torch.Tensor, memory: RetrievedMemory | None, layout: StepLayout) -> torch.Tensor:
+        B, L, _ = a.shape
+        cfg = self.cfg
+        if memory is None:  # nothing encoded yet: every read is empty
+            return self.wo(a.new_zeros(B, L, cfg.n_heads * cfg.head_dim))
+        P, C = cfg.chunk_size + 1, layout.n_chunks
+        q = self.wq(self.norm(a))  # [B, L, HQ*D]
+        # Align the step to chunk boundaries: `lead` positions of the first chunk came in earlier steps.
+        q = F.pad(q, (0, 0, layout.lead, C * P - layout.lead - L))
+        q = q.view(B * C, P, cfg.n_heads, cfg.head_dim).transpose(1, 2)  # [B*C, HQ, S+1, D]
+        R, S = memory.k.shape[2], memory.k.shape[3]
+        k = memory.k.reshape(B * C, R, S, cfg.n_kv_heads, cfg.head_dim).permute(0, 3, 1, 2, 4)  # [B*C, H, R, S, D]
+        v = memory.v.reshape(B * C, R, S, cfg.n_kv_heads, cfg.head_dim).permute(0, 3, 1, 2, 4)
+        o = gca_attention(
+            q, k, v, memory.weights.reshape(B * C, R),
+            softmax_off_by_one=cfg.softmax_off_by_one, backend=cfg.attn_backend,
+        )  # [B*C, HQ, S+1, D]
+        o = o.transpose(1, 2).reshape(B, C * P, -1)[:, layout.lead : layout.lead + L]  # [B, L, HQ*D]
+        return self.wo(o)
+
+
+class UpperLayer(nn.Module):
+    """``a = x + SWA(norm(x)); y = GCA(a); out = a + MLP(norm(a + y))``."""
+
+    def __init__(self, cfg: GCAConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = SlidingWindowAttention(cfg)
+        self.gca = GroupedCrossAttention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.d_model, cfg.ffn_hidden)
+
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None, memory: RetrievedMemory | None, layout: StepLayout
+    ) -> torch.Tensor:
+        a = x + self.attn(self.attn_norm(x), cache)
+        y = self.gca(a, memory, layout)
+        return a + self.mlp(self.mlp_norm(a + y))
+
+
+class RetrievalGroup(nn.Module):
+    def __init__(self, cfg: GCAConfig, n_layers: int) -> None:
+        super().__init__()
+        self.query_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.layers = nn.ModuleList(UpperLayer(cfg) for _ in range(n_layers))
+
+
+class GCAForCausalLM(nn.Module):
+    """GCA (DRT) causal language model with a tied LM head.
+
+    ``model(input_ids)`` runs a whole sequence (training and short evaluation); ``model.forward_stream(ids, state)``
+    continues a sequence held in a ``StreamState`` (long inputs segment by segment, or decoding token by token).
+    """
+
+    def __init__(self, cfg: GCAConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.landmark = nn.Parameter(torch.zeros(cfg.d_model))
+        self.lower = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_lower_layers))
+        self.encoder = ChunkEncoder(cfg)
+        self.groups = nn.ModuleList(RetrievalGroup(cfg, n) for n in cfg.groups)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        scale_dim = cfg.d_model if cfg.retrieval_scale == "d_model" else cfg.head_dim
+        self.retrieval_scale = scale_dim**-0.5
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """N(0, init_std) for every linear/embedding weight and the landmark, zero biases, unit norm gains."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=self.cfg.init_std)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+            if isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+        nn.init.normal_(self.landmark, std=self.cfg.init_std)
+
+    def num_parameters(self, exclude_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.embed.weight.numel() if exclude_embedding else n
+
+    def new_stream_state(self) -> StreamState:
+        return StreamState(n_layers=self.cfg.n_lower_layers + self.cfg.n_upper_layers, n_groups=len(self.groups))
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> GCAOutput:
+        """Logits for every token of ``input_ids [B, T]`` (any ``T``).
+
+        ``labels`` are aligned with ``input_ids`` (Hugging Face convention): the loss is the mean cross-entropy of
+        ``logits[:, t]`` against ``labels[:, t + 1]``, ignoring ``-100``.
+        """
+        logits = self._step(input_ids, None)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100
+            )
+        return GCAOutput(logits=logits, loss=loss)
+
+    def forward_stream(self, input_ids: torch.Tensor, state: StreamState) -> torch.Tensor:
+        """Continue the sequence in ``state`` with ``input_ids [B, t]``; returns their logits ``[B, t, V]``."""
+        return self._step(input_ids, state)
+
+    def _step(self, input_ids: torch.Tensor, state: StreamState | None) -> torch.Tensor:
+        cfg = self.cfg
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, tokens]; got shape {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        layout = StepLayout.build(state.n_tokens if state else 0, T, cfg.chunk_size, input_ids.device)
+        caches: list[KVCache | None] = list(state.caches) if state else [None] * len(self.lower) + [
+            None
+        ] * cfg.n_upper_layers
+
+        tokens = self.embed(input_ids)  # [B, T, d_model]
+        landmarks = self.landmark.to(tokens.dtype).expand(B, layout.n_landmarks, -1)
+        x = torch.cat([tokens, landmarks], dim=1)[:, layout.order]  # [B, L, d_model] stream order
+        for layer, cache in zip(self.lower, caches):
+            x = layer(x, cache)
+
+        keys, mem_k, mem_v = self._encode_chunks(x, layout, state)
+        caches = caches[len(self.lower) :]
+        for g, group in enumerate(self.groups):
+            memory = self._retrieve(g, group, x, keys, mem_k, mem_v, layout, state)
+            for layer in group.layers:
+                x = layer(x, caches.pop(0), memory, layout)
+
+        if state is not None:
+            state.n_tokens += T
+        h = self.norm(x[:, layout.token_pos])  # [B, T, d_model]
+        return F.linear(h, self.embed.weight)  # tied LM head
+
+    def _encode_chunks(
+        self, x: torch.Tensor, layout: StepLayout, state: StreamState | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """Encode the chunks completed in this step; return the landmark keys and memories readable now."""
+        P = self.cfg.chunk_size + 1
+        if state is not None and state.pending is not None:
+            x = torch.cat([state.pending, x], dim=1)  # the unfinished chunk's earlier positions come first
+        n = layout.n_landmarks
+        if n:
+            keys, mem_k, mem_v = self.encoder(x[:, : n * P].reshape(x.shape[0], n, P, -1))
+        if state is None:
+            return (keys, mem_k, mem_v) if n else (None, None, None)
+        state.pending = x[:, n * P :]
+        if n:
+            state.memory.append(keys, mem_k, mem_v)
+        return state.memory.keys, state.memory.k, state.memory.v
+
+    def _retrieve(
+        self,
+        g: int,
+        group: RetrievalGroup,
+        x: torch.Tensor,
+        keys: torch.Tensor | None,
+        mem_k: torch.Tensor | None,
+        mem_v: torch.Tensor | None,
+        layout: StepLayout,
+        state: StreamState | None,
+    ) -> RetrievedMemory | None:
+        """Rows for every chunk this step touches: chunk ``c`` uses the row of landmark ``c - 1``."""
+        if keys is None:
+            return None
+        cfg = self.cfg
+        B = x.shape[0]
+        previous = state.rows[g] if state is not None else None
+        parts = [previous if previous is not None else RetrievalRows.empty(B, cfg.top_k, x.device)]
+        if layout.n_landmarks:
+            queries = group.query_norm(x[:, layout.landmark_pos])  # [B, n_landmarks, d_model]
+            parts.append(
+                retrieve(
+                    queries, keys, layout.landmark_chunk,
+                    top_k=cfg.top_k, scale=self.retrieval_scale,
+                    gumbel=cfg.gumbel_topk and self.training, grad=cfg.retrieval_grad,
+                )
+            )
+        rows = RetrievalRows.cat(parts)
+        if state is not None:
+            state.rows[g] = rows[-1:]
+        rows = rows[: layout.n_chunks]
+        batch = torch.arange(B, device=x.device)[:, None, None]
+        return RetrievedMemory(k=mem_k[batch, rows.index], v=mem_v[batch, rows.index], weights=rows.weights)

@@ -1,0 +1,151 @@
+"""Building blocks of the GCA model: RMSNorm, SwiGLU, sliding-window ALiBi self-attention, the chunk encoder."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kernels.swa import alibi_slopes, sliding_window_attention
+from model.config import GCAConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32: bf16 sums of squares lose the small components.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w_gate = nn.Linear(dim, hidden, bias=False)
+        self.w_up = nn.Linear(dim, hidden, bias=False)
+        self.w_down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class KVCache:
+    """The last ``window`` stream positions of one layer's keys and values (streaming inference only)."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None  # [B, <=W, H, D]
+        self.v: torch.Tensor | None = None
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return cache + new keys/values (what the new queries attend to) and keep the last ``window``."""
+        if self.k is not None:
+            k = torch.cat([self.k, k], dim=1)
+            v = torch.cat([self.v, v], dim=1)
+        self.k, self.v = k[:, -window:], v[:, -window:]
+        return k, v
+
+
+class SlidingWindowAttention(nn.Module):
+    """Causal self-attention over the last ``window`` stream positions (landmarks included), ALiBi positions."""
+
+    def __init__(self, cfg: GCAConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.window = cfg.window
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.register_buffer("slopes", alibi_slopes(cfg.n_heads), persistent=False)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)  # [B, T, HQ, D]
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)  # [B, T, H, D]
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if cache is not None:
+            k, v = cache.extend(k, v, self.window)  # [B, Tcache + T, H, D]
+        o = sliding_window_attention(q, k, v, window=self.window, alibi_slopes=self.slopes)
+        return self.wo(o.reshape(B, T, -1))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm sliding-window layer: ``h + SWA(norm(h))`` then ``+ MLP(norm(.))``."""
+
+    def __init__(self, cfg: GCAConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = SlidingWindowAttention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.d_model, cfg.ffn_hidden)
+
+    def forward(self, h: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        h = h + self.attn(self.attn_norm(h), cache)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+def apply_rope(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding over axis -3 (positions restart at 0 in every chunk); ``x [..., P, H, D]``."""
+    P, D = x.shape[-3], x.shape[-1]
+    inv_freq = theta ** (-torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)  # [D/2]
+    angles = torch.arange(P, device=x.device, dtype=torch.float32)[:, None] * inv_freq  # [P, D/2]
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]  # [P, 1, D/2]
+    x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
+    out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)  # [..., P, H, D/2, 2]
+    return out.flatten(-2).to(x.dtype)
+
+
+class EncoderLayer(nn.Module):
+    """Bidirectional pre-norm layer over the S+1 positions of one chunk, RoPE positions."""
+
+    def __init__(self, cfg: GCAConfig) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim, self.rope_theta = cfg.n_heads, cfg.head_dim, cfg.rope_theta
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.wqkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.d_model, cfg.ffn_hidden)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        NC, P, Dm = h.shape  # [B*N, S+1, d_model]
+        q, k, v = self.wqkv(self.attn_norm(h)).view(NC, P, 3, self.n_heads, self.head_dim).unbind(2)
+        q, k = apply_rope(q, self.rope_theta), apply_rope(k, self.rope_theta)  # [B*N, S+1, HQ, D]
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        h = h + self.wo(o.transpose(1, 2).reshape(NC, P, Dm))
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class ChunkEncoder(nn.Module):
+    """Encodes each chunk (S tokens + landmark) into a landmark key and the chunk's K/V memory.
+
+    The memory projections are shared by every upper layer of every group (GCA-SPEC section 1.4); the landmark
+    slot is never part of the memory (only its key is used, for retrieval).
+    """
+
+    def __init__(self, cfg: GCAConfig) -> None:
+        super().__init__()
+        self.n_kv_heads, self.head_dim = cfg.n_kv_heads, cfg.head_dim
+        self.prenorm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_encoder_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mem_k = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.mem_v = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+
+    def forward(self, chunks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``chunks [B, N, S+1, d_model]`` (landmark last) -> keys ``[B, N, d_model]``, k/v ``[B, N, S, H, D]``."""
+        B, N, P, Dm = chunks.shape
+        h = self.prenorm(chunks.reshape(B * N, P, Dm))
+        for layer in self.layers:
+            h = layer(h)
+        h = self.norm(h).view(B, N, P, Dm)
+        landmark_keys = h[:, :, -1]  # [B, N, d_model]
+        body = h[:, :, :-1]  # [B, N, S, d_model]
+        mem_k = self.mem_k(body).view(B, N, P - 1, self.n_kv_heads, self.head_dim)  # [B, N, S, H, D]
+        mem_v = self.mem_v(body).view(B, N, P - 1, self.n_kv_heads, self.head_dim)
+        return landmark_keys, mem_k, mem_v

@@ -1,0 +1,83 @@
+"""Causal chunk retrieval: score landmark queries against landmark keys, pick the top-R past chunks.
+
+One function serves the batch, segment-wise and incremental paths, so they score identically (GCA-SPEC section
+6 item 7). The query of chunk ``i`` (its landmark's hidden state, normalised by the group's own RMSNorm) may
+select chunk ``j`` only if ``j < i``; the resulting row is used by the tokens of chunk ``i + 1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# Logit given to invalid picks before the softmax: finite (no NaN in all-invalid rows), exp() underflows to 0.
+_INVALID_LOGIT = -1e9
+
+
+@dataclass
+class RetrievalRows:
+    """Retrieved chunks per query chunk; invalid picks (fewer visible chunks than R) have weight exactly 0."""
+
+    index: torch.Tensor
+    """``[B, C, R]`` long, absolute chunk ids (0 where the pick is invalid)."""
+    weights: torch.Tensor
+    """``[B, C, R]`` fp32 softmax over the clean scores of the valid picks."""
+
+    @staticmethod
+    def empty(batch: int, top_k: int, device: torch.device) -> RetrievalRows:
+        """The row of a chunk with nothing to retrieve yet (chunks 0 and 1)."""
+        zeros = torch.zeros(batch, 1, top_k, device=device)
+        return RetrievalRows(zeros.long(), zeros)
+
+    def __getitem__(self, rows: slice) -> RetrievalRows:
+        return RetrievalRows(self.index[:, rows], self.weights[:, rows])
+
+    @staticmethod
+    def cat(parts: list[RetrievalRows]) -> RetrievalRows:
+        return RetrievalRows(torch.cat([p.index for p in parts], 1), torch.cat([p.weights for p in parts], 1))
+
+
+def retrieve(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    query_chunk: torch.Tensor,
+    *,
+    top_k: int,
+    scale: float,
+    gumbel: bool,
+    grad: bool = True,
+) -> RetrievalRows:
+    """Select and weight the top-``top_k`` visible chunks for each query.
+
+    Args:
+        queries: ``[B, Cq, d_model]`` normalised landmark states.
+        keys: ``[B, Cm, d_model]`` landmark keys of every chunk in memory.
+        query_chunk: ``[Cq]`` absolute chunk id ``i`` of each query; chunks ``j < i`` are visible.
+        top_k: ``R``.
+        scale: score scale (``1/sqrt(d_model)`` in the paper).
+        gumbel: perturb the selection with Gumbel noise (sampling without replacement from softmax(scores));
+            the weights always use the clean scores.
+        grad: when False the weights are detached (the stop-gradient ablation: the retriever is not trained).
+    """
+    B, Cq, _ = queries.shape
+    Cm = keys.shape[1]
+    scores = torch.einsum("bqd,bmd->bqm", queries.float(), keys.float()) * scale  # [B, Cq, Cm]
+    visible = torch.arange(Cm, device=keys.device)[None, :] < query_chunk[:, None]  # [Cq, Cm]
+    if Cm < top_k:  # pad with never-visible columns so every row has exactly R picks
+        scores = F.pad(scores, (0, top_k - Cm))
+        visible = F.pad(visible, (0, top_k - Cm), value=False)
+    visible = visible.expand(B, Cq, -1)
+    with torch.no_grad():
+        pick = scores.masked_fill(~visible, float("-inf"))
+        if gumbel:
+            uniform = torch.rand_like(pick).clamp_(1e-10, 1.0 - 1e-7)
+            pick = pick - torch.log(-torch.log(uniform))
+        index = pick.topk(top_k, dim=-1).indices  # [B, Cq, R]
+    valid = visible.gather(-1, index)
+    logits = torch.where(valid, scores.gather(-1, index), torch.full_like(scores[..., :1], _INVALID_LOGIT))
+    weights = torch.softmax(logits, dim=-1) * valid  # all-invalid rows become exactly 0
+    if not grad:
+        weights = weights.detach()
+    return RetrievalRows(torch.where(valid, index, torch.zeros_like(index)), weights)

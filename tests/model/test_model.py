@@ -1,0 +1,178 @@
+"""Model behaviour on CPU with the naive backend: causality, retrieval gradients, streaming parity, export."""
+
+import pytest
+import torch
+
+from model import ConfigError, GCAConfig, GCAForCausalLM, load_pretrained, save_pretrained
+
+VOCAB = 64
+
+
+def tiny_config(**overrides) -> GCAConfig:
+    base = dict(
+        vocab_size=VOCAB, d_model=32, n_heads=4, n_kv_heads=2, ffn_hidden=64, n_lower_layers=1, groups=[1, 1],
+        n_encoder_layers=1, chunk_size=4, top_k=2, window=6, attn_backend="naive",
+    )
+    return GCAConfig(**{**base, **overrides})
+
+
+def trained_model(cfg: GCAConfig, steps: int = 5, T: int = 48) -> GCAForCausalLM:
+    """A few optimizer steps with a large LR so norm gains and the landmark move far from their init."""
+    model = GCAForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    for _ in range(steps):
+        ids = torch.randint(0, VOCAB, (2, T))
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert (model.groups[0].query_norm.weight - 1).abs().max() > 0.05
+    return model.eval()
+
+
+def test_shapes_and_loss_for_any_length():
+    model = GCAForCausalLM(tiny_config())
+    for T in (1, 3, 4, 5, 17, 40):
+        ids = torch.randint(0, VOCAB, (2, T))
+        out = model(ids, labels=ids)
+        assert out.logits.shape == (2, T, VOCAB)
+        if T > 1:
+            expected = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+            torch.testing.assert_close(out.loss, expected)
+
+
+def test_prefix_logits_do_not_depend_on_total_length():
+    """A length that is not a chunk multiple gives the same logits as the prefix of a longer input."""
+    model = GCAForCausalLM(tiny_config()).eval()
+    ids = torch.randint(0, VOCAB, (1, 41))
+    full = model(ids).logits
+    for T in (13, 30, 37):
+        torch.testing.assert_close(model(ids[:, :T]).logits, full[:, :T], rtol=1e-5, atol=1e-5)
+
+
+def test_causality_across_chunks_and_through_retrieval():
+    cfg = tiny_config(top_k=3)
+    model = trained_model(cfg).eval()
+    ids = torch.randint(0, VOCAB, (1, 80))
+    base = model(ids).logits
+    window_tokens = cfg.window * cfg.chunk_size // (cfg.chunk_size + 1)
+    for t in (0, 3, 4, 22, 50):
+        changed = ids.clone()
+        changed[0, t] = (changed[0, t] + 1) % VOCAB
+        logits = model(changed).logits
+        assert torch.equal(logits[:, :t], base[:, :t]), f"token {t} changed earlier logits"
+        # Beyond the sliding window, only retrieval can carry the change: it must (or the test proves nothing).
+        far = t + 3 * window_tokens
+        if far < ids.shape[1]:
+            assert (logits[:, far:] - base[:, far:]).abs().max() > 1e-6, f"token {t} never reached by retrieval"
+
+
+def test_without_gca_far_tokens_are_unreachable():
+    """Control for the test above: zeroing the retrieval weights removes every path beyond the window."""
+    cfg = tiny_config()
+    model = trained_model(cfg).eval()
+    for group in model.groups:
+        for layer in group.layers:
+            layer.gca.wo.weight.data.zero_()
+    ids = torch.randint(0, VOCAB, (1, 80))
+    changed = ids.clone()
+    changed[0, 2] += 1
+    # lower layers (1) + upper layers (2) widen the receptive field to 3 windows of stream positions.
+    horizon = 3 * cfg.window
+    torch.testing.assert_close(model(changed).logits[:, horizon:], model(ids).logits[:, horizon:])
+
+
+@pytest.mark.parametrize("retrieval_grad", [True, False])
+def test_retrieval_weights_get_gradient_unless_stopped(retrieval_grad):
+    model = GCAForCausalLM(tiny_config(retrieval_grad=retrieval_grad))
+    ids = torch.randint(0, VOCAB, (2, 64))
+    model(ids, labels=ids).loss.backward()
+    # The group query norm only influences the loss through the retrieval scores -> weights.
+    grads = [g.query_norm.weight.grad for g in model.groups]
+    if retrieval_grad:
+        assert all(g is not None and torch.isfinite(g).all() and g.abs().max() > 0 for g in grads)
+    else:
+        assert all(g is None or g.abs().max() == 0 for g in grads)
+    assert model.groups[0].layers[0].gca.wq.weight.grad.abs().max() > 0
+
+
+@pytest.mark.parametrize("groups", [[2], [1, 1]])
+def test_incremental_decoding_matches_full_forward_after_training(groups):
+    model = trained_model(tiny_config(groups=groups))
+    ids = torch.randint(0, VOCAB, (2, 45))
+    with torch.no_grad():
+        full = model(ids).logits
+        state = model.new_stream_state()
+        steps = [model.forward_stream(ids[:, t : t + 1], state) for t in range(ids.shape[1])]
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
+    assert torch.equal(torch.cat(steps, 1).argmax(-1), full.argmax(-1))
+
+
+@pytest.mark.parametrize("segment", [7, 16, 25])
+def test_segmentwise_processing_matches_full_forward(segment):
+    model = trained_model(tiny_config())
+    ids = torch.randint(0, VOCAB, (1, 120))
+    with torch.no_grad():
+        full = model(ids).logits
+        state = model.new_stream_state()
+        parts = [model.forward_stream(ids[:, s : s + segment], state) for s in range(0, ids.shape[1], segment)]
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-4, atol=1e-4)
+    # Only the window of self-attention keys is kept, whatever the input length.
+    assert all(c.k.shape[1] <= model.cfg.window for c in state.caches)
+    assert state.memory.size == ids.shape[1] // model.cfg.chunk_size
+
+
+def test_gumbel_noise_only_in_training():
+    model = GCAForCausalLM(tiny_config(gumbel_topk=True))
+    ids = torch.randint(0, VOCAB, (1, 64))
+    model.eval()
+    torch.testing.assert_close(model(ids).logits, model(ids).logits)
+    model.train()
+    runs = [model(ids).logits for _ in range(4)]
+    assert any((r - runs[0]).abs().max() > 0 for r in runs[1:])
+
+
+def test_off_by_one_switch_changes_the_model():
+    torch.manual_seed(1)
+    a = GCAForCausalLM(tiny_config(softmax_off_by_one=True)).eval()
+    b = GCAForCausalLM(tiny_config(softmax_off_by_one=False)).eval()
+    b.load_state_dict(a.state_dict())
+    ids = torch.randint(0, VOCAB, (1, 64))
+    assert (a(ids).logits - b(ids).logits).abs().max() > 1e-6
+
+
+def test_export_round_trip(tmp_path):
+    model = trained_model(tiny_config())
+    save_pretrained(model, tmp_path, {"train_seq_len": 48})
+    loaded = load_pretrained(tmp_path)
+    ids = torch.randint(0, VOCAB, (1, 30))
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+    assert loaded.embed.weight.data_ptr() != model.embed.weight.data_ptr()
+
+
+def test_export_rejects_tensor_mismatch(tmp_path):
+    save_pretrained(GCAForCausalLM(tiny_config()), tmp_path)
+    config = (tmp_path / "config.json").read_text().replace('"d_model": 32', '"d_model": 64')
+    (tmp_path / "config.json").write_text(config)
+    with pytest.raises(Exception, match="model.safetensors|size"):
+        load_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (dict(d_model=30), "model.d_model"),
+        (dict(n_kv_heads=3), "model.n_kv_heads"),
+        (dict(groups=[]), "model.groups"),
+        (dict(chunk_size=0), "model.chunk_size"),
+        (dict(attn_backend="cuda"), "model.attn_backend"),
+        (dict(top_k=-1), "model.top_k"),
+    ],
+)
+def test_config_errors_name_the_key(overrides, key):
+    with pytest.raises(ConfigError, match=key):
+        tiny_config(**overrides)
+
+
+def test_config_from_dict_rejects_unknown_keys():
+    with pytest.raises(ConfigError, match="model.chunk_len"):
+        GCAConfig.from_dict({**tiny_config().to_dict(), "chunk_len": 64})
