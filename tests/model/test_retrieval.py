@@ -1,0 +1,58 @@
+"""Causal chunk retrieval: the mask of GCA-SPEC section 1.5, zero-weight padding, Gumbel top-k sampling."""
+
+import torch
+
+from model.retrieval import retrieve
+
+
+def test_only_strictly_earlier_chunks_are_selected():
+    torch.manual_seed(0)
+    B, C, Dm, R = 3, 12, 16, 4
+    keys = torch.randn(B, C, Dm)
+    queries = torch.randn(B, C, Dm)
+    rows = retrieve(queries, keys, torch.arange(C), top_k=R, scale=Dm**-0.5, gumbel=True)
+    for i in range(C):
+        valid = rows.weights[:, i] > 0
+        assert (rows.index[:, i][valid] < i).all()
+        # All min(R, i) visible chunks are used and the weights form a distribution over them.
+        assert (valid.sum(-1) == min(R, i)).all()
+        expected_total = 1.0 if i > 0 else 0.0
+        torch.testing.assert_close(rows.weights[:, i].sum(-1), torch.full((B,), expected_total))
+
+
+def test_weights_are_softmax_of_clean_scores_of_the_picks():
+    torch.manual_seed(1)
+    keys, queries = torch.randn(1, 9, 8), torch.randn(1, 1, 8)
+    rows = retrieve(queries, keys, torch.tensor([9]), top_k=3, scale=0.5, gumbel=False)
+    scores = (queries[0, 0] @ keys[0].T) * 0.5
+    top = scores.topk(3)
+    assert set(rows.index[0, 0].tolist()) == set(top.indices.tolist())
+    torch.testing.assert_close(rows.weights[0, 0].sort().values, torch.softmax(top.values, -1).sort().values)
+
+
+def test_gumbel_top1_samples_from_the_score_softmax():
+    """Top-1 of Gumbel-perturbed scores is a draw from softmax(scores): compare frequencies to the closed form."""
+    torch.manual_seed(2)
+    n = 20000
+    scores_keys = torch.tensor([[0.0], [1.0], [2.0], [-1.0]])  # key j scores j-th value against query 1
+    keys = scores_keys.T.expand(n, 1, 4).transpose(1, 2)  # [n, 4, 1]
+    queries = torch.ones(n, 1, 1)
+    rows = retrieve(queries, keys, torch.tensor([4]), top_k=1, scale=1.0, gumbel=True)
+    freq = torch.bincount(rows.index[:, 0, 0], minlength=4).float() / n
+    torch.testing.assert_close(freq, torch.softmax(scores_keys[:, 0], 0), atol=0.015, rtol=0)
+
+
+def test_invalid_picks_get_no_gradient_and_no_nan():
+    keys = torch.randn(1, 5, 8, requires_grad=True)
+    queries = torch.randn(1, 5, 8, requires_grad=True)
+    rows = retrieve(queries, keys, torch.arange(5), top_k=4, scale=1.0, gumbel=False)
+    (rows.weights * torch.randn_like(rows.weights)).sum().backward()
+    assert torch.isfinite(keys.grad).all() and torch.isfinite(queries.grad).all()
+    # Query 0 and 1 see nothing: their rows carry no gradient to their queries.
+    assert queries.grad[0, :2].abs().max() == 0
+
+
+def test_stop_gradient_switch():
+    keys = torch.randn(1, 6, 8, requires_grad=True)
+    rows = retrieve(torch.randn(1, 6, 8), keys, torch.arange(6), top_k=2, scale=1.0, gumbel=False, grad=False)
+    assert not rows.weights.requires_grad
