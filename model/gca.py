@@ -28,7 +28,7 @@ from model.config import GCAConfig
 from model.layers import ChunkEncoder, DecoderLayer, KVCache, RMSNorm, SlidingWindowAttention, SwiGLU
 from model.layout import StepLayout
 from model.retrieval import RetrievalRows, retrieve
-from model.stream import StreamState
+from model.stream import ChunkMemory, StreamState
 
 
 @dataclass
@@ -140,8 +140,11 @@ class GCAForCausalLM(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.embed.weight.numel() if exclude_embedding else n
 
-    def new_stream_state(self) -> StreamState:
-        return StreamState(n_layers=self.cfg.n_lower_layers + self.cfg.n_upper_layers, n_groups=len(self.groups))
+    def new_stream_state(self, memory: ChunkMemory | None = None) -> StreamState:
+        """A fresh state for ``forward_stream``; ``memory`` replaces the in-RAM chunk memory (e.g. an on-disk one
+        with the same ``append`` / ``keys`` / ``k`` / ``v`` / ``size`` interface)."""
+        n_layers = self.cfg.n_lower_layers + self.cfg.n_upper_layers
+        return StreamState(n_layers=n_layers, n_groups=len(self.groups), memory=memory)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> GCAOutput:
         """Logits for every token of ``input_ids [B, T]`` (any ``T``).

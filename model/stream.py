@@ -64,9 +64,9 @@ class ChunkMemory:
 class StreamState:
     """Everything a GCA model needs to continue a sequence; create it with ``model.new_stream_state()``."""
 
-    def __init__(self, n_layers: int, n_groups: int) -> None:
+    def __init__(self, n_layers: int, n_groups: int, memory: ChunkMemory | None = None) -> None:
         self.n_tokens = 0
         self.caches = [KVCache() for _ in range(n_layers)]
         self.pending: torch.Tensor | None = None  # [B, <S, d_model] lower-layer states of the unfinished chunk
         self.rows: list[RetrievalRows | None] = [None] * n_groups
-        self.memory = ChunkMemory()
+        self.memory = memory if memory is not None else ChunkMemory()
