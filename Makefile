@@ -9,7 +9,7 @@ PYTEST := $(PY) -m pytest -q
 # The default CPU tier: everything not behind a heavier marker.
 DEFAULT_MARKERS := not slow and not gpu and not dist and not slurm
 
-.PHONY: install test test-slow test-dist test-gpu test-kernels demo bench clean-venv
+.PHONY: install test test-slow test-dist test-gpu test-kernels demo bench bench-kernels clean-venv
 
 install: $(STAMP)
 
@@ -39,6 +39,9 @@ test-gpu: install
 
 bench: install
 	$(PY) -m model.bench
+
+bench-kernels: install
+	$(PY) -m kernels.bench_gca
 
 demo: install
 	@echo "make demo: the end-to-end demo (prep -> deepspeed pretrain -> passkey eval) is not built yet;"

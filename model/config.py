@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
+from kernels.gca.limits import MAX_HEAD_DIM, MIN_HEAD_DIM
+
 ATTN_BACKENDS = ("auto", "naive", "triton")
 RETRIEVAL_SCALES = ("d_model", "head_dim")
 
@@ -76,6 +78,11 @@ class GCAConfig:
             )
         if self.attn_backend not in ATTN_BACKENDS:
             raise ConfigError(f"model.attn_backend={self.attn_backend!r} is not one of {ATTN_BACKENDS}")
+        if self.attn_backend == "triton" and not MIN_HEAD_DIM <= self.head_dim <= MAX_HEAD_DIM:
+            raise ConfigError(
+                f"model.attn_backend=triton supports head dims {MIN_HEAD_DIM}..{MAX_HEAD_DIM}; "
+                f"model.d_model / model.n_heads = {self.head_dim} (change them, or use model.attn_backend=naive)"
+            )
         if self.retrieval_scale not in RETRIEVAL_SCALES:
             raise ConfigError(f"model.retrieval_scale={self.retrieval_scale!r} is not one of {RETRIEVAL_SCALES}")
         if not (self.norm_eps > 0 and self.init_std > 0 and self.rope_theta > 0):

@@ -11,6 +11,7 @@ Backends:
 """
 
 from kernels.gca.dispatch import BACKENDS, gca_attention
+from kernels.gca.limits import MAX_HEAD_DIM, MIN_HEAD_DIM
 from kernels.gca.naive import naive_gca
 
-__all__ = ["BACKENDS", "gca_attention", "naive_gca"]
+__all__ = ["BACKENDS", "MAX_HEAD_DIM", "MIN_HEAD_DIM", "gca_attention", "naive_gca"]

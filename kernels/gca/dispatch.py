@@ -46,6 +46,10 @@ def gca_attention(
 
     Returns:
         ``o [B, HQ, Q, D]``, differentiable in q, k, v and weights.
+
+    Raises:
+        ValueError: an unknown backend, or (``triton``) inputs outside the kernel's support matrix, including CPU
+            tensors without ``TRITON_INTERPRET=1``; the message names the fix. Nothing falls back silently.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")

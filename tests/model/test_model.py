@@ -166,6 +166,7 @@ def test_export_rejects_tensor_mismatch(tmp_path):
         (dict(chunk_size=0), "model.chunk_size"),
         (dict(attn_backend="cuda"), "model.attn_backend"),
         (dict(top_k=-1), "model.top_k"),
+        (dict(attn_backend="triton", d_model=32, n_heads=4), "model.attn_backend=triton supports head dims"),
     ],
 )
 def test_config_errors_name_the_key(overrides, key):

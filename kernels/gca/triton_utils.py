@@ -1,0 +1,111 @@
+"""Shared pieces of the Triton GCA kernels: input validation, tile sizes, output allocation and the dot helper.
+
+Kernel layout (glossary in ``kernels/__init__.py``): ``q [B, HQ, Q, D]`` is contiguous, so the ``G = HQ // H``
+query heads that share one key/value head are ``G * Q`` consecutive rows. Every kernel therefore sees queries,
+outputs and their gradients as ``[B * H, G * Q, D]`` row blocks (written ``GQ`` below), and memories as
+``[B * H, R, S, D]``. Per-(row, chunk) statistics (``lse``, ``delta``) are ``[B, H, R, GQ]`` fp32 (fp64 for fp64
+inputs).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.gca.limits import MAX_HEAD_DIM, MIN_HEAD_DIM
+from kernels.gca.naive import check_gca_inputs
+
+# triton.jit decides at decoration time whether kernels run on the CPU interpreter, so the flag is read once, at
+# import, like Triton itself does.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INTERPRETER_ONLY_DTYPES = (torch.float64,)  # fp64 tl.dot/exp2 are only exercised on the CPU interpreter
+
+# Upper bounds of the query-row and memory-slot tiles. Shapes smaller than a cap use the next power of two
+# (at least 16). Tests lower the caps to force several tiles on tiny, interpreter-friendly shapes.
+MAX_BLOCK_Q = 64
+MAX_BLOCK_S = 64
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Constexpr tile sizes of one launch: query rows ``BQ``, memory slots ``BS``, padded head dim ``BD``."""
+
+    BQ: int
+    BS: int
+    BD: int
+    num_warps: int
+
+
+def block_sizes(GQ: int, S: int, D: int) -> Blocks:
+    """Tile sizes from the problem shape: no autotuning, so the interpreter needs no benchmarker."""
+    BQ = min(MAX_BLOCK_Q, max(16, triton.next_power_of_2(GQ)))
+    BS = min(MAX_BLOCK_S, max(16, triton.next_power_of_2(S)))
+    BD = max(16, triton.next_power_of_2(D))
+    # D = 128 doubles the per-program accumulators; 8 warps keep register use per thread in budget.
+    return Blocks(BQ=BQ, BS=BS, BD=BD, num_warps=8 if BD > 64 else 4)
+
+
+def alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Allocate a kernel output. Every element is written by a kernel; tests swap in a NaN-filled allocator."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulate in fp32, except fp64 inputs (gradcheck) stay fp64 throughout."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def kernel_flags(dtype: torch.dtype) -> dict[str, object]:
+    """Constexpr arguments shared by all GCA kernels for an input dtype."""
+    acc = tl.float64 if dtype == torch.float64 else tl.float32
+    return {
+        # The interpreter multiplies raw bf16 bit patterns in tl.dot (triton issue #11584), so upcast there.
+        "UPCAST": INTERPRET and dtype == torch.bfloat16,
+        # fp32 inputs must not silently drop to TF32 on GPU: the kernel is compared with an fp32 reference.
+        "PREC": "ieee" if dtype in (torch.float32, torch.float64) else None,
+        "ACC": acc,
+    }
+
+
+def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weights: torch.Tensor) -> None:
+    """Raise ``ValueError`` naming the argument, its value and the supported range."""
+    check_gca_inputs(q, k, v, weights)
+    for name, t in (("k", k), ("v", v), ("weights", weights)):
+        if t.device != q.device:
+            raise ValueError(f"{name}.device={t.device} differs from q.device={q.device}; move all inputs together")
+    if not q.is_cuda and not INTERPRET:
+        raise ValueError(
+            f"q.device={q.device}: the Triton GCA kernels need CUDA tensors. On CPU use backend='naive' "
+            "(model.attn_backend=naive), or export TRITON_INTERPRET=1 before importing kernels.gca.triton_gca "
+            "to run the kernels on the (slow) Triton interpreter"
+        )
+    dtypes = SUPPORTED_DTYPES + (INTERPRETER_ONLY_DTYPES if INTERPRET else ())
+    if q.dtype not in dtypes:
+        raise ValueError(
+            f"q.dtype={q.dtype} is not supported; supported: {dtypes} (float64 only with TRITON_INTERPRET=1)"
+        )
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name}.dtype={t.dtype} must equal q.dtype={q.dtype}")
+    if not weights.is_floating_point():
+        raise ValueError(f"weights.dtype={weights.dtype} must be a floating-point dtype")
+    D = q.shape[-1]
+    if not MIN_HEAD_DIM <= D <= MAX_HEAD_DIM:
+        raise ValueError(
+            f"head dim D={D} (q.shape[-1]) is not supported; supported: {MIN_HEAD_DIM} <= D <= {MAX_HEAD_DIM}"
+        )
+
+
+@triton.jit
+def dot(a, b, UPCAST: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr):
+    """``a @ b`` accumulated in ``ACC``; ``UPCAST`` works around the interpreter's broken bf16 dot."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision=PREC, out_dtype=ACC)
