@@ -31,6 +31,10 @@ from model.retrieval import RetrievalRows, retrieve
 from model.stream import ChunkMemory, StreamState
 
 
+# Logit elements per GCA operator call when no gradient is needed (about 64 MB in fp32).
+_EVAL_SLICE_ELEMENTS = 1 << 24
+
+
 @dataclass
 class RetrievedMemory:
     """The chunk memories one group reads, gathered once and shared by the group's layers."""
@@ -71,9 +75,18 @@ class GroupedCrossAttention(nn.Module):
         R, S = memory.k.shape[2], memory.k.shape[3]
         k = memory.k.reshape(B * C, R, S, cfg.n_kv_heads, cfg.head_dim).permute(0, 3, 1, 2, 4)  # [B*C, H, R, S, D]
         v = memory.v.reshape(B * C, R, S, cfg.n_kv_heads, cfg.head_dim).permute(0, 3, 1, 2, 4)
-        o = gca_attention(
-            q, k, v, memory.weights.reshape(B * C, R),
-            softmax_off_by_one=cfg.softmax_off_by_one, backend=cfg.attn_backend,
+        w = memory.weights.reshape(B * C, R)
+        # Without autograd nothing is kept for backward, so long inputs are read in slices of chunks: the
+        # operator's transient [chunks, HQ, R, S+1, S] logits then stay bounded whatever the input length.
+        step = B * C if torch.is_grad_enabled() else max(1, _EVAL_SLICE_ELEMENTS // (cfg.n_heads * R * P * S))
+        o = torch.cat(
+            [
+                gca_attention(
+                    q[i : i + step], k[i : i + step], v[i : i + step], w[i : i + step],
+                    softmax_off_by_one=cfg.softmax_off_by_one, backend=cfg.attn_backend,
+                )
+                for i in range(0, B * C, step)
+            ]
         )  # [B*C, HQ, S+1, D]
         o = o.transpose(1, 2).reshape(B, C * P, -1)[:, layout.lead : layout.lead + L]  # [B, L, HQ*D]
         return self.wo(o)
