@@ -9,7 +9,7 @@ PYTEST := $(PY) -m pytest -q
 # The default CPU tier: everything not behind a heavier marker.
 DEFAULT_MARKERS := not slow and not gpu and not dist and not slurm
 
-.PHONY: install test test-slow test-dist test-gpu test-kernels demo bench bench-kernels clean-venv
+.PHONY: install test test-slow test-dist test-gpu test-kernels demo prep bench bench-kernels clean-venv
 
 install: $(STAMP)
 
@@ -36,6 +36,11 @@ test-kernels: install
 
 test-gpu: install
 	$(PYTEST) -m "gpu" tests
+
+# Prepare the built-in offline corpus (the Python standard library's source) into data/default.
+# A second run refuses to overwrite: `make prep ARGS="overwrite=true"` rebuilds.
+prep: install
+	$(PY) launch/prep.py --config configs/data/default.yaml $(ARGS)
 
 bench: install
 	$(PY) -m model.bench

@@ -1,0 +1,216 @@
+"""The prep config: a typed schema, YAML for values, ``key=value`` overrides, errors that name the key.
+
+Loading follows STYLE rule 20: ``OmegaConf.structured(PrepConfig)`` merged with the YAML file and the
+dotlist overrides, then converted to a real (frozen) dataclass and validated. Unknown keys are rejected
+with a "did you mean" suggestion before omegaconf sees them, so the message names the full key.
+"""
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+from data_prep.errors import ConfigError
+
+__all__ = ["HFConfig", "PrepConfig", "TokenizerConfig", "load_config", "to_container"]
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    """Which SentencePiece model produces the tokens. Set exactly one of `model` and `vocab_size`."""
+
+    model: str | None = None
+    """Path to an existing SentencePiece ``.model`` file."""
+    vocab_size: int | None = None
+    """Train a new model of this size on a sample of the input (train split only)."""
+    model_type: Literal["bpe", "unigram"] = "bpe"
+    """SentencePiece algorithm for a trained model; BPE trains ~5x faster (CPU-NOTES §6)."""
+    sample_bytes: int = 100_000_000
+    """About how many bytes of text to train on; documents are sampled by content hash."""
+    character_coverage: float = 0.9995
+    """Characters outside this share of the sample become byte-fallback tokens."""
+
+
+@dataclass(frozen=True)
+class HFConfig:
+    """Options for ``hf:<name>`` inputs (Hugging Face datasets; needs network or a populated HF cache)."""
+
+    config_name: str | None = None
+    """The dataset configuration (``load_dataset(name, config_name)``), e.g. ``arxiv``."""
+    split: str = "train"
+    """Which upstream split to read; our own train/val split is made by `PrepConfig.val_fraction`."""
+    revision: str | None = None
+    """A git revision of the dataset repository, for reproducibility."""
+
+
+@dataclass(frozen=True)
+class PrepConfig:
+    """``python launch/prep.py --config configs/data/<name>.yaml [key=value ...]``."""
+
+    output: str = "???"
+    """Directory to create; it is written as a temporary sibling and renamed when complete."""
+    input: list[str] = field(default_factory=list)
+    """Files, globs or directories (``.txt``, ``.jsonl``, ``.parquet``, optionally ``.gz``/``.zst``),
+    ``hf:<name>`` for a Hugging Face dataset, or ``builtin:python_stdlib`` for the offline default corpus.
+    A single string is accepted too."""
+    format: Literal["auto", "txt", "jsonl", "parquet"] = "auto"
+    """File format; ``auto`` decides by extension. A ``.txt`` file is one document, a jsonl line or a
+    parquet row is one document."""
+    text_field: str = "text"
+    """The jsonl / parquet / HF column holding the document text."""
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    hf: HFConfig = field(default_factory=HFConfig)
+    val_fraction: float = 0.01
+    """Share of documents in the val split, chosen by a hash of each document's text (deterministic)."""
+    split_seed: int = 0
+    """Salt of the split hash; change it to draw a different val split."""
+    max_piece_tokens: int = 65536
+    """Longer documents are stored as consecutive pieces of at most this many tokens."""
+    min_tokens: int = 1
+    """Documents with fewer tokens are skipped (counted as ``too_short``)."""
+    num_proc: int = 1
+    """Tokenizer processes (and SentencePiece training threads)."""
+    shard_size_bytes: int = 1 << 26
+    """Uncompressed MDS shard size limit."""
+    fingerprint: Literal["stat", "content"] = "stat"
+    """How inputs are fingerprinted in the manifest: size + mtime, or sha256 of the content (slow)."""
+    strict: bool = False
+    """Fail on the first malformed record instead of skipping and counting it."""
+    overwrite: bool = False
+    """Replace an existing output directory (the old one is removed only after the new one is complete)."""
+    progress: bool = True
+    """Show tqdm progress bars."""
+
+
+def to_container(cfg: PrepConfig) -> dict[str, Any]:
+    """The config as plain JSON-able data (for the manifest)."""
+    return dataclasses.asdict(cfg)
+
+
+def _schema_fields(cls: type) -> dict[str, type | None]:
+    """Field name -> nested dataclass type (or None for a leaf)."""
+    out: dict[str, type | None] = {}
+    for f in dataclasses.fields(cls):
+        nested = f.default_factory if f.default_factory is not dataclasses.MISSING else None  # type: ignore[misc]
+        out[f.name] = nested if dataclasses.is_dataclass(nested) else None
+    return out
+
+
+def _check_keys(node: Any, cls: type, prefix: str) -> None:
+    if not isinstance(node, DictConfig):
+        return
+    known = _schema_fields(cls)
+    for key in node.keys():
+        full = f"{prefix}{key}"
+        if key not in known:
+            hint = difflib.get_close_matches(str(key), list(known), n=1)
+            suggestion = f"; did you mean '{prefix}{hint[0]}'?" if hint else ""
+            raise ConfigError(f"unknown config key '{full}'{suggestion} (known: {', '.join(sorted(known))})")
+        nested = known[key]
+        if nested is not None:
+            child = node._get_node(key)
+            if not isinstance(child, DictConfig):
+                raise ConfigError(f"config key '{full}' must be a mapping, got {child!r}")
+            _check_keys(child, nested, f"{full}.")
+
+
+def _first_line(exc: OmegaConfBaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> PrepConfig:
+    """Load, merge and validate a prep config.
+
+    Args:
+        path: a YAML file, or None for defaults plus overrides only.
+        overrides: ``key=value`` strings (dotted keys for nested fields, e.g. ``tokenizer.vocab_size=4096``).
+
+    Returns:
+        The validated, frozen `PrepConfig`.
+
+    Raises:
+        ConfigError: unknown key (with a suggestion), bad value or type (naming key and value), missing file.
+    """
+    layers: list[DictConfig] = []
+    if path is not None:
+        if not Path(path).is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            loaded = OmegaConf.load(path)
+        except Exception as exc:  # YAML syntax errors come from yaml, not omegaconf
+            raise ConfigError(f"cannot parse {path}: {str(exc).splitlines()[0]}") from None
+        if not isinstance(loaded, DictConfig):
+            raise ConfigError(f"{path} must hold a mapping of keys, got a {type(loaded).__name__}")
+        layers.append(loaded)
+    for item in overrides or []:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override '{item}' is not of the form key=value")
+    try:
+        layers.append(OmegaConf.from_dotlist(list(overrides or [])))
+        raw = OmegaConf.merge(*layers) if layers else OmegaConf.create({})
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"bad override: {_first_line(exc)}") from None
+    assert isinstance(raw, DictConfig)
+    _check_keys(raw, PrepConfig, "")
+    # A single input is natural to write as a string; the schema field is a list.
+    if "input" in raw and isinstance(raw["input"], str):
+        raw["input"] = [raw["input"]]
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(PrepConfig), raw)
+        cfg = OmegaConf.to_object(merged)
+    except MissingMandatoryValue as exc:
+        raise ConfigError(f"missing required key '{exc.full_key}'") from None
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None)
+        where = f"'{key}'" if key else "config"
+        raise ConfigError(f"bad value for {where}: {_first_line(exc)}") from None
+    assert isinstance(cfg, PrepConfig)
+    validate(cfg)
+    return cfg
+
+
+def _bad(key: str, value: Any, why: str) -> ConfigError:
+    return ConfigError(f"bad value {key}={value!r}: {why}")
+
+
+def validate(cfg: PrepConfig) -> None:
+    """Check cross-field and range constraints; raise `ConfigError` naming the key and value."""
+    if not cfg.output:
+        raise _bad("output", cfg.output, "must be a directory path")
+    if not cfg.input:
+        raise ConfigError("missing required key 'input' (files, globs, directories, hf:<name> or builtin:<name>)")
+    for item in cfg.input:
+        if not item:
+            raise _bad("input", cfg.input, "empty entry")
+    tok = cfg.tokenizer
+    if (tok.model is None) == (tok.vocab_size is None):
+        raise ConfigError(
+            "set exactly one of 'tokenizer.model' (an existing SentencePiece model) and "
+            f"'tokenizer.vocab_size' (train one); got model={tok.model!r}, vocab_size={tok.vocab_size!r}"
+        )
+    if tok.model is not None and not Path(tok.model).is_file():
+        raise _bad("tokenizer.model", tok.model, "file does not exist")
+    # 256 byte-fallback pieces + unk/bos/eos must fit, with room for at least a few merges.
+    if tok.vocab_size is not None and not 300 <= tok.vocab_size < 2**32:
+        raise _bad("tokenizer.vocab_size", tok.vocab_size, "must be in [300, 2**32) (256 byte pieces are reserved)")
+    if tok.sample_bytes < 1:
+        raise _bad("tokenizer.sample_bytes", tok.sample_bytes, "must be positive")
+    if not 0.0 < tok.character_coverage <= 1.0:
+        raise _bad("tokenizer.character_coverage", tok.character_coverage, "must be in (0, 1]")
+    if not 0.0 <= cfg.val_fraction < 1.0:
+        raise _bad("val_fraction", cfg.val_fraction, "must be in [0, 1)")
+    if cfg.max_piece_tokens < 1:
+        raise _bad("max_piece_tokens", cfg.max_piece_tokens, "must be positive")
+    if cfg.min_tokens < 1:
+        raise _bad("min_tokens", cfg.min_tokens, "must be at least 1 (empty documents are always skipped)")
+    if cfg.num_proc < 1:
+        raise _bad("num_proc", cfg.num_proc, "must be at least 1")
+    # MDS stores sample offsets as uint32, so a shard must stay below 4 GiB.
+    if not 1024 <= cfg.shard_size_bytes < 2**32:
+        raise _bad("shard_size_bytes", cfg.shard_size_bytes, "must be in [1024, 2**32)")
+    if not cfg.text_field:
+        raise _bad("text_field", cfg.text_field, "must be a non-empty column name")

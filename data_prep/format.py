@@ -1,0 +1,200 @@
+"""The on-disk contract between ``make prep`` and the trainer (``pipeline/data.py``).
+
+A prepared dataset is a directory::
+
+    <output>/
+      train/            MDS dataset (index.json + shard.NNNNN.mds.zstd)
+      val/              MDS dataset, same columns
+      tokenizer.model   the SentencePiece model the tokens come from
+      manifest.json     `Manifest` below, as JSON
+      _COMPLETE         sha256 hex of manifest.json's bytes; written last, before the directory is renamed
+
+One MDS sample is one piece of one document: the column `TOKENS` holds its token ids (no BOS/EOS added;
+`Manifest.tokenizer.eos_id` tells the trainer what to put between documents), `DOC_ID` the document's
+ordinal among the documents the readers yielded (unreadable records get none; empty ones use up theirs)
+and `PIECE` the piece's index within the document. Consecutive pieces with one
+`DOC_ID` concatenate to the whole document. Packing into sequences and landmark insertion happen in the
+trainer, so the GCA chunk length can change without re-sharding.
+
+A split with no documents (``val_fraction=0``) is still written, as an MDS index with no shards;
+``StreamingDataset`` refuses such a directory, so check ``Manifest.splits[split].pieces`` before opening it.
+
+These names are imported by the pipeline; keep them stable, and bump `FORMAT_VERSION` on any change.
+"""
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "COMPLETE_MARKER",
+    "DOC_ID",
+    "FORMAT_VERSION",
+    "MANIFEST_FILENAME",
+    "PIECE",
+    "SPLITS",
+    "TOKENIZER_FILENAME",
+    "TOKENS",
+    "IncompleteDatasetError",
+    "InputFingerprint",
+    "Manifest",
+    "SplitStats",
+    "TokenizerInfo",
+    "manifest_from_dict",
+    "mds_columns",
+    "read_manifest",
+    "token_dtype_for_vocab",
+]
+
+FORMAT_VERSION = 1
+TOKENS = "tokens"
+DOC_ID = "doc_id"
+PIECE = "piece"
+SPLITS = ("train", "val")
+MANIFEST_FILENAME = "manifest.json"
+TOKENIZER_FILENAME = "tokenizer.model"
+COMPLETE_MARKER = "_COMPLETE"
+
+_UINT16_MAX_VOCAB = 1 << 16
+
+
+class IncompleteDatasetError(RuntimeError):
+    """The directory is not a completed prepared dataset (missing or mismatched `_COMPLETE` marker)."""
+
+
+def token_dtype_for_vocab(vocab_size: int) -> str:
+    """The numpy dtype name of the `TOKENS` column: ``"uint16"`` when every id fits, else ``"uint32"``."""
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    return "uint16" if vocab_size <= _UINT16_MAX_VOCAB else "uint32"
+
+
+def mds_columns(token_dtype: str) -> dict[str, str]:
+    """The MDS column encodings for a dataset whose tokens have numpy dtype ``token_dtype``."""
+    if token_dtype not in ("uint16", "uint32"):
+        raise ValueError(f"token_dtype must be 'uint16' or 'uint32', got {token_dtype!r}")
+    return {TOKENS: f"ndarray:{token_dtype}", DOC_ID: "int", PIECE: "int"}
+
+
+@dataclass(frozen=True)
+class SplitStats:
+    """Counts for one split, equal to what a reader of ``<output>/<split>/`` gets."""
+
+    documents: int
+    """Distinct documents (distinct `DOC_ID` values)."""
+    pieces: int
+    """MDS samples; more than `documents` when long documents were split."""
+    tokens: int
+    """Sum of the lengths of all `TOKENS` arrays."""
+    index_sha256: str
+    """sha256 of the split's index.json, which itself lists every shard's xxh64: a content fingerprint."""
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """The tokenizer the `TOKENS` ids come from (a copy is at ``<output>/tokenizer.model``)."""
+
+    sha256: str
+    """sha256 of the serialized SentencePiece model."""
+    vocab_size: int
+    model_type: str
+    """SentencePiece model type, e.g. ``"bpe"`` or ``"unigram"``."""
+    trained: bool
+    """True if ``make prep`` trained it on a sample of this corpus, False if it was given."""
+    unk_id: int
+    bos_id: int
+    """-1 when the model has no BOS piece."""
+    eos_id: int
+    """-1 when the model has no EOS piece."""
+    pad_id: int
+    """-1 when the model has no PAD piece."""
+
+
+@dataclass(frozen=True)
+class InputFingerprint:
+    """Identity of one input, so a trainer or a rerun can tell whether the corpus changed."""
+
+    path: str
+    """A local path, or ``hf:<name>[/<config>]:<split>`` for a Hugging Face dataset."""
+    size: int | None = None
+    mtime_ns: int | None = None
+    sha256: str | None = None
+    """Content hash; set for the built-in corpus and when ``fingerprint=content``."""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything about how a prepared dataset was made. Serialized as ``<output>/manifest.json``."""
+
+    format_version: int
+    token_dtype: str
+    """``"uint16"`` or ``"uint32"``; see `token_dtype_for_vocab`."""
+    tokenizer: TokenizerInfo
+    splits: dict[str, SplitStats]
+    """Keyed by split name, one entry per name in `SPLITS`."""
+    skipped: dict[str, int]
+    """Documents left out, by reason (``empty``, ``non_utf8``, ``too_short``, ``malformed_json``, ...)."""
+    inputs: list[InputFingerprint]
+    config: dict[str, Any]
+    """The resolved prep config (see ``data_prep.config.PrepConfig``)."""
+    software: dict[str, str] = field(default_factory=dict)
+    """Versions of python, sentencepiece and streaming used to write the dataset."""
+
+    def to_json(self) -> str:
+        """Deterministic JSON text (sorted keys), so identical runs write identical bytes."""
+        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+
+
+def manifest_from_dict(obj: dict[str, Any]) -> Manifest:
+    """Build a `Manifest` from its JSON object, rejecting other format versions."""
+    version = obj.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ValueError(
+            f"manifest format_version={version!r} is not supported (this code reads {FORMAT_VERSION}); "
+            "re-run make prep"
+        )
+    return Manifest(
+        format_version=version,
+        token_dtype=obj["token_dtype"],
+        tokenizer=TokenizerInfo(**obj["tokenizer"]),
+        splits={name: SplitStats(**stats) for name, stats in obj["splits"].items()},
+        skipped=dict(obj["skipped"]),
+        inputs=[InputFingerprint(**entry) for entry in obj["inputs"]],
+        config=dict(obj["config"]),
+        software=dict(obj.get("software", {})),
+    )
+
+
+def read_manifest(path: str | Path) -> Manifest:
+    """Read and validate the manifest of a prepared dataset.
+
+    Args:
+        path: the dataset directory (the ``output`` of ``make prep``).
+
+    Returns:
+        The parsed `Manifest`.
+
+    Raises:
+        IncompleteDatasetError: the directory has no `COMPLETE_MARKER`, or the marker's hash does not match
+            manifest.json (an interrupted or tampered-with run).
+        ValueError: the manifest has an unsupported format version.
+    """
+    root = Path(path)
+    marker = root / COMPLETE_MARKER
+    manifest_path = root / MANIFEST_FILENAME
+    if not marker.is_file() or not manifest_path.is_file():
+        raise IncompleteDatasetError(
+            f"{root} is not a completed prepared dataset (no {COMPLETE_MARKER} or {MANIFEST_FILENAME}); "
+            "run make prep / launch/prep.py to (re)create it"
+        )
+    data = manifest_path.read_bytes()
+    expected = marker.read_text().strip()
+    actual = hashlib.sha256(data).hexdigest()
+    if expected != actual:
+        raise IncompleteDatasetError(
+            f"{manifest_path} does not match {marker} (sha256 {actual} != {expected}); "
+            "the dataset was modified after it was written; re-run prep"
+        )
+    return manifest_from_dict(json.loads(data))

@@ -1,0 +1,306 @@
+"""Input corpora as streams of documents: local txt / jsonl / parquet files (optionally .gz / .zst),
+Hugging Face datasets (``hf:<name>``) and the built-in offline corpus (``builtin:<name>``).
+
+A ``.txt`` file is one document, a jsonl line or a parquet row is one document. Records that cannot be
+used (malformed JSON, a missing or non-string text field, bytes that are not UTF-8) are skipped, counted
+by reason in `SkipCounter`, and warned about with ``file:line``; with ``strict`` they raise `InputError`.
+"""
+
+import abc
+import glob
+import gzip
+import hashlib
+import io
+import json
+import logging
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from data_prep import builtin
+from data_prep.config import PrepConfig
+from data_prep.errors import InputError
+from data_prep.format import InputFingerprint
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Document", "FileSource", "HFSource", "SkipCounter", "Source", "iter_documents", "resolve_sources"]
+
+HF_PREFIX = "hf:"
+_COMPRESSED = {".gz": "gzip", ".zst": "zstd"}
+_FORMATS_BY_SUFFIX = {".txt": "txt", ".text": "txt", ".md": "txt", ".jsonl": "jsonl", ".ndjson": "jsonl",
+                      ".parquet": "parquet"}  # fmt: skip
+_EXPECTED_REASONS = ("empty", "too_short")  # normal in any corpus: counted, not warned about, fine under strict
+_WARNINGS_PER_REASON = 20  # beyond this, a reason's warnings are only counted, so a bad file cannot flood the log
+
+
+@dataclass(frozen=True)
+class Document:
+    """One input document; `where` (``path`` or ``path:line``) is for messages only."""
+
+    where: str
+    text: str
+
+
+class SkipCounter:
+    """Counts skipped records by reason; logs the first few of each with their location, or raises if strict."""
+
+    def __init__(self, strict: bool, quiet: bool = False) -> None:
+        self.strict = strict
+        self.quiet = quiet
+        self.counts: Counter[str] = Counter()
+
+    def skip(self, reason: str, where: str, detail: str = "") -> None:
+        """Record one skipped record (or raise `InputError` under strict for reasons that are input errors)."""
+        message = f"{where}: {reason.replace('_', ' ')}{': ' + detail if detail else ''}"
+        if self.strict and reason not in _EXPECTED_REASONS:
+            raise InputError(f"{message} (strict=true; set strict=false to skip and count such records)")
+        self.counts[reason] += 1
+        if self.quiet:
+            return
+        if reason in _EXPECTED_REASONS:
+            logger.debug("skipping %s", message)
+        elif self.counts[reason] <= _WARNINGS_PER_REASON:
+            logger.warning("skipping %s", message)
+            if self.counts[reason] == _WARNINGS_PER_REASON:
+                logger.warning("further '%s' skips are counted but not logged", reason)
+
+
+class Source(abc.ABC):
+    """A named input that yields documents and describes itself for the manifest."""
+
+    name: str
+
+    @abc.abstractmethod
+    def documents(self, skips: SkipCounter) -> Iterator[Document]:
+        """The documents in input order; bad records go to ``skips``."""
+
+    @abc.abstractmethod
+    def fingerprint(self, content: bool) -> InputFingerprint:
+        """Identity for the manifest; ``content`` asks for a sha256 of the data where that is possible."""
+
+    def size_bytes(self) -> int | None:
+        """Approximate input size (for sampling rates); None when unknown."""
+        return None
+
+
+def _open_binary(path: Path) -> BinaryIO:
+    kind = _COMPRESSED.get(path.suffix)
+    if kind == "gzip":
+        return gzip.open(path, "rb")  # type: ignore[return-value]
+    if kind == "zstd":
+        import pyarrow as pa  # pyarrow ships a streaming zstd decoder; the `zstd` package only does whole buffers
+
+        stream = pa.input_stream(str(path), compression="zstd")
+        return io.BufferedReader(stream, buffer_size=1 << 20)  # type: ignore[arg-type]
+    return open(path, "rb")
+
+
+def _detect_format(path: Path, fmt: str) -> str | None:
+    if fmt != "auto":
+        return fmt
+    suffix = Path(path.stem).suffix if path.suffix in _COMPRESSED else path.suffix
+    return _FORMATS_BY_SUFFIX.get(suffix.lower())
+
+
+class FileSource(Source):
+    """One local file in one of the formats ``txt``, ``jsonl`` or ``parquet``."""
+
+    def __init__(self, path: Path, fmt: str, text_field: str, label: str | None = None) -> None:
+        self.path = path
+        self.fmt = fmt
+        self.text_field = text_field
+        self.name = label or str(path)
+
+    def size_bytes(self) -> int | None:
+        return self.path.stat().st_size
+
+    def fingerprint(self, content: bool) -> InputFingerprint:
+        stat = self.path.stat()
+        digest = None
+        if content:
+            with open(self.path, "rb") as f:
+                digest = hashlib.file_digest(f, "sha256").hexdigest()
+        return InputFingerprint(path=str(self.path), size=stat.st_size, mtime_ns=stat.st_mtime_ns, sha256=digest)
+
+    def documents(self, skips: SkipCounter) -> Iterator[Document]:
+        try:
+            if self.fmt == "txt":
+                yield from self._txt(skips)
+            elif self.fmt == "jsonl":
+                yield from self._jsonl(skips)
+            else:
+                yield from self._parquet(skips)
+        except (OSError, EOFError, gzip.BadGzipFile) as exc:
+            raise InputError(f"{self.name}: cannot read ({type(exc).__name__}: {exc})") from None
+
+    def _txt(self, skips: SkipCounter) -> Iterator[Document]:
+        with _open_binary(self.path) as f:
+            data = f.read()
+        try:
+            yield Document(self.name, data.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            skips.skip("non_utf8", self.name, f"invalid byte at offset {exc.start}")
+
+    def _jsonl(self, skips: SkipCounter) -> Iterator[Document]:
+        with _open_binary(self.path) as f:
+            for lineno, raw in enumerate(f, start=1):
+                where = f"{self.name}:{lineno}"
+                if not raw.strip():
+                    continue  # blank lines (a trailing newline, say) are not records
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    skips.skip("non_utf8", where, f"invalid byte at column {exc.start}")
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    skips.skip("malformed_json", where, exc.msg)
+                    continue
+                if not isinstance(record, dict):
+                    skips.skip("malformed_json", where, f"expected an object, got {type(record).__name__}")
+                    continue
+                if self.text_field not in record:
+                    skips.skip("missing_field", where, f"no field '{self.text_field}' (set text_field=...)")
+                    continue
+                text = record[self.text_field]
+                if not isinstance(text, str):
+                    skips.skip("bad_field_type", where, f"field '{self.text_field}' is {type(text).__name__}")
+                    continue
+                yield Document(where, text)
+
+    def _parquet(self, skips: SkipCounter) -> Iterator[Document]:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        if self.path.suffix in _COMPRESSED:
+            raise InputError(f"{self.name}: parquet compresses internally; decompress the file first")
+        try:
+            pf = pq.ParquetFile(self.path)
+        except pa.ArrowException as exc:
+            raise InputError(f"{self.name}: not a readable parquet file ({exc})") from None
+        schema = pf.schema_arrow
+        if self.text_field not in schema.names:
+            raise InputError(f"{self.name}: no column '{self.text_field}' (columns: {', '.join(schema.names)}); "
+                             "set text_field=...")  # fmt: skip
+        column_type = schema.field(self.text_field).type
+        if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
+            raise InputError(f"{self.name}: column '{self.text_field}' has type {column_type}, expected string")
+        row = 0
+        for batch in pf.iter_batches(columns=[self.text_field], batch_size=1024):
+            for text in batch.column(0).to_pylist():
+                row += 1
+                if text is None:
+                    skips.skip("missing_field", f"{self.name}:row{row}", f"'{self.text_field}' is null")
+                    continue
+                yield Document(f"{self.name}:row{row}", text)
+
+
+class HFSource(Source):
+    """A Hugging Face dataset read with ``datasets.load_dataset(..., streaming=True)``."""
+
+    def __init__(self, dataset: str, cfg: PrepConfig) -> None:
+        self.dataset = dataset
+        self.hf = cfg.hf
+        self.text_field = cfg.text_field
+        config = f"/{cfg.hf.config_name}" if cfg.hf.config_name else ""
+        self.name = f"{HF_PREFIX}{dataset}{config}:{cfg.hf.split}"
+
+    def fingerprint(self, content: bool) -> InputFingerprint:
+        # A hub dataset is pinned by its revision; content hashing would mean downloading it twice.
+        revision = f"@{self.hf.revision}" if self.hf.revision else ""
+        return InputFingerprint(path=self.name + revision)
+
+    def documents(self, skips: SkipCounter) -> Iterator[Document]:
+        import datasets
+
+        try:
+            ds = datasets.load_dataset(self.dataset, self.hf.config_name, split=self.hf.split,
+                                       revision=self.hf.revision, streaming=True)  # fmt: skip
+        except Exception as exc:  # network, auth and not-found errors all surface as different types
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise InputError(f"{self.name}: cannot load dataset ({type(exc).__name__}: {first})") from None
+        for i, record in enumerate(ds):
+            where = f"{self.name}:{i}"
+            if self.text_field not in record:
+                raise InputError(f"{where}: no field '{self.text_field}' (fields: {', '.join(record)}); "
+                                 "set text_field=...")  # fmt: skip
+            text = record[self.text_field]
+            if not isinstance(text, str):
+                skips.skip("bad_field_type", where, f"field '{self.text_field}' is {type(text).__name__}")
+                continue
+            yield Document(where, text)
+
+
+class BuiltinSource(Source):
+    """A built-in corpus (see `data_prep.builtin`): many txt files fingerprinted as one input."""
+
+    def __init__(self, corpus: str) -> None:
+        self.name = f"{builtin.BUILTIN_PREFIX}{corpus}"
+        self.root, files = builtin.corpus_files(corpus)
+        self.files = [FileSource(p, "txt", "text", label=p.relative_to(self.root).as_posix()) for p in files]
+
+    def size_bytes(self) -> int | None:
+        return sum(f.path.stat().st_size for f in self.files)
+
+    def fingerprint(self, content: bool) -> InputFingerprint:
+        # Always by content: the corpus changes with the Python patch release, while mtimes change on reinstall.
+        digest = hashlib.sha256()
+        for f in self.files:
+            digest.update(f.name.encode() + b"\0" + f.path.read_bytes() + b"\0")
+        return InputFingerprint(path=f"{self.name} ({self.root}, {len(self.files)} files)",
+                                size=self.size_bytes(), sha256=digest.hexdigest())  # fmt: skip
+
+    def documents(self, skips: SkipCounter) -> Iterator[Document]:
+        for f in self.files:
+            yield from f.documents(skips)
+
+
+def _expand(entry: str, cfg: PrepConfig) -> list[Source]:
+    if entry.startswith(builtin.BUILTIN_PREFIX):
+        return [BuiltinSource(entry.removeprefix(builtin.BUILTIN_PREFIX))]
+    if entry.startswith(HF_PREFIX):
+        return [HFSource(entry.removeprefix(HF_PREFIX), cfg)]
+    path = Path(entry)
+    if any(ch in entry for ch in "*?["):
+        paths = [Path(p) for p in sorted(glob.glob(entry, recursive=True)) if Path(p).is_file()]
+        explicit = False
+    elif path.is_dir():
+        paths = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+        explicit = False
+    elif path.is_file():
+        paths, explicit = [path], True
+    else:
+        raise InputError(f"input '{entry}' does not exist")
+    sources: list[Source] = []
+    for p in paths:
+        fmt = _detect_format(p, cfg.format)
+        if fmt is None:
+            if explicit:
+                raise InputError(f"input '{p}': unknown format (extension '{p.suffix}'); set format=txt|jsonl|parquet")
+            continue  # a directory or glob may hold other files (READMEs, licenses); only known formats are read
+        sources.append(FileSource(p, fmt, cfg.text_field))
+    if not sources:
+        raise InputError(f"input '{entry}' matched no .txt/.jsonl/.parquet files (optionally .gz/.zst)")
+    return sources
+
+
+def resolve_sources(cfg: PrepConfig) -> list[Source]:
+    """Expand `PrepConfig.input` into sources, in a deterministic order (each glob / directory sorted).
+
+    Raises:
+        InputError: an entry does not exist, matches no readable files, or names an unknown built-in corpus.
+    """
+    sources: list[Source] = []
+    for entry in cfg.input:
+        sources.extend(_expand(entry, cfg))
+    return sources
+
+
+def iter_documents(sources: list[Source], skips: SkipCounter) -> Iterator[Document]:
+    """All documents of all sources, in order."""
+    for source in sources:
+        yield from source.documents(skips)

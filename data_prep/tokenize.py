@@ -1,0 +1,179 @@
+"""SentencePiece: train a model on a corpus sample, and encode documents in bounded segments.
+
+A trained model is lossless: identity normalization, no dummy prefix, whitespace kept as-is, byte
+fallback for unseen characters, so ``decode(encode(text)) == text`` for any text. Long documents are
+encoded in segments of about `SEGMENT_CHARS` characters, cut just before a space that follows a
+non-space character. SentencePiece never merges across such a point (it pre-splits words at whitespace),
+so the concatenated segment encodings equal the encoding of the whole document for our models, while
+the work per call stays bounded and a 50 MB document spreads over all processes.
+"""
+
+import hashlib
+import io
+import logging
+import re
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+import sentencepiece as spm
+from sentencepiece import sentencepiece_model_pb2
+
+from data_prep.config import TokenizerConfig
+from data_prep.errors import ConfigError
+from data_prep.format import TokenizerInfo
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SEGMENT_CHARS", "encode_segments", "load_processor", "segments", "tokenizer_info", "train_tokenizer"]
+
+SEGMENT_CHARS = 1 << 18
+"""Target characters per encode call; each call's cost is bounded by this, not by the document length."""
+_TRAIN_SENTENCE_BYTES = 8192
+"""Documents are fed to the trainer as multi-line "sentences" of at most this many bytes, so that newline
+pieces (``":\\n"``) can be learned; SentencePiece drops sentences over ``max_sentence_length``."""
+_SPLIT_POINT = re.compile(r"(?<=\S) ")
+
+
+def segments(text: str, max_chars: int = SEGMENT_CHARS) -> list[str]:
+    """Cut ``text`` into consecutive pieces of about ``max_chars`` characters at safe split points.
+
+    A safe point is just before a space preceded by a non-space. A stretch of ``max_chars`` characters
+    without one (base64, CJK text) is cut hard; for our lossless models the decoded text is still exact.
+    """
+    if len(text) <= max_chars:
+        return [text]
+    out: list[str] = []
+    start = 0
+    while len(text) - start > max_chars:
+        window_end = start + max_chars
+        # the last safe point in the second half of the window keeps segments between max/2 and max chars
+        cut = None
+        for m in _SPLIT_POINT.finditer(text, start + max_chars // 2, window_end):
+            cut = m.start()
+        if cut is None:
+            cut = window_end
+        out.append(text[start:cut])
+        start = cut
+    out.append(text[start:])
+    return out
+
+
+def load_processor(model_proto: bytes) -> spm.SentencePieceProcessor:
+    """A SentencePiece processor from a serialized model."""
+    return spm.SentencePieceProcessor(model_proto=model_proto)
+
+
+def encode_segments(processor: spm.SentencePieceProcessor, texts: list[str]) -> list[np.ndarray]:
+    """Encode each text to a uint32 id array (arrays pickle far faster than lists between processes)."""
+    return [np.asarray(ids, dtype=np.uint32) for ids in processor.encode(texts)]
+
+
+def tokenizer_info(model_proto: bytes, trained: bool) -> TokenizerInfo:
+    """Describe a serialized model for the manifest."""
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(model_proto)
+    sp = load_processor(model_proto)
+    model_type = sentencepiece_model_pb2.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type).lower()
+    return TokenizerInfo(
+        sha256=hashlib.sha256(model_proto).hexdigest(),
+        vocab_size=sp.get_piece_size(),
+        model_type=model_type,
+        trained=trained,
+        unk_id=sp.unk_id(),
+        bos_id=sp.bos_id(),
+        eos_id=sp.eos_id(),
+        pad_id=sp.pad_id(),
+    )
+
+
+def _training_sentences(texts: Iterable[str], budget_bytes: int) -> Iterator[str]:
+    used = 0
+    for text in texts:
+        buf: list[str] = []
+        size = 0
+        for line in text.splitlines(keepends=True):
+            encoded = len(line.encode("utf-8"))
+            if size + encoded > _TRAIN_SENTENCE_BYTES and buf:
+                yield "".join(buf)
+                buf, size = [], 0
+            # a single line longer than the limit is cut; the trainer would drop it otherwise
+            while encoded > _TRAIN_SENTENCE_BYTES:
+                head = line[: _TRAIN_SENTENCE_BYTES // 4]
+                yield head
+                used += len(head.encode("utf-8"))
+                line = line[len(head) :]
+                encoded = len(line.encode("utf-8"))
+            buf.append(line)
+            size += encoded
+            used += encoded
+        if buf:
+            yield "".join(buf)
+        if used >= budget_bytes:
+            return
+
+
+def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig, num_threads: int) -> bytes:
+    """Train a lossless SentencePiece model with byte fallback on ``texts``.
+
+    Args:
+        texts: the sample documents (the caller chooses them; training stops after ``cfg.sample_bytes``).
+        cfg: the tokenizer config; ``cfg.vocab_size`` must be set.
+        num_threads: SentencePiece trainer threads.
+
+    Returns:
+        The serialized model.
+
+    Raises:
+        ConfigError: SentencePiece rejected the settings (typically a vocab too large for the sample).
+    """
+    assert cfg.vocab_size is not None, "train_tokenizer needs tokenizer.vocab_size"
+    writer = io.BytesIO()
+    # SentencePiece turns an exception raised by the iterator into a RuntimeError of its own; keep the
+    # original (an InputError naming file:line, say) and re-raise it instead.
+    reader_errors: list[Exception] = []
+
+    def sentences() -> Iterator[str]:
+        try:
+            yield from _training_sentences(texts, cfg.sample_bytes)
+        except Exception as exc:
+            reader_errors.append(exc)
+            raise
+
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=sentences(),
+            model_writer=writer,
+            model_type=cfg.model_type,
+            vocab_size=cfg.vocab_size,
+            character_coverage=cfg.character_coverage,
+            byte_fallback=True,
+            # lossless: no NFKC, keep every space and newline, no leading "▁" invented at text starts
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            add_dummy_prefix=False,
+            allow_whitespace_only_pieces=True,
+            split_digits=True,
+            max_sentence_length=_TRAIN_SENTENCE_BYTES * 4,
+            input_sentence_size=0,
+            shuffle_input_sentence=False,
+            num_threads=num_threads,
+            unk_id=0,
+            bos_id=1,
+            eos_id=2,
+            pad_id=-1,
+            minloglevel=2,
+        )
+    except RuntimeError as exc:
+        if reader_errors:
+            raise reader_errors[0] from None
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "training failed"
+        raise ConfigError(f"bad value tokenizer.vocab_size={cfg.vocab_size}: sentencepiece: {first} "
+                          "(use a smaller vocab or a larger tokenizer.sample_bytes)") from None  # fmt: skip
+    # The proto records the thread count, which does not change the learned pieces; clearing it makes the
+    # model file (and its hash in the manifest) a function of the data and settings alone.
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(writer.getvalue())
+    proto.trainer_spec.ClearField("num_threads")
+    model = proto.SerializeToString()
+    logger.info("trained a %s tokenizer with %d pieces", cfg.model_type, load_processor(model).get_piece_size())
+    return model

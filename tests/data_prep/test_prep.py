@@ -1,0 +1,156 @@
+"""make prep end to end on a small generated corpus: round trip, counts, determinism, safety."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import sentencepiece as spm
+
+from data_prep import shard
+from data_prep.errors import OutputExistsError
+from data_prep.format import COMPLETE_MARKER, SPLITS, IncompleteDatasetError, read_manifest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _shard_bytes(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != "manifest.json"
+            and p.name != COMPLETE_MARKER}  # fmt: skip
+
+
+def test_round_trip_and_counts(run_prep, corpus, read_split, tmp_path, join_documents):
+    manifest = run_prep()
+    out = tmp_path / "out"
+    assert read_manifest(out) == manifest
+    model = (out / "tokenizer.model").read_bytes()
+    assert hashlib.sha256(model).hexdigest() == manifest.tokenizer.sha256
+    assert manifest.token_dtype == "uint16" and manifest.tokenizer.trained
+    sp = spm.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))  # independent of data_prep
+    decoded: dict[str, set[str]] = {}
+    for split in SPLITS:
+        samples = read_split(out / split)
+        assert all(s["tokens"].dtype == np.uint16 for s in samples)
+        docs = join_documents(samples)
+        stats = manifest.splits[split]
+        assert (stats.documents, stats.pieces, stats.tokens) == (
+            len(docs), len(samples), sum(len(t) for t in docs.values()))
+        decoded[split] = {sp.decode(tokens) for tokens in docs.values()}
+        assert all(sp.encode(text) == docs[i] for i, text in zip(docs, map(sp.decode, docs.values())))
+    texts = set(corpus[1])
+    assert decoded["train"] | decoded["val"] == texts, "every document comes back exactly, whitespace included"
+    assert not decoded["train"] & decoded["val"]
+    assert 0 < manifest.splits["val"].documents < manifest.splits["train"].documents
+    assert manifest.skipped == {}
+    assert len(manifest.inputs) == 12 + 4 and all(i.size and i.mtime_ns for i in manifest.inputs)
+
+
+def test_deterministic_across_runs_and_process_counts(run_prep, tmp_path):
+    a = run_prep(output=tmp_path / "a", num_proc=1)
+    b = run_prep(output=tmp_path / "b", num_proc=2)
+    assert _shard_bytes(tmp_path / "a") == _shard_bytes(tmp_path / "b")
+    assert (a.splits, a.tokenizer, a.skipped, a.inputs) == (b.splits, b.tokenizer, b.skipped, b.inputs)
+    assert len(list((tmp_path / "a" / "train").glob("shard.*.mds.zstd"))) > 1
+
+
+def test_split_is_per_document_content(corpus):
+    texts = corpus[1]
+    first = [shard.is_val(t, 0.2, 0) for t in texts]
+    assert first == [shard.is_val(t, 0.2, 0) for t in reversed(texts)][::-1]
+    assert first != [shard.is_val(t, 0.2, 1) for t in texts], "split_seed draws a different split"
+    assert 0.1 < sum(first) / len(first) < 0.3
+
+
+def test_refuses_to_overwrite(run_prep, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "precious.txt").write_text("not ours")
+    with pytest.raises(OutputExistsError, match="overwrite=true"):
+        run_prep()
+    assert (out / "precious.txt").read_text() == "not ours"
+    manifest = run_prep(overwrite=True, val_fraction=0.5)
+    assert read_manifest(out) == manifest and not (out / "precious.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], "no temporaries left next to the output"
+
+
+class _Crash(Exception):
+    pass
+
+
+def _crash_after(monkeypatch, n):
+    real = shard._SplitWriter.write
+    calls = iter(range(n + 1))
+
+    def write(self, doc_id, tokens):
+        if next(calls, n) >= n:
+            raise _Crash("simulated crash mid-write")
+        real(self, doc_id, tokens)
+
+    monkeypatch.setattr(shard._SplitWriter, "write", write)
+
+
+def test_crash_mid_write_leaves_nothing(run_prep, tmp_path, monkeypatch):
+    _crash_after(monkeypatch, 20)
+    with pytest.raises(_Crash):
+        run_prep()
+    assert list(tmp_path.iterdir()) == [], "no output and no temporary directory"
+    with pytest.raises(IncompleteDatasetError):
+        read_manifest(tmp_path / "out")
+
+
+def test_crash_during_overwrite_keeps_old_dataset(run_prep, tmp_path, monkeypatch):
+    old = run_prep()
+    _crash_after(monkeypatch, 5)
+    with pytest.raises(_Crash):
+        run_prep(overwrite=True, val_fraction=0.5)
+    assert read_manifest(tmp_path / "out") == old
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_killed_process_leaves_no_complete_output_and_rerun_cleans_up(corpus, tmp_path):
+    out = tmp_path / "out"
+    script = textwrap.dedent(f"""
+        import os, sys
+        from data_prep import shard
+        from data_prep.config import load_config
+        real, n = shard._SplitWriter.write, [0]
+        def write(self, doc_id, tokens):
+            n[0] += 1
+            if n[0] == 30:
+                os._exit(9)  # like SIGKILL: no exception handlers, no cleanup
+            real(self, doc_id, tokens)
+        shard._SplitWriter.write = write
+        shard.main(load_config(None, sys.argv[1:]))
+    """)
+    args = [f"output={out}", f"input={corpus[0]}", "tokenizer.vocab_size=400", "progress=false"]
+    proc = subprocess.run([sys.executable, "-c", script, *args], cwd=REPO, timeout=120, capture_output=True)
+    assert proc.returncode == 9, proc.stderr.decode()[-2000:]
+    leftovers = list(tmp_path.iterdir())
+    assert [p.name.startswith(".out.tmp-") for p in leftovers] == [True]
+    assert not (leftovers[0] / COMPLETE_MARKER).exists() and not out.exists()
+    with pytest.raises(IncompleteDatasetError):
+        read_manifest(leftovers[0])
+    proc = subprocess.run([sys.executable, str(REPO / "launch" / "prep.py"), *args], cwd=REPO, timeout=120,
+                          capture_output=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], "the stale temporary was removed"
+    read_manifest(out)
+
+
+def test_tampered_manifest_is_rejected(run_prep, tmp_path):
+    run_prep()
+    path = tmp_path / "out" / "manifest.json"
+    obj = json.loads(path.read_text())
+    obj["splits"]["train"]["tokens"] += 1
+    path.write_text(json.dumps(obj))
+    with pytest.raises(IncompleteDatasetError, match="does not match"):
+        read_manifest(tmp_path / "out")
+    os.remove(tmp_path / "out" / COMPLETE_MARKER)
+    with pytest.raises(IncompleteDatasetError, match="not a completed"):
+        read_manifest(tmp_path / "out")
