@@ -1,0 +1,1 @@
+"""Pretraining pipeline: typed config, distributed setup, streaming data, engines, checkpoints, the trainer."""

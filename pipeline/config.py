@@ -1,0 +1,281 @@
+"""``TrainConfig``: the one typed schema of a pretraining run, loaded from YAML plus ``key=value`` overrides.
+
+Every field has a docstring under it. Loading goes YAML -> omegaconf structured merge (unknown keys and wrong
+types are errors naming the full key, with a near-miss suggestion) -> a real dataclass tree -> cross-field
+rules (``validate``), all before any process group, directory or file is created. Derived numbers (gradient
+accumulation, tokens per step) are properties, never stored twice.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Literal, get_type_hints
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException, ValidationError
+
+from model.config import ConfigError as ModelConfigError
+from model.config import GCAConfig
+
+
+class ConfigError(ValueError):
+    """The training configuration is invalid; the message names the full key and the rule."""
+
+
+@dataclass
+class TrainLoopConfig:
+    max_steps: int = 100
+    """Optimizer steps of the whole run; the LR schedule is pinned to it."""
+    seq_len: int = 256
+    """Raw tokens per training sequence (landmarks are added inside the model)."""
+    micro_batch: int = 2
+    """Sequences per rank per forward/backward pass."""
+    global_batch: int = 8
+    """Sequences per optimizer step over all ranks; accumulation = global / (micro x world)."""
+    grad_clip: float = 1.0
+    """Max global gradient norm; 0 disables clipping (the norm is still logged)."""
+    eval_every: int = 0
+    """Run validation every N steps (0 = never)."""
+    eval_batches: int = 2
+    """Global batches of the validation split per evaluation."""
+    requeue_exit_code: int = 75
+    """Exit code after a SIGTERM/SIGUSR1-triggered save, so a wrapper can requeue (EX_TEMPFAIL)."""
+
+
+@dataclass
+class DataConfig:
+    path: str = MISSING
+    """Data-prep output: a local directory or a remote URL holding ``train/``, ``val/``, ``tokenizer.model``."""
+    train_split: str = "train"
+    """Sub-directory of the training split."""
+    val_split: str = "val"
+    """Sub-directory of the validation split."""
+    cache_dir: str | None = None
+    """Local shard cache for a remote ``data.path`` (default: ``<run_dir>/data_cache``)."""
+    shuffle: bool = True
+    """Shuffle the shard order each epoch and the sequence order within a window."""
+    shuffle_window: int = 64
+    """Packed sequences shuffled together; larger mixes more, costs memory on every rank."""
+    needle_mix: float = 0.0
+    """Fraction of training sequences that get a passkey needle and the question + answer at the end."""
+    validate_hash: str | None = None
+    """Shard hash checked on read (e.g. ``xxh64``), if data prep wrote one."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    """Peak learning rate (after warm-up)."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the cosine decay (reached at ``train.max_steps``)."""
+    weight_decay: float = 0.1
+    """AdamW decay on matrices only; norms, biases, embeddings and landmark vectors get none."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW (beta1, beta2)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+
+
+@dataclass
+class ScheduleConfig:
+    warmup_steps: int = 0
+    """Linear warm-up steps from lr/warmup_steps to ``optim.lr``."""
+    decay: Literal["cosine", "constant"] = "cosine"
+    """After warm-up: cosine from ``optim.lr`` to ``optim.min_lr``, or constant ``optim.lr``."""
+
+
+@dataclass
+class ParallelConfig:
+    engine: Literal["deepspeed", "fsdp", "none"] = "none"
+    """``deepspeed`` (ZeRO 0-3), ``fsdp`` (PyTorch FSDP2) or ``none`` (plain module; data parallel if ranks > 1)."""
+    zero_stage: int = 0
+    """DeepSpeed ZeRO stage 0-3 (``parallel.engine=deepspeed`` only)."""
+    offload_optimizer: bool = False
+    """DeepSpeed: keep optimizer state in CPU memory (ZeRO >= 1)."""
+    offload_params: bool = False
+    """DeepSpeed: keep parameters in CPU memory (ZeRO 3)."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block in the backward pass."""
+    fsdp_reshard_after_forward: bool = True
+    """FSDP2: free gathered parameters after forward (ZeRO-3-like) or keep them (ZeRO-2-like)."""
+
+
+@dataclass
+class PrecisionConfig:
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """Compute dtype: ``auto`` is bf16 on CUDA and fp32 on CPU. Master weights stay fp32."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0
+    """Save every N steps (0 = only at the end and on SIGTERM/SIGUSR1)."""
+    keep_last: int = 3
+    """Committed checkpoints kept; older ones are deleted after a new one commits."""
+    resume: str = "auto"
+    """``auto`` (latest committed checkpoint in ``run_dir``, else fresh), ``none``, or a checkpoint directory."""
+    export: bool = True
+    """Write an eval export (safetensors + config.json + tokenizer.model) into every checkpoint."""
+
+
+@dataclass
+class LogConfig:
+    every: int = 10
+    """Console/metrics/wandb logging interval in steps."""
+    wandb: bool = False
+    """Log to Weights & Biases (rank 0)."""
+    wandb_project: str = "gca-pretrain"
+    """wandb project name."""
+    wandb_mode: Literal["auto", "online", "offline", "disabled"] = "auto"
+    """``auto``: online when WANDB_API_KEY is set, else offline (never waits on the network)."""
+    progress: bool = True
+    """tqdm progress bar with ETA on the rank-0 console."""
+    peak_tflops: float | None = None
+    """Per-device peak TFLOP/s for MFU; ``None`` guesses from the CUDA device name (no MFU on CPU)."""
+
+
+@dataclass
+class TrainConfig:
+    run_dir: str = MISSING
+    """Output directory: checkpoints, metrics.jsonl, export/, wandb/."""
+    seed: int = 1234
+    """Seeds weights, data order, needles and Gumbel noise; the same seed gives the same run."""
+    model: GCAConfig = field(default_factory=GCAConfig)
+    """The architecture (``model/config.py``)."""
+    train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LogConfig = field(default_factory=LogConfig)
+
+    def grad_accum(self, world_size: int) -> int:
+        """Micro-batches per optimizer step on each rank."""
+        return self.train.global_batch // (self.train.micro_batch * world_size)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.train.global_batch * self.train.seq_len
+
+
+def _schema_keys(path: str) -> list[str]:
+    """Field names of the schema node at dotted ``path`` ('' = root), for near-miss suggestions."""
+    node: Any = TrainConfig
+    for part in [p for p in path.split(".") if p]:
+        node = get_type_hints(node).get(part)
+        if not is_dataclass(node):
+            return []
+    return [f.name for f in fields(node)]
+
+
+def _explain(err: OmegaConfBaseException, source: str) -> ConfigError:
+    key = getattr(err, "full_key", None) or "?"
+    if isinstance(err, ConfigKeyError):
+        parent, _, leaf = key.rpartition(".")
+        near = difflib.get_close_matches(leaf, _schema_keys(parent), n=1)
+        hint = f"; did you mean '{parent + '.' if parent else ''}{near[0]}'?" if near else ""
+        known = ", ".join(_schema_keys(parent))
+        return ConfigError(f"unknown config key '{key}' (from {source}){hint} Known keys here: {known}")
+    if isinstance(err, MissingMandatoryValue):
+        return ConfigError(f"config key '{key}' is required: set it in the YAML or pass {key}=...")
+    first_line = str(getattr(err, "msg", err)).splitlines()[0]
+    if isinstance(err, ValidationError):
+        return ConfigError(f"config key '{key}' has a wrong value (from {source}): {first_line}")
+    return ConfigError(f"config key '{key}': {first_line}")
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), world_size: int = 1) -> TrainConfig:
+    """Load YAML + dotlist overrides into a validated ``TrainConfig``.
+
+    Args:
+        path: YAML file with values only (or ``None`` to start from the defaults).
+        overrides: ``key=value`` strings, applied after the YAML.
+        world_size: number of ranks the run will use, for the batch-divisibility rule.
+
+    Raises:
+        ConfigError: unknown key, wrong type, missing value or a broken cross-field rule; the message names the
+            full key.
+    """
+    merged = OmegaConf.structured(TrainConfig)
+    layers: list[tuple[str, Any]] = []
+    if path is not None:
+        if not Path(path).is_file():
+            raise ConfigError(f"config file not found: {path}")
+        layers.append((str(path), OmegaConf.load(path)))
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"overrides must look like key=value; got {bad}")
+    layers.append(("command-line overrides", OmegaConf.from_dotlist(list(overrides))))
+    for source, layer in layers:
+        try:
+            merged = OmegaConf.merge(merged, layer)
+        except OmegaConfBaseException as err:
+            raise _explain(err, source) from None
+    try:
+        cfg = OmegaConf.to_object(merged)
+    except ModelConfigError as err:
+        raise ConfigError(str(err)) from None
+    except OmegaConfBaseException as err:
+        raise _explain(err, "the merged config") from None
+    assert isinstance(cfg, TrainConfig)
+    validate(cfg, world_size)
+    return cfg
+
+
+def validate(cfg: TrainConfig, world_size: int) -> None:
+    """Cross-field rules; each error states the rule and the values."""
+    t, o, p, c = cfg.train, cfg.optim, cfg.parallel, cfg.checkpoint
+    for key, value in (("train.max_steps", t.max_steps), ("train.seq_len", t.seq_len),
+                       ("train.micro_batch", t.micro_batch), ("train.global_batch", t.global_batch),
+                       ("checkpoint.keep_last", c.keep_last), ("logging.every", cfg.logging.every),
+                       ("data.shuffle_window", cfg.data.shuffle_window)):
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1; got {value}")
+    for key, value in (("checkpoint.every", c.every), ("train.eval_every", t.eval_every),
+                       ("schedule.warmup_steps", cfg.schedule.warmup_steps), ("train.grad_clip", t.grad_clip),
+                       ("optim.weight_decay", o.weight_decay)):
+        if value < 0:
+            raise ConfigError(f"{key} must be >= 0; got {value}")
+    if t.global_batch % (t.micro_batch * world_size) != 0:
+        raise ConfigError(
+            f"train.global_batch={t.global_batch} must be divisible by train.micro_batch x world size = "
+            f"{t.micro_batch} x {world_size} = {t.micro_batch * world_size}")
+    n_chunks = t.seq_len // cfg.model.chunk_size
+    if cfg.model.top_k > n_chunks:
+        raise ConfigError(
+            f"model.top_k={cfg.model.top_k} is larger than the number of chunks per sequence, "
+            f"train.seq_len // model.chunk_size = {t.seq_len} // {cfg.model.chunk_size} = {n_chunks}")
+    if not 0 < o.lr:
+        raise ConfigError(f"optim.lr must be > 0; got {o.lr}")
+    if not 0 <= o.min_lr <= o.lr:
+        raise ConfigError(f"optim.min_lr must satisfy 0 <= optim.min_lr <= optim.lr; got min_lr={o.min_lr}, lr={o.lr}")
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+        raise ConfigError(f"optim.betas must be two values in [0, 1); got {o.betas}")
+    if cfg.schedule.warmup_steps >= t.max_steps:
+        raise ConfigError(f"schedule.warmup_steps={cfg.schedule.warmup_steps} must be < "
+                          f"train.max_steps={t.max_steps}")
+    if not 0.0 <= cfg.data.needle_mix <= 1.0:
+        raise ConfigError(f"data.needle_mix must be in [0, 1]; got {cfg.data.needle_mix}")
+    if not 0 <= p.zero_stage <= 3:
+        raise ConfigError(f"parallel.zero_stage must be 0, 1, 2 or 3; got {p.zero_stage}")
+    if p.engine != "deepspeed" and (p.zero_stage or p.offload_optimizer or p.offload_params):
+        raise ConfigError(
+            f"parallel.zero_stage / offload_optimizer / offload_params need parallel.engine=deepspeed; got "
+            f"engine={p.engine}, zero_stage={p.zero_stage}, offload_optimizer={p.offload_optimizer}, "
+            f"offload_params={p.offload_params}")
+    if p.offload_optimizer and p.zero_stage < 1:
+        raise ConfigError(f"parallel.offload_optimizer needs parallel.zero_stage >= 1; got {p.zero_stage}")
+    if p.offload_params and p.zero_stage != 3:
+        raise ConfigError(f"parallel.offload_params needs parallel.zero_stage=3; got {p.zero_stage}")
+    if c.resume not in ("auto", "none") and not Path(c.resume).is_dir():
+        raise ConfigError(f"checkpoint.resume must be 'auto', 'none' or an existing checkpoint directory; "
+                          f"got {c.resume!r}")
+
+
+def to_yaml(cfg: TrainConfig) -> str:
+    """The resolved config as YAML (what the run log and every checkpoint record)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

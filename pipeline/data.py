@@ -1,0 +1,248 @@
+"""Training data: MDS shards from data prep -> packed ``seq_len`` sequences -> per-rank micro-batches.
+
+Determinism whatever the world size: every rank walks the same *global* token stream (shard order seeded per
+epoch, samples in shard order so the pieces of a document stay contiguous, documents joined by the tokenizer's
+EOS), cuts it into sequences, shuffles them in windows of ``data.shuffle_window`` sequences, and takes its own
+contiguous slice of each global batch. So the set of sequences in global batch ``b`` depends only on the seed,
+never on the number of ranks, and the loader state is a few global integers that resume on any world size.
+Each rank reads the whole global batch (for the paper config about 1 MB of tokens per step), a negligible
+cost next to a training step.
+
+The ``StreamingDataset`` is used only as a random-access reader (local directory or remote URL, with its shard
+cache and hash validation); its own rank partitioning is not used, for the reason above.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from data_prep import format as fmt
+from data_prep.streaming_compat import ensure_streaming_importable
+
+log = logging.getLogger(__name__)
+
+
+def is_remote(path: str) -> bool:
+    return "://" in path
+
+
+class MDSReader:
+    """Random access to one split of a prepared dataset, through ``streaming.StreamingDataset``.
+
+    Args:
+        root: dataset directory or remote URL (``s3://...``, ``gs://...``, ``https://...``).
+        split: sub-directory (``train`` / ``val``).
+        cache_dir: local shard cache for a remote root (ignored for a local one, which is read in place).
+        validate_hash: hash algorithm checked when a shard is read, if data prep recorded it.
+    """
+
+    def __init__(self, root: str, split: str, cache_dir: str | None, validate_hash: str | None = None) -> None:
+        ensure_streaming_importable()
+        from streaming import StreamingDataset
+
+        if is_remote(root):
+            remote: str | None = root.rstrip("/") + "/" + split
+            cache_root = Path(cache_dir or "data_cache")
+            local = str(cache_root / hashlib.sha256(remote.encode()).hexdigest()[:16] / split)
+        else:
+            remote, local = None, str(Path(root) / split)
+            if not (Path(local) / "index.json").is_file():
+                raise FileNotFoundError(f"data.path: no MDS split at {local} (index.json missing); run data prep "
+                                        f"first or fix data.path / data.{split}_split")
+        self.dataset = StreamingDataset(remote=remote, local=local, shuffle=False, batch_size=1,
+                                        validate_hash=validate_hash, allow_unsafe_types=False)
+        self.samples_per_shard = np.asarray(self.dataset.samples_per_shard, dtype=np.int64)
+        self.shard_offsets = np.asarray(self.dataset.sample_offset_per_shard, dtype=np.int64)
+        if int(self.samples_per_shard.sum()) == 0:
+            raise ValueError(f"data split {root}/{split} holds no samples")
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.samples_per_shard)
+
+    def sample(self, shard: int, index: int) -> tuple[np.ndarray, int]:
+        """Token ids and document id of sample ``index`` of shard ``shard``."""
+        sample = self.dataset.get_item(int(self.shard_offsets[shard] + index))
+        return np.asarray(sample[fmt.TOKENS]), int(sample[fmt.DOC_ID])
+
+
+@dataclass
+class Cursor:
+    """A position in the global token stream."""
+
+    epoch: int = 0
+    shard_pos: int = 0
+    """Index into this epoch's shard order."""
+    sample: int = 0
+    """Sample within the shard."""
+    offset: int = 0
+    """Tokens of that sample already consumed (the EOS separator counts as its last token)."""
+
+
+class PackedSequences:
+    """The global, seeded sequence stream: ``next(n)`` returns the next ``n`` sequences of ``seq_len`` tokens.
+
+    Args:
+        reader: an ``MDSReader`` (or anything with ``num_shards``, ``samples_per_shard`` and ``sample``).
+        seq_len: tokens per sequence.
+        seed: data-order seed.
+        shuffle: shuffle shards per epoch and sequences within each window.
+        window: sequences shuffled together.
+        eos_id: token inserted between documents (``None``/negative: none).
+    """
+
+    def __init__(self, reader: Any, seq_len: int, seed: int, shuffle: bool, window: int, eos_id: int | None) -> None:
+        self.reader, self.seq_len, self.seed = reader, seq_len, seed
+        self.shuffle, self.window = shuffle, window
+        self.eos_id = eos_id if eos_id is not None and eos_id >= 0 else None
+        self._window_start = Cursor()
+        self._window_index = 0
+        self._taken = 0
+        self._buffer: np.ndarray | None = None
+        self._buffer_ids: np.ndarray | None = None
+        self._recent: dict[tuple[int, int], tuple[np.ndarray, int]] = {}
+
+    def _shard_order(self, epoch: int) -> np.ndarray:
+        order = np.arange(self.reader.num_shards)
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, epoch]).permutation(order)
+        return order
+
+    def _raw(self, shard: int, sample: int) -> tuple[np.ndarray, int]:
+        # Two entries suffice: packing reads a sample and peeks at the next one's document id.
+        key = (shard, sample)
+        if key not in self._recent:
+            self._recent = {k: v for k, v in self._recent.items() if k == (shard, sample - 1)}
+            self._recent[key] = self.reader.sample(shard, sample)
+        return self._recent[key]
+
+    def _sample_tokens(self, shard: int, sample: int) -> np.ndarray:
+        """A sample's tokens, plus EOS when the next sample starts another document (or the shard ends)."""
+        toks, doc = self._raw(shard, sample)
+        toks = toks.astype(np.int64)
+        if self.eos_id is not None:
+            last = sample + 1 >= self.reader.samples_per_shard[shard]
+            if last or self._raw(shard, sample + 1)[1] != doc:
+                toks = np.append(toks, self.eos_id)
+        return toks
+
+    def _read(self, cur: Cursor, n_tokens: int) -> tuple[np.ndarray, Cursor]:
+        out, need = [], n_tokens
+        cur = Cursor(**asdict(cur))
+        order = self._shard_order(cur.epoch)
+        while need:
+            if cur.shard_pos >= len(order):
+                cur = Cursor(epoch=cur.epoch + 1)
+                order = self._shard_order(cur.epoch)
+                continue
+            shard = int(order[cur.shard_pos])
+            if cur.sample >= self.reader.samples_per_shard[shard]:
+                cur.shard_pos, cur.sample, cur.offset = cur.shard_pos + 1, 0, 0
+                continue
+            toks = self._sample_tokens(shard, cur.sample)
+            piece = toks[cur.offset : cur.offset + need]
+            out.append(piece)
+            need -= len(piece)
+            cur.offset += len(piece)
+            if cur.offset >= len(toks):
+                cur.sample, cur.offset = cur.sample + 1, 0
+        return np.concatenate(out), cur
+
+    def _fill(self) -> None:
+        """Materialize the current window: ``window`` sequences, permuted with a per-window seed."""
+        flat, _ = self._read(self._window_start, self.window * self.seq_len)
+        seqs = flat.reshape(self.window, self.seq_len)
+        ids = self._window_index * self.window + np.arange(self.window)
+        if self.shuffle:
+            perm = np.random.default_rng([self.seed, 1, self._window_index]).permutation(self.window)
+            seqs, ids = seqs[perm], ids[perm]
+        self._buffer, self._buffer_ids = seqs, ids
+
+    def next(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The next ``n`` sequences ``[n, seq_len]`` and their global sequence ids ``[n]``."""
+        seqs, ids = [], []
+        while n:
+            if self._buffer is None:
+                self._fill()
+            assert self._buffer is not None and self._buffer_ids is not None
+            k = min(n, self.window - self._taken)
+            seqs.append(self._buffer[self._taken : self._taken + k])
+            ids.append(self._buffer_ids[self._taken : self._taken + k])
+            self._taken += k
+            n -= k
+            if self._taken == self.window:
+                _, self._window_start = self._read(self._window_start, self.window * self.seq_len)
+                self._window_index += 1
+                self._taken, self._buffer, self._buffer_ids = 0, None, None
+        return np.concatenate(seqs), np.concatenate(ids)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"cursor": asdict(self._window_start), "window_index": self._window_index, "taken": self._taken,
+                "seq_len": self.seq_len, "window": self.window, "seed": self.seed, "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("seq_len", "window", "seed", "shuffle"):
+            if state[key] != getattr(self, key):
+                raise ValueError(f"cannot resume the data stream: checkpoint has {key}={state[key]!r}, the config "
+                                 f"gives {getattr(self, key)!r} (the sequence order would change)")
+        self._window_start = Cursor(**state["cursor"])
+        self._window_index, self._taken = int(state["window_index"]), int(state["taken"])
+        self._buffer = self._buffer_ids = None
+
+
+class RankBatches:
+    """This rank's micro-batches of each global batch.
+
+    Args:
+        stream: the global ``PackedSequences``.
+        global_batch, micro_batch: sequences per optimizer step (all ranks) and per forward pass (one rank).
+        rank, world_size: this rank's contiguous slice of each global batch.
+        needles: optional ``NeedleInserter``; applied to a sequence with probability ``needle_mix``, decided by
+            a generator seeded with the sequence's global id (so the same sequence gets the same needle on any
+            world size and after a resume).
+    """
+
+    def __init__(self, stream: PackedSequences, global_batch: int, micro_batch: int, rank: int, world_size: int,
+                 needles: Any = None, needle_mix: float = 0.0, seed: int = 0) -> None:
+        self.stream, self.global_batch, self.micro_batch = stream, global_batch, micro_batch
+        self.rank, self.world_size = rank, world_size
+        self.needles, self.needle_mix, self.seed = needles, needle_mix, seed
+
+    def next_step(self) -> list[torch.Tensor]:
+        """The micro-batches ``[micro_batch, seq_len]`` (int64) of this rank for the next optimizer step."""
+        seqs, ids = self.stream.next(self.global_batch)
+        per_rank = self.global_batch // self.world_size
+        lo = self.rank * per_rank
+        mine, mine_ids = seqs[lo : lo + per_rank].copy(), ids[lo : lo + per_rank]
+        if self.needles is not None and self.needle_mix > 0:
+            for row, gid in enumerate(mine_ids):
+                rng = np.random.default_rng([self.seed, 2, int(gid)])
+                if rng.random() < self.needle_mix:
+                    mine[row] = self.needles.insert(mine[row], rng)
+        batch = torch.from_numpy(mine)
+        return list(batch.split(self.micro_batch))
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.stream.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.stream.load_state_dict(state)
+
+
+def eos_id_of(data_path: str) -> int | None:
+    """The EOS id recorded by data prep (joined between documents), or None when unknown or remote."""
+    if is_remote(data_path):
+        return None
+    try:
+        manifest = fmt.read_manifest(data_path)
+    except (fmt.IncompleteDatasetError, FileNotFoundError) as err:
+        log.warning("no usable manifest in %s (%s); documents are packed without an EOS separator", data_path, err)
+        return None
+    return manifest.tokenizer.eos_id if manifest.tokenizer.eos_id >= 0 else None

@@ -1,0 +1,207 @@
+"""Run logging: rank-0 console logger, run header, FLOP count for MFU, metrics.jsonl + wandb + progress bar."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import time
+import uuid
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from model.config import GCAConfig
+
+log = logging.getLogger(__name__)
+
+# Dense bf16 tensor-core peak per device, TFLOP/s (vendor datasheets); used only when logging.peak_tflops is unset.
+_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A10G": 125.0, "L40S": 362.0, "L4": 121.0}
+
+
+class _RankFilter(logging.Filter):
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.rank == 0 or record.levelno >= logging.ERROR
+
+
+def setup_logging(rank: int, level: int = logging.INFO) -> None:
+    """Console logging for this process: rank 0 logs everything, other ranks only errors."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s [%(levelname)s] %(name)s: %(message)s", "%H:%M:%S"))
+    handler.addFilter(_RankFilter(rank))
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if getattr(h, "_gca_pipeline", False):
+            root.removeHandler(h)
+    handler._gca_pipeline = True  # type: ignore[attr-defined]
+    root.addHandler(handler)
+    root.setLevel(level)
+
+
+def git_sha() -> str:
+    try:
+        repo = Path(__file__).resolve().parents[1]
+        out = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain"], capture_output=True, text=True,
+                               timeout=10).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def versions() -> dict[str, str]:
+    found = {"python": platform.python_version(), "torch": torch.__version__}
+    for pkg in ("triton", "deepspeed", "mosaicml-streaming", "omegaconf", "wandb", "sentencepiece", "numpy"):
+        try:
+            found[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            found[pkg] = "not installed"
+    if torch.cuda.is_available():
+        found["cuda"] = str(torch.version.cuda)
+        found["device"] = torch.cuda.get_device_name()
+    return found
+
+
+def log_run_header(config_yaml: str, derived: dict[str, Any]) -> dict[str, Any]:
+    """Log everything needed to reproduce the run; return it (also stored in metrics.jsonl's first line)."""
+    header = {"git_sha": git_sha(), "versions": versions(), "derived": derived}
+    log.info("resolved config:\n%s", config_yaml)
+    log.info("git %s | %s", header["git_sha"], " ".join(f"{k}={v}" for k, v in header["versions"].items()))
+    log.info("derived: %s", ", ".join(f"{k}={v}" for k, v in derived.items()))
+    if torch.cuda.is_available():
+        try:
+            smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=20).stdout
+            log.info("nvidia-smi:\n%s", smi)
+        except (OSError, subprocess.SubprocessError):
+            log.info("nvidia-smi unavailable")
+    return header
+
+
+def flops_per_token(cfg: GCAConfig, seq_len: int, n_matmul_params: int) -> float:
+    """Training FLOPs (forward + backward = 3x forward, 2 FLOPs per MAC) per raw token of a GCA model.
+
+    Dense part: ``6 * n_matmul_params`` per stream position (``n_matmul_params`` counts every linear weight and
+    the tied LM head), and every chunk adds one landmark position, hence the factor ``(S + 1) / S``.
+    Attention, per position and layer, costs ``12 * d * keys`` (QK^T and PV, 3x for backward) where ``keys`` is
+    what the position really reads -- not the dense ``T / 2``:
+      - sliding-window self-attention (lower and upper layers): the mean of ``min(t + 1, window + 1)``;
+      - chunk encoder: the ``S + 1`` positions of its own chunk;
+      - GCA (upper layers): ``top_k * S`` retrieved memory tokens;
+      - retrieval (once per group): each landmark scores every earlier chunk, ``N^2 / 2 * 2d`` per sequence.
+    """
+    S, d = cfg.chunk_size, cfg.d_model
+    n_chunks = max(seq_len // S, 1)
+    stream = seq_len + n_chunks
+    positions = torch.arange(stream, dtype=torch.float64)
+    mean_window = float(torch.clamp(positions + 1, max=cfg.window + 1).mean())
+    per_position = (6.0 * n_matmul_params
+                    + 12.0 * d * mean_window * (cfg.n_lower_layers + cfg.n_upper_layers)
+                    + 12.0 * d * (S + 1) * cfg.n_encoder_layers
+                    + 12.0 * d * cfg.top_k * S * cfg.n_upper_layers)
+    retrieval = 3.0 * len(cfg.groups) * n_chunks * n_chunks * d / seq_len
+    return per_position * stream / seq_len + retrieval
+
+
+def matmul_params(model: torch.nn.Module) -> int:
+    """Parameters that are matmul operands per token: linear weights plus the tied LM head (= the embedding)."""
+    n = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    n += sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
+    return n
+
+
+def peak_flops(configured_tflops: float | None) -> float | None:
+    if configured_tflops is not None:
+        return configured_tflops * 1e12
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    for key, tflops in _PEAK_TFLOPS.items():
+        if key in name:
+            return tflops * 1e12
+    return None
+
+
+def memory_gb() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**30
+
+
+class MetricsLogger:
+    """Rank-0 sink for per-step metrics: ``<run_dir>/metrics.jsonl`` (always), console, wandb, progress bar.
+
+    wandb runs offline unless ``logging.wandb_mode=online`` or (``auto``) ``WANDB_API_KEY`` is set, so a run
+    never waits on the network. Only the resolved training config and metrics are sent; the environment
+    (which holds keys and tokens) never is.
+    """
+
+    def __init__(self, run_dir: Path, cfg: Any, config_dict: dict[str, Any], header: dict[str, Any],
+                 start_step: int, resumed: bool) -> None:
+        self.cfg, self.path = cfg, run_dir / "metrics.jsonl"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.path, "a")
+        self._write({"event": "start", "start_step": start_step, **header})
+        self.wandb: Any = None
+        if cfg.logging.wandb:
+            self.wandb = self._init_wandb(run_dir, config_dict, header, resumed)
+        self.bar: Any = None
+        if cfg.logging.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=cfg.train.max_steps, initial=start_step, unit="step", dynamic_ncols=True,
+                            file=sys.stderr)
+        self.t_last = time.perf_counter()
+
+    def _init_wandb(self, run_dir: Path, config_dict: dict[str, Any], header: dict[str, Any], resumed: bool) -> Any:
+        import wandb
+
+        mode = self.cfg.logging.wandb_mode
+        if mode == "auto":
+            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        run_id_file = run_dir / "wandb_run_id"
+        run_id = run_id_file.read_text().strip() if resumed and run_id_file.is_file() else uuid.uuid4().hex[:8]
+        run_id_file.write_text(run_id)
+        log.info("wandb: mode=%s project=%s id=%s", mode, self.cfg.logging.wandb_project, run_id)
+        return wandb.init(project=self.cfg.logging.wandb_project, dir=str(run_dir), mode=mode, id=run_id,
+                          resume="allow", config={**config_dict, "git_sha": header["git_sha"],
+                                                  "versions": header["versions"], **header["derived"]})
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def step(self, step: int, metrics: dict[str, Any], console: bool) -> None:
+        self._write({"step": step, **metrics})
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in metrics.items() if v is not None}, step=step)
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+            self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
+        if console:
+            shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
+                             if v is not None)
+            log.info("step %d | %s", step, shown)
+
+    def event(self, record: dict[str, Any]) -> None:
+        self._write(record)
+        if self.wandb is not None and "step" in record:
+            self.wandb.log({f"{record['event']}/{k}": v for k, v in record.items()
+                            if isinstance(v, (int, float)) and k != "step"}, step=record["step"])
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        self.file.close()

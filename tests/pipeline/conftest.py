@@ -1,0 +1,128 @@
+"""Fixtures for the pipeline tests: a tiny learnable MDS dataset (as data prep writes it) and tiny-run overrides."""
+
+from __future__ import annotations
+
+import glob
+import io
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data_prep import format as fmt
+from data_prep.streaming_compat import ensure_streaming_importable
+
+VOCAB = 64
+EOS = 1
+
+
+def write_mds(root: Path, split: str, n_docs: int, seed: int, size_limit: int = 4096) -> list[np.ndarray]:
+    """Write ``n_docs`` documents from one fixed Markov chain (``next = succ[cur]`` 90% of the time, so a
+    model can learn it in a few dozen steps), 40-200 tokens each, split into 1-3 pieces."""
+    ensure_streaming_importable()
+    from streaming import MDSWriter
+
+    rng = np.random.default_rng(seed)
+    succ = np.random.default_rng(0).permutation(np.arange(2, VOCAB))
+    docs = []
+    with MDSWriter(out=str(root / split), columns=fmt.mds_columns("uint16"), compression="zstd",
+                   size_limit=size_limit, hashes=["xxh64"]) as writer:
+        for doc_id in range(n_docs):
+            length = int(rng.integers(40, 200))
+            tokens = np.empty(length, dtype=np.uint16)
+            tokens[0] = rng.integers(2, VOCAB)
+            for t in range(1, length):
+                follow = rng.random() < 0.9
+                tokens[t] = succ[tokens[t - 1] - 2] if follow else rng.integers(2, VOCAB)
+            docs.append(tokens)
+            for piece, part in enumerate(np.array_split(tokens, int(rng.integers(1, 4)))):
+                writer.write({fmt.TOKENS: part, fmt.DOC_ID: doc_id, fmt.PIECE: piece})
+    return docs
+
+
+def _tokenizer_bytes() -> bytes:
+    import sentencepiece as spm
+
+    from pipeline.needle import NEEDLE, QUESTION
+
+    words = "the grass is green the sky is blue here we go again".split()
+    rng = np.random.default_rng(0)
+    lines = [" ".join(rng.choice(words, 12)) + NEEDLE.format(key=rng.integers(10000, 99999)) + QUESTION
+             for _ in range(400)]
+    out = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=out, vocab_size=VOCAB,
+                                   model_type="bpe", byte_fallback=False, eos_id=EOS, bos_id=-1, pad_id=-1,
+                                   unk_id=0, num_threads=1, minloglevel=2, hard_vocab_limit=False)
+    return out.getvalue()
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(monkeypatch: pytest.MonkeyPatch):
+    """One intra-op thread: the CI machines have 2 shared cores, and tiny ops slow down 20x when oversubscribed."""
+    import torch
+
+    threads = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A prepared dataset: train (200 docs, ~12 shards), val (20 docs) and a 64-piece tokenizer. No manifest,
+    so the trainer packs documents without an EOS separator (and says so)."""
+    root = tmp_path_factory.mktemp("tiny_data")
+    write_mds(root, "train", 200, seed=1)
+    write_mds(root, "val", 20, seed=2)
+    (root / fmt.TOKENIZER_FILENAME).write_bytes(_tokenizer_bytes())
+    return root
+
+
+def tiny_overrides(run_dir: Path, data: Path, **extra: object) -> list[str]:
+    """Overrides for a ~0.05M-parameter model on ``tiny_data`` (CPU, naive backend, a few ms per step)."""
+    base = {
+        "run_dir": str(run_dir), "data.path": str(data), "seed": 7,
+        "model.vocab_size": VOCAB, "model.d_model": 32, "model.n_heads": 2, "model.n_kv_heads": 2,
+        "model.ffn_hidden": 64, "model.n_lower_layers": 1, "model.groups": "[1]", "model.n_encoder_layers": 1,
+        "model.chunk_size": 8, "model.top_k": 2, "model.window": 16, "model.attn_backend": "naive",
+        "train.seq_len": 64, "train.micro_batch": 2, "train.global_batch": 4, "train.max_steps": 8,
+        "optim.lr": 3e-3, "optim.min_lr": 3e-4, "schedule.warmup_steps": 2,
+        "data.shuffle_window": 8, "logging.every": 1, "logging.progress": False,
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+@pytest.fixture(scope="session")
+def overrides():
+    return tiny_overrides
+
+
+def read_metrics(run_dir: Path) -> dict[int, dict]:
+    """Per-step metrics of a run; a step logged twice (re-run after a crash) keeps its last record."""
+    records: dict[int, dict] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "step" in rec and "loss" in rec:
+            records[rec["step"]] = rec
+    return records
+
+
+@pytest.fixture
+def metrics():
+    return read_metrics
+
+
+@pytest.fixture
+def clean_shm():
+    """Remove the shared memory DeepSpeed's CPU allreduce and killed streaming loaders leave in /dev/shm."""
+    before = set(glob.glob("/dev/shm/*"))
+    yield
+    for path in set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) - before:
+        try:
+            os.remove(path)
+        except OSError:
+            pass

@@ -1,0 +1,134 @@
+"""Single-process trainer on the real model: learning, exact resume, export, NaN stop, retention, wandb offline."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from model import load_pretrained
+from pipeline import dist
+from pipeline.checkpoint import CheckpointError
+from pipeline.config import load_config
+from pipeline.trainer import NonFiniteError, Trainer, main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def ckpts(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+
+
+def test_loss_goes_down(tmp_path, tiny_data, overrides, metrics):
+    run = tmp_path / "run"
+    assert main(None, overrides(run, tiny_data, **{"train.max_steps": 40, "optim.lr": 1e-2, "optim.min_lr": 1e-3,
+                                                   "checkpoint.export": False})) == 0
+    losses = [m["loss"] for m in metrics(run).values()]
+    assert len(losses) == 40
+    assert sum(losses[-5:]) / 5 < losses[0] - 0.4, losses
+
+
+def test_exact_resume_after_signal(tmp_path, tiny_data, overrides, metrics, monkeypatch):
+    """Run A: 8 steps. Run B: SIGUSR1 at step 3 -> save + requeue code; relaunch -> steps 4..8. Bit-identical."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(None, overrides(a, tiny_data)) == 0
+    monkeypatch.setenv("PIPE_FAULT", "sigusr1:step=3")
+    assert main(None, overrides(b, tiny_data)) == 75
+    assert ckpts(b) == ["step_00000003"]
+    monkeypatch.delenv("PIPE_FAULT")
+    assert main(None, overrides(b, tiny_data)) == 0
+    ma, mb = metrics(a), metrics(b)
+    assert list(mb) == list(range(1, 9))
+    for step in range(1, 9):
+        for key in ("loss", "grad_norm", "lr"):
+            assert ma[step][key].hex() == mb[step][key].hex(), (step, key, ma[step][key], mb[step][key])
+    wa, wb = load_file(a / "export/model.safetensors"), load_file(b / "export/model.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    sa = torch.load(a / "checkpoints/step_00000008/state.pt", weights_only=True)
+    sb = torch.load(b / "checkpoints/step_00000008/state.pt", weights_only=True)
+    for (ka, va), (kb, vb) in zip(sa["optim"]["state"].items(), sb["optim"]["state"].items()):
+        assert all(torch.equal(va[n], vb[n]) for n in va), ka
+    ta = json.loads((a / "checkpoints/step_00000008/trainer_state.json").read_text())
+    tb = json.loads((b / "checkpoints/step_00000008/trainer_state.json").read_text())
+    assert ta["data"] == tb["data"] and ta["tokens_seen"] == tb["tokens_seen"]
+
+
+def test_export_matches_trainer_logits_and_loads_without_pickle(tmp_path, tiny_data, overrides):
+    run = tmp_path / "run"
+    cfg = load_config(None, overrides(run, tiny_data, **{"train.max_steps": 3}))
+    trainer = Trainer(cfg, dist.init_distributed("none"))
+    assert trainer.train() == 0
+    for export in (run / "export", run / "checkpoints/step_00000003/export"):
+        assert sorted(p.name for p in export.iterdir()) == ["config.json", "model.safetensors", "tokenizer.model"]
+        model = load_pretrained(export)
+        x = torch.randint(0, 64, (2, 48))
+        trainer.engine.module.eval()
+        with torch.no_grad():
+            assert torch.equal(model(x).logits, trainer.engine.module(x).logits)
+
+
+def test_nan_stops_before_the_optimizer_step(tmp_path, tiny_data, overrides, monkeypatch):
+    run = tmp_path / "run"
+    monkeypatch.setenv("PIPE_FAULT", "nan_loss:step=3")
+    with pytest.raises(NonFiniteError, match=r"at step 3 on rank\(s\) \[0\].*stopped before the optimizer step"):
+        main(None, overrides(run, tiny_data, **{"checkpoint.every": 2}))
+    assert ckpts(run) == ["step_00000002"]
+    assert (run / "checkpoints/step_00000002/COMMITTED").is_file()
+
+
+def test_keep_last_and_uncommitted_saves_are_ignored(tmp_path, tiny_data, overrides):
+    run = tmp_path / "run"
+    assert main(None, overrides(run, tiny_data, **{"train.max_steps": 5, "checkpoint.every": 1,
+                                                   "checkpoint.keep_last": 2, "checkpoint.export": False})) == 0
+    assert ckpts(run) == ["step_00000004", "step_00000005"]
+    torn = run / "checkpoints/step_00000009"
+    torn.mkdir()
+    (torn / "state.pt").write_bytes(b"torn")
+    assert main(None, overrides(run, tiny_data, **{"train.max_steps": 6, "checkpoint.keep_last": 2})) == 0
+    assert ckpts(run) == ["step_00000005", "step_00000006"]  # resumed from 5, the torn save was removed
+
+
+def test_resume_refuses_another_architecture(tmp_path, tiny_data, overrides):
+    run = tmp_path / "run"
+    assert main(None, overrides(run, tiny_data, **{"train.max_steps": 3, "checkpoint.export": False})) == 0
+    with pytest.raises(CheckpointError, match="model.window: checkpoint 16 vs config 8"):
+        main(None, overrides(run, tiny_data, **{"train.max_steps": 4, "model.window": 8}))
+
+
+def test_wandb_offline_and_no_secrets(tmp_path, tiny_data, overrides, monkeypatch):
+    run = tmp_path / "run"
+    secret = "sentinel-secret-7f3a9c"
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HF_TOKEN", secret)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    assert main(None, overrides(run, tiny_data, **{"train.max_steps": 3, "logging.wandb": True})) == 0
+    assert list((run / "wandb").glob("offline-run-*"))
+    for path in run.rglob("*"):
+        if path.is_file():
+            assert secret.encode() not in path.read_bytes(), path
+
+
+def test_debug_config_runs_from_the_command_line(tmp_path, tiny_data):
+    """configs/train/debug.yaml through launch/pretrain.py (model vocab shrunk to the tiny test tokenizer)."""
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "launch/pretrain.py"), "--config", str(REPO / "configs/train/debug.yaml"),
+         f"run_dir={run}", f"data.path={tiny_data}", "model.vocab_size=64", "train.max_steps=4",
+         "train.eval_every=2", "logging.progress=false"],
+        capture_output=True, text=True, timeout=170, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "git " in proc.stderr and "tokens_per_step=1024" in proc.stderr and "val_loss=" in proc.stderr
+    assert (run / "export/model.safetensors").is_file()
+
+
+def test_activation_checkpointing_changes_nothing(tmp_path, tiny_data, overrides, metrics):
+    plain, ckpt = tmp_path / "plain", tmp_path / "ckpt"
+    extra = {"train.max_steps": 3, "checkpoint.export": False}
+    assert main(None, overrides(plain, tiny_data, **extra)) == 0
+    assert main(None, overrides(ckpt, tiny_data, **extra, **{"parallel.activation_checkpointing": True})) == 0
+    assert [m["loss"] for m in metrics(plain).values()] == [m["loss"] for m in metrics(ckpt).values()]
