@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from kernels.gca.limits import MAX_HEAD_DIM, MIN_HEAD_DIM
 
+ARCHS = ("gca", "swa")
 ATTN_BACKENDS = ("auto", "naive", "triton")
 RETRIEVAL_SCALES = ("d_model", "head_dim")
 
@@ -16,6 +17,9 @@ class ConfigError(ValueError):
 
 @dataclass
 class GCAConfig:
+    arch: str = "gca"
+    """``gca``: the DRT model. ``swa``: the same-size sliding-window baseline (no encoder, no retrieval; its
+    ``n_lower_layers + sum(groups) + n_encoder_layers`` plain sliding-window layers, like the paper's "+2 layers")."""
     vocab_size: int = 4096
     """Tokenizer vocabulary size (the landmark is a learned vector, not a vocabulary id)."""
     d_model: int = 128
@@ -76,6 +80,8 @@ class GCAConfig:
             raise ConfigError(
                 f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads}"
             )
+        if self.arch not in ARCHS:
+            raise ConfigError(f"model.arch={self.arch!r} is not one of {ARCHS}")
         if self.attn_backend not in ATTN_BACKENDS:
             raise ConfigError(f"model.attn_backend={self.attn_backend!r} is not one of {ATTN_BACKENDS}")
         if self.attn_backend == "triton" and not MIN_HEAD_DIM <= self.head_dim <= MAX_HEAD_DIM:

@@ -9,13 +9,13 @@ from pathlib import Path
 import torch
 
 from model.config import GCAConfig
-from model.gca import GCAForCausalLM
+from model.baseline import build_model
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 
 
-def save_pretrained(model: GCAForCausalLM, directory: str | os.PathLike, extra: dict | None = None) -> Path:
+def save_pretrained(model: torch.nn.Module, directory: str | os.PathLike, extra: dict | None = None) -> Path:
     """Write the model's config and fp32 weights to ``directory`` (created; files replaced atomically).
 
     ``extra`` (e.g. training length, tokenizer path) is stored under ``"export"`` in ``config.json``.
@@ -50,9 +50,10 @@ def read_export_config(directory: str | os.PathLike) -> tuple[GCAConfig, dict]:
 
 def load_pretrained(
     directory: str | os.PathLike, *, device: str | torch.device = "cpu", **overrides
-) -> GCAForCausalLM:
-    """Build the model from ``config.json`` (``overrides`` replace config fields, e.g. ``attn_backend``) and load
-    ``model.safetensors`` strictly: a missing, unexpected or mis-shaped tensor is an error naming it."""
+) -> torch.nn.Module:
+    """Build the model (``GCAForCausalLM``, or the baseline for ``arch=swa``) from ``config.json`` (``overrides``
+    replace config fields, e.g. ``attn_backend``) and load ``model.safetensors`` strictly: a missing, unexpected
+    or mis-shaped tensor is an error naming it."""
     from safetensors.torch import load_model
 
     cfg, _ = read_export_config(directory)
@@ -61,7 +62,7 @@ def load_pretrained(
     weights = Path(directory) / WEIGHTS_NAME
     if not weights.is_file():
         raise FileNotFoundError(f"{weights}: missing model weights")
-    model = GCAForCausalLM(cfg)
+    model = build_model(cfg)
     missing, unexpected = load_model(model, str(weights), strict=False, device=str(device))
     if missing or unexpected:
         raise ValueError(f"{weights}: missing tensors {sorted(missing)}, unexpected tensors {sorted(unexpected)}")

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from model import GCAForCausalLM, save_pretrained
+from model import build_model, save_pretrained
 from pipeline import dist, faults
 from pipeline.checkpoint import CheckpointManager
 from pipeline.config import ConfigError, TrainConfig, load_config, to_yaml
@@ -59,7 +59,7 @@ class Trainer:
         self.accum = cfg.grad_accum(info.world_size)
         self.bf16 = use_bf16(cfg, info.device)
         dist.seed_all(cfg.seed)  # the same initial weights on every rank and every world size
-        model = GCAForCausalLM(cfg.model).to(info.device)
+        model = build_model(cfg.model).to(info.device)
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len, matmul_params(model))
         self.n_params = sum(p.numel() for p in model.parameters())
         self.engine = build_engine(model, cfg, info, self.bf16)
@@ -140,7 +140,7 @@ class Trainer:
     # -- checkpoints and export ---------------------------------------------------------------------------
     def export(self, weights: dict[str, torch.Tensor], directory: Path) -> None:
         """Write an eval export (rank 0): safetensors weights, config.json and the tokenizer."""
-        model = GCAForCausalLM(self.cfg.model)
+        model = build_model(self.cfg.model)
         model.load_state_dict(weights)
         save_pretrained(model, directory, extra={"step": self.step, "seq_len": self.cfg.train.seq_len,
                                                  "tokenizer": TOKENIZER_FILE})

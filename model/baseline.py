@@ -1,0 +1,68 @@
+"""The sliding-window baseline (``model.arch=swa``): GCA's decoder without chunk encoder and retrieval.
+
+Same width, heads, window and ALiBi positions; its layer count is the GCA model's lower + upper + encoder layers,
+so the two have a similar parameter budget. It answers "what does retrieval add?": anything farther back than its
+receptive field (layers x window) is invisible to it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model.config import GCAConfig
+from model.gca import GCAOutput
+from model.layers import DecoderLayer, RMSNorm
+from model.stream import ChunkMemory, StreamState
+
+
+class SlidingWindowLM(nn.Module):
+    """Causal LM of sliding-window ALiBi layers with a tied head; the same interface as ``GCAForCausalLM``."""
+
+    def __init__(self, cfg: GCAConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        n_layers = cfg.n_lower_layers + cfg.n_upper_layers + cfg.n_encoder_layers
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=cfg.init_std)
+
+    def num_parameters(self, exclude_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.embed.weight.numel() if exclude_embedding else n
+
+    def new_stream_state(self, memory: ChunkMemory | None = None) -> StreamState:
+        """Only the per-layer window caches are used; ``memory`` is accepted for interface parity."""
+        return StreamState(n_layers=len(self.layers), n_groups=0, memory=memory)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> GCAOutput:
+        logits = self._step(input_ids, None)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+        return GCAOutput(logits=logits, loss=loss)
+
+    def forward_stream(self, input_ids: torch.Tensor, state: StreamState) -> torch.Tensor:
+        return self._step(input_ids, state)
+
+    def _step(self, input_ids: torch.Tensor, state: StreamState | None) -> torch.Tensor:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, tokens]; got shape {tuple(input_ids.shape)}")
+        h = self.embed(input_ids)  # [B, T, d_model]
+        caches = state.caches if state is not None else [None] * len(self.layers)
+        for layer, cache in zip(self.layers, caches):
+            h = layer(h, cache)
+        if state is not None:
+            state.n_tokens += input_ids.shape[1]
+        return F.linear(self.norm(h), self.embed.weight)
+
+
+def build_model(cfg: GCAConfig) -> nn.Module:
+    """The model named by ``cfg.arch``: ``GCAForCausalLM`` or the ``SlidingWindowLM`` baseline."""
+    from model.gca import GCAForCausalLM
+
+    return GCAForCausalLM(cfg) if cfg.arch == "gca" else SlidingWindowLM(cfg)

@@ -1,0 +1,188 @@
+"""A chunk memory that spills chunk K/V to an on-disk memmap, so evaluation at millions of tokens keeps RSS bounded.
+
+Same interface as ``model.stream.ChunkMemory`` (``append``, ``keys``, ``k``, ``v``, ``size``, ``nbytes``), so
+``model.new_stream_state(memory=MemmapChunkMemory(...))`` gives exactly the logits of the in-RAM memory.
+
+Why it bounds memory: per step the model scores every landmark key but gathers only the retrieved chunks
+(``mem_k[batch, index]``). Landmark keys (``[B, C, d_model]``, 1/(2S) of the chunk store) stay where they arrive
+(RAM or GPU). Chunk K/V stay in RAM up to ``ram_bytes``; then they move to a file in a private temp directory,
+stored chunk-major (``[C, B, S, H, D]``) so that growing the file never moves what is already written. Appends go
+through ``os.pwrite`` (page cache, not this process's RSS); reads go through a read-only mapping that is
+re-created after every append, so the pages a step touched leave the RSS once that step's gather is done.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import weakref
+
+import numpy as np
+import torch
+
+
+class _DeviceGather:
+    """``t[batch, index]`` for host-resident ``t`` with indices on another device (GPU evaluation)."""
+
+    def __init__(self, host: torch.Tensor, device: torch.device) -> None:
+        self.host, self.device = host, device
+        self.shape = host.shape
+
+    def __getitem__(self, idx: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        batch, index = idx
+        return self.host[batch.cpu(), index.cpu()].to(self.device, non_blocking=True)
+
+
+class MemmapChunkMemory:
+    """Landmark keys ``[B, C, d_model]`` in RAM; chunk K/V ``[B, C, S, H, D]`` in RAM up to ``ram_bytes``, then
+    in a memmap under a temp dir that ``close()`` (or garbage collection) deletes.
+
+    Args:
+        ram_bytes: chunk K/V bytes kept in RAM before spilling to disk (0 = disk from the first chunk).
+        directory: parent of the temp dir (default: the system temp dir).
+    """
+
+    def __init__(self, ram_bytes: int = 1 << 30, directory: str | os.PathLike | None = None) -> None:
+        if ram_bytes < 0:
+            raise ValueError(f"ram_bytes must be >= 0; got {ram_bytes}")
+        self.ram_bytes = ram_bytes
+        self.directory = directory
+        self.size = 0
+        self._keys: torch.Tensor | None = None  # [B, capacity, d_model]
+        self._ram: dict[str, torch.Tensor] = {}  # "k"/"v" -> [capacity, B, S, H, D] until spilled
+        self._files: dict[str, int] = {}  # "k"/"v" -> fd once spilled
+        self._views: dict[str, torch.Tensor | _DeviceGather] = {}
+        self._capacity = 0
+        self._chunk_shape: tuple[int, ...] = ()
+        self._dtype = torch.float32
+        self._device = torch.device("cpu")
+        self._tmpdir: str | None = None
+        self._finalizer: weakref.finalize | None = None
+
+    @property
+    def on_disk(self) -> bool:
+        return bool(self._files)
+
+    def append(self, keys: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        n = keys.shape[1]
+        if n == 0:
+            return
+        if self._keys is None:
+            self._chunk_shape, self._dtype, self._device = (k.shape[0], *k.shape[2:]), k.dtype, k.device
+        if self._keys is None or self.size + n > self._keys.shape[1]:
+            self._keys = _grow(self._keys, keys, self.size, max(self.size + n, 2 * self.size, 16))
+        self._keys[:, self.size : self.size + n] = keys
+        self._append_kv("k", k)
+        self._append_kv("v", v)
+        self.size += n
+        self._views.clear()
+
+    def _chunk_bytes(self) -> int:
+        return int(np.prod(self._chunk_shape)) * torch.empty((), dtype=self._dtype).element_size()
+
+    def _append_kv(self, name: str, x: torch.Tensor) -> None:
+        n = x.shape[1]
+        chunk_major = x.detach().transpose(0, 1).to("cpu").contiguous()  # [n, B, S, H, D]
+        if not self._files and 2 * (self.size + n) * self._chunk_bytes() > self.ram_bytes:
+            self._spill()
+        if self._files:
+            if self.size + n > self._capacity:
+                self._capacity = max(self.size + n, 2 * self._capacity)
+                for fd in self._files.values():
+                    os.ftruncate(fd, self._capacity * self._chunk_bytes())  # sparse: no bytes written
+            _pwrite_all(self._files[name], chunk_major, self.size * self._chunk_bytes())
+            return
+        buf = self._ram.get(name)
+        if buf is None or self.size + n > buf.shape[0]:
+            capacity = max(self.size + n, 2 * self.size, 16)
+            new = chunk_major.new_empty((capacity, *chunk_major.shape[1:]))
+            if buf is not None:
+                new[: self.size] = buf[: self.size]
+            self._ram[name] = buf = new
+        buf[self.size : self.size + n] = chunk_major
+
+    def _spill(self) -> None:
+        """Move the chunk K/V written so far from RAM to files in a fresh temp dir."""
+        self._tmpdir = tempfile.mkdtemp(prefix="gca-chunk-memory-", dir=self.directory)
+        self._finalizer = weakref.finalize(self, _cleanup, self._tmpdir, self._files)
+        self._capacity = max(self.size, 16)
+        for name in ("k", "v"):
+            fd = os.open(os.path.join(self._tmpdir, f"{name}.bin"), os.O_RDWR | os.O_CREAT, 0o600)
+            self._files[name] = fd
+            os.ftruncate(fd, self._capacity * self._chunk_bytes())
+            if self.size:
+                _pwrite_all(fd, self._ram[name][: self.size], 0)
+        self._ram.clear()
+
+    def _view(self, name: str) -> torch.Tensor | _DeviceGather | None:
+        if self._keys is None:
+            return None
+        if name not in self._views:
+            if self._files:
+                path = os.path.join(self._tmpdir, f"{name}.bin")  # type: ignore[arg-type]
+                # mode "c" (copy-on-write) gives a writable array torch accepts; nothing ever writes through it.
+                mm = np.memmap(path, dtype=np.uint8, mode="c", shape=(self._capacity * self._chunk_bytes(),))
+                store = torch.from_numpy(mm).view(self._dtype).view(self._capacity, *self._chunk_shape)
+            else:
+                store = self._ram[name]
+            host = store[: self.size].transpose(0, 1)  # [B, C, S, H, D]
+            self._views[name] = host if self._device.type == "cpu" else _DeviceGather(host, self._device)
+        return self._views[name]
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self._keys is None else self._keys[:, : self.size]
+
+    @property
+    def k(self) -> torch.Tensor | _DeviceGather | None:
+        return self._view("k")
+
+    @property
+    def v(self) -> torch.Tensor | _DeviceGather | None:
+        return self._view("v")
+
+    def nbytes(self) -> int:
+        """Bytes held by the memory, on disk included (the file's logical size)."""
+        return self.ram_nbytes() + len(self._files) * self._capacity * self._chunk_bytes()
+
+    def ram_nbytes(self) -> int:
+        """Bytes held in RAM (or on the GPU for the keys): landmark keys plus unspilled chunk K/V."""
+        keys = 0 if self._keys is None else self._keys.numel() * self._keys.element_size()
+        return keys + sum(t.numel() * t.element_size() for t in self._ram.values())
+
+    def close(self) -> None:
+        """Delete the on-disk store; the memory is empty afterwards."""
+        self._views.clear()
+        if self._finalizer is not None:
+            self._finalizer()
+        self._keys, self._ram, self._files, self.size, self._capacity = None, {}, {}, 0, 0
+
+    def __enter__(self) -> MemmapChunkMemory:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _grow(old: torch.Tensor | None, like: torch.Tensor, size: int, capacity: int) -> torch.Tensor:
+    new = like.new_empty((like.shape[0], capacity, *like.shape[2:]))
+    if old is not None:
+        new[:, :size] = old[:, :size]
+    return new
+
+
+def _pwrite_all(fd: int, x: torch.Tensor, offset: int) -> None:
+    """Write the bytes of contiguous ``x`` at ``offset``; ``os.pwrite`` may write less than asked (> 2 GiB)."""
+    # A uint8 view reinterprets any dtype (bf16 included, which numpy lacks) as raw bytes.
+    raw = memoryview(x.reshape(-1).view(torch.uint8).numpy())
+    while raw:
+        written = os.pwrite(fd, raw, offset)
+        raw, offset = raw[written:], offset + written
+
+
+def _cleanup(tmpdir: str, files: dict[str, int]) -> None:
+    for fd in files.values():
+        os.close(fd)
+    files.clear()
+    shutil.rmtree(tmpdir, ignore_errors=True)
