@@ -1,19 +1,56 @@
 """Synthetic passkey retrieval mixed into pretraining (``data.needle_mix``), as in the paper's NIAH fine-tuning.
 
-A chosen sequence keeps its book text as the haystack; a needle sentence holding a random 5-digit pass key is
-inserted at a random depth, and the question followed by the answer closes the sequence. The loss is the plain
-LM loss over everything (GCA-SPEC §4: haystack + needle + question + answer), so the model learns to fetch the
-key from far back through retrieval.
+A chosen sequence keeps its text as the haystack; a needle sentence holding a random 5-digit pass key overwrites
+it at a random depth, and the question followed by the answer is written near the end. The loss is the plain LM
+loss over everything (GCA-SPEC section 4), so the model learns to fetch the key from far back through retrieval.
+
+The layout follows the model's chunks, as the paper's data does (GCA-SPEC section 5.2): the needle never
+straddles two chunks, and the question's last token is the first token of a chunk, so the first answer token
+is predicted by a chunk whose retrieval was triggered by the landmark of the chunk holding the question. The
+evaluation (``pipeline/evaluation/passkey.py``) builds its samples the same way.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
+NEEDLE = " The pass key is {key}. "
 QUESTION = " What is the pass key? The pass key is"
+ANSWER = " {key}"
+
+
+@dataclass(frozen=True)
+class NeedlePlacement:
+    needle_start: int
+    question_start: int
+    answer_start: int
+    """The answer's first token; the token before it (the question's last) is the first token of a chunk."""
+
+
+def place_needle(
+    length: int, chunk_size: int, needle_len: int, question_len: int, answer_len: int, depth: float
+) -> NeedlePlacement:
+    """Chunk-aligned positions for a needle at ``depth`` in [0, 1] of the room before the question.
+
+    Raises:
+        ValueError: the sequence cannot hold the needle, the question and the answer.
+    """
+    S = chunk_size
+    answer_start = (length - answer_len - 1) // S * S + 1  # the last chunk start that leaves room for the answer
+    question_start = answer_start - question_len
+    room = question_start - needle_len  # latest possible needle start
+    if question_start < 0 or room < 0:
+        raise ValueError(
+            f"a sequence of {length} tokens cannot hold a passkey needle ({needle_len} tokens), question "
+            f"({question_len}) and answer ({answer_len}) with chunk_size={S}"
+        )
+    start = int(round(depth * room))
+    if needle_len <= S and start % S + needle_len > S:
+        start = start // S * S + S - needle_len  # shift left so the needle ends with its chunk, never straddles
+    return NeedlePlacement(needle_start=start, question_start=question_start, answer_start=answer_start)
 
 
 class NeedleInserter:
@@ -22,34 +59,35 @@ class NeedleInserter:
     Args:
         tokenizer_path: the SentencePiece model the data was tokenized with.
         seq_len: length of the sequences it receives (and returns).
+        chunk_size: the model's chunk size (tokens), which the layout aligns to.
     """
 
-    def __init__(self, tokenizer_path: str | Path, seq_len: int) -> None:
+    def __init__(self, tokenizer_path: str | Path, seq_len: int, chunk_size: int) -> None:
         import sentencepiece as spm
 
         if not Path(tokenizer_path).is_file():
             raise FileNotFoundError(f"data.needle_mix > 0 needs the tokenizer at {tokenizer_path}")
         self.sp = spm.SentencePieceProcessor(model_file=str(tokenizer_path))
-        self.seq_len = seq_len
+        self.seq_len, self.chunk_size = seq_len, chunk_size
 
     def parts(self, key: str) -> tuple[list[int], list[int], list[int]]:
-        """Token ids of the needle, the question and the answer for pass key ``key``."""
-        return (self.sp.encode(NEEDLE.format(key=key)), self.sp.encode(QUESTION), self.sp.encode(" " + key))
+        """Token ids of the needle, the question and the answer for pass key ``key``.
+
+        Leading answer tokens that are pure whitespace (the space before the digits) join the question: they are
+        the same for every key, so the first answer token is the first digit.
+        """
+        needle, question, answer = (self.sp.encode(t.format(key=key)) for t in (NEEDLE, QUESTION, ANSWER))
+        while answer and not self.sp.decode([answer[0]]).strip():
+            question.append(answer.pop(0))
+        return needle, question, answer
 
     def insert(self, seq: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        """Return ``seq`` with a needle at a random depth and question + answer at the end (same length).
-
-        Raises:
-            ValueError: the sequence is too short to hold the needle, question and answer.
-        """
+        """Return a copy of ``seq`` with a needle at a random depth and question + answer near the end."""
         key = str(int(rng.integers(10_000, 100_000)))
         needle, question, answer = self.parts(key)
-        tail = question + answer
-        room = self.seq_len - len(needle) - len(tail)
-        if room < 1:
-            raise ValueError(f"train.seq_len={self.seq_len} is too short for a passkey needle "
-                             f"({len(needle) + len(tail)} tokens); set data.needle_mix=0")
-        depth = int(rng.integers(0, room + 1))
-        haystack = seq[:room]
-        out = np.concatenate([haystack[:depth], needle, haystack[depth:], tail]).astype(seq.dtype)
+        where = place_needle(len(seq), self.chunk_size, len(needle), len(question), len(answer), rng.random())
+        out = seq.copy()
+        out[where.needle_start : where.needle_start + len(needle)] = needle
+        out[where.question_start : where.answer_start] = question
+        out[where.answer_start : where.answer_start + len(answer)] = answer
         return out

@@ -71,7 +71,7 @@ class Trainer:
                                  self.eos_id)
         needles = None
         if cfg.data.needle_mix > 0:
-            needles = NeedleInserter(Path(cfg.data.path) / TOKENIZER_FILE, cfg.train.seq_len)
+            needles = NeedleInserter(Path(cfg.data.path) / TOKENIZER_FILE, cfg.train.seq_len, cfg.model.chunk_size)
         self.batches = RankBatches(stream, cfg.train.global_batch, cfg.train.micro_batch, info.rank,
                                    info.world_size, needles, cfg.data.needle_mix, cfg.seed)
         self._val_reader: MDSReader | None = None

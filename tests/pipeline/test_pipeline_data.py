@@ -111,7 +111,7 @@ def _docs_in_shard_order(reader):
 
 
 def test_needles_are_deterministic_and_well_formed(reader, tiny_data):
-    needles = NeedleInserter(tiny_data / "tokenizer.model", SEQ * 2)
+    needles = NeedleInserter(tiny_data / "tokenizer.model", SEQ * 2, chunk_size=16)
     stream = PackedSequences(reader, SEQ * 2, seed=0, shuffle=True, window=8, eos_id=None)
     rb = RankBatches(stream, GLOBAL, MICRO, 0, 1, needles, needle_mix=0.5, seed=9)
     batch = torch.cat(rb.next_step())
@@ -122,7 +122,7 @@ def test_needles_are_deterministic_and_well_formed(reader, tiny_data):
         if "pass key is" in text:
             marked += 1
             key = text.split("The pass key is")[1].split(".")[0].strip()
-            assert text.rstrip().endswith(f"What is the pass key? The pass key is {key}")
+            assert f"What is the pass key? The pass key is {key}" in text
     assert 0 < marked < GLOBAL
     stream2 = PackedSequences(reader, SEQ * 2, seed=0, shuffle=True, window=8, eos_id=None)
     rank1 = RankBatches(stream2, GLOBAL, MICRO, 1, 2, needles, needle_mix=0.5, seed=9)

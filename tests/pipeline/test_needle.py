@@ -1,0 +1,39 @@
+"""Chunk-aligned passkey layout: the needle never straddles chunks, the answer is predicted from a chunk start."""
+
+import numpy as np
+import pytest
+
+from pipeline.needle import NeedleInserter, place_needle
+
+
+@pytest.mark.parametrize("length,S", [(256, 16), (1000, 16), (4096, 64), (300, 7)])
+@pytest.mark.parametrize("depth", [0.0, 0.13, 0.5, 0.77, 1.0])
+def test_layout_rules(length, S, depth):
+    needle_len, question_len, answer_len = 6, 12, 5
+    p = place_needle(length, S, needle_len, question_len, answer_len, depth)
+    assert (p.answer_start - 1) % S == 0  # the question's last token opens a chunk
+    assert p.answer_start + answer_len <= length
+    assert p.answer_start + answer_len + S > length  # ... the last such chunk
+    assert p.question_start == p.answer_start - question_len
+    assert 0 <= p.needle_start and p.needle_start + needle_len <= p.question_start
+    assert p.needle_start // S == (p.needle_start + needle_len - 1) // S  # one chunk
+    room = p.question_start - needle_len
+    assert abs(p.needle_start - depth * room) < S  # at the requested depth, up to the chunk snap
+
+
+def test_too_short_raises():
+    with pytest.raises(ValueError, match="cannot hold a passkey needle"):
+        place_needle(20, 16, 6, 12, 5, 0.5)
+
+
+def test_inserter_writes_key_at_both_places(tiny_data):
+    ins = NeedleInserter(tiny_data / "tokenizer.model", 256, chunk_size=16)
+    seq = np.zeros(256, dtype=np.int64) + 5
+    out = ins.insert(seq, np.random.default_rng(0))
+    assert out.shape == seq.shape and (seq == 5).all()  # a copy; the input is untouched
+    text = ins.sp.decode(out.tolist())
+    key = text.split("The pass key is")[1].split(".")[0].strip()
+    assert len(key) == 5 and key.isdigit()
+    assert f"The pass key is {key}" in text.split("What is")[1]
+    needle, question, answer = ins.parts(key)
+    assert ins.sp.decode(answer[:1]).strip() == key[0]  # the first answer token is a digit, not a space
