@@ -9,7 +9,7 @@ PYTEST := $(PY) -m pytest -q
 # The default CPU tier: everything not behind a heavier marker.
 DEFAULT_MARKERS := not slow and not gpu and not dist and not slurm
 
-.PHONY: install test test-slow test-dist test-gpu test-kernels demo prep bench bench-kernels train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv
+.PHONY: install test test-slow test-dist test-gpu test-kernels demo prep bench bench-kernels test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv
 
 install: $(STAMP)
 
@@ -64,6 +64,13 @@ clean-shm:
 
 bench: install
 	$(PY) -m model.bench
+
+test-eval: install
+	$(PYTEST) -m "$(DEFAULT_MARKERS)" tests/evaluation
+
+# Passkey eval time and peak RSS of a tiny random-init model vs length (up to 1M tokens; ~15 min).
+bench-eval: install
+	$(PY) -m pipeline.evaluation.bench --out bench_eval.json
 
 bench-kernels: install
 	$(PY) -m kernels.bench_gca

@@ -1,4 +1,4 @@
-"""A chunk memory that spills chunk K/V to an on-disk memmap, so evaluation at millions of tokens keeps RSS bounded.
+"""A chunk memory that spills chunk K/V to an on-disk file, so evaluation at millions of tokens keeps RSS bounded.
 
 Same interface as ``model.stream.ChunkMemory`` (``append``, ``keys``, ``k``, ``v``, ``size``, ``nbytes``), so
 ``model.new_stream_state(memory=MemmapChunkMemory(...))`` gives exactly the logits of the in-RAM memory.
@@ -7,18 +7,19 @@ Why it bounds memory: per step the model scores every landmark key but gathers o
 (``mem_k[batch, index]``). Landmark keys (``[B, C, d_model]``, 1/(2S) of the chunk store) stay where they arrive
 (RAM or GPU). Chunk K/V stay in RAM up to ``ram_bytes``; then they move to a file in a private temp directory,
 stored chunk-major (``[C, B, S, H, D]``) so that growing the file never moves what is already written. Appends go
-through ``os.pwrite`` (page cache, not this process's RSS); reads go through a read-only mapping that is
-re-created after every append, so the pages a step touched leave the RSS once that step's gather is done.
+through ``os.pwrite`` and reads ``pread`` exactly the picked chunks, so file data lives in the page cache, never in
+this process's RSS (a memmap would keep every touched page mapped). Once on disk, ``k`` / ``v`` support what the
+model does with them -- ``shape`` and the gather ``k[batch, index]`` -- not arbitrary tensor operations.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
 import weakref
 
-import numpy as np
 import torch
 
 
@@ -34,9 +35,35 @@ class _DeviceGather:
         return self.host[batch.cpu(), index.cpu()].to(self.device, non_blocking=True)
 
 
+class _DiskGather:
+    """``t[batch, index]`` for the on-disk chunk-major store: reads exactly the picked chunks with ``pread``.
+
+    Reading through ``np.memmap`` would work too, but every page a step touches (plus the kernel's fault-around
+    neighbours) stays in this process's RSS while the mapping lives, so RSS would track the file size.
+    """
+
+    def __init__(self, fd: int, size: int, chunk_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        self.fd, self.chunk_shape, self.dtype, self.device = fd, chunk_shape, dtype, device
+        self.shape = torch.Size((chunk_shape[0], size, *chunk_shape[1:]))  # [B, C, S, H, D]
+
+    def __getitem__(self, idx: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        batch, index = (t.cpu() for t in idx)
+        index = torch.as_tensor(index)
+        if index.numel() and not 0 <= int(index.min()) <= int(index.max()) < self.shape[1]:
+            raise IndexError(f"chunk index out of range [0, {self.shape[1]})")
+        chunks, inverse = torch.unique(index.reshape(-1), return_inverse=True)
+        buf = torch.empty((len(chunks), *self.chunk_shape), dtype=self.dtype)  # [U, B, S, H, D]
+        raw = memoryview(buf.view(-1).view(torch.uint8).numpy())
+        step = len(raw) // max(len(chunks), 1)
+        for i, c in enumerate(chunks.tolist()):
+            _pread_into(self.fd, raw[i * step : (i + 1) * step], c * step)
+        out = buf[inverse.view(index.shape), torch.as_tensor(batch).expand(index.shape)]  # [B, C, R, S, H, D]
+        return out.to(self.device, non_blocking=True)
+
+
 class MemmapChunkMemory:
     """Landmark keys ``[B, C, d_model]`` in RAM; chunk K/V ``[B, C, S, H, D]`` in RAM up to ``ram_bytes``, then
-    in a memmap under a temp dir that ``close()`` (or garbage collection) deletes.
+    in a file under a temp dir that ``close()`` (or garbage collection) deletes.
 
     Args:
         ram_bytes: chunk K/V bytes kept in RAM before spilling to disk (0 = disk from the first chunk).
@@ -52,7 +79,7 @@ class MemmapChunkMemory:
         self._keys: torch.Tensor | None = None  # [B, capacity, d_model]
         self._ram: dict[str, torch.Tensor] = {}  # "k"/"v" -> [capacity, B, S, H, D] until spilled
         self._files: dict[str, int] = {}  # "k"/"v" -> fd once spilled
-        self._views: dict[str, torch.Tensor | _DeviceGather] = {}
+        self._views: dict[str, torch.Tensor | _DeviceGather | _DiskGather] = {}
         self._capacity = 0
         self._chunk_shape: tuple[int, ...] = ()
         self._dtype = torch.float32
@@ -79,7 +106,7 @@ class MemmapChunkMemory:
         self._views.clear()
 
     def _chunk_bytes(self) -> int:
-        return int(np.prod(self._chunk_shape)) * torch.empty((), dtype=self._dtype).element_size()
+        return math.prod(self._chunk_shape) * torch.empty((), dtype=self._dtype).element_size()
 
     def _append_kv(self, name: str, x: torch.Tensor) -> None:
         n = x.shape[1]
@@ -115,19 +142,16 @@ class MemmapChunkMemory:
                 _pwrite_all(fd, self._ram[name][: self.size], 0)
         self._ram.clear()
 
-    def _view(self, name: str) -> torch.Tensor | _DeviceGather | None:
+    def _view(self, name: str) -> torch.Tensor | _DeviceGather | _DiskGather | None:
         if self._keys is None:
             return None
         if name not in self._views:
             if self._files:
-                path = os.path.join(self._tmpdir, f"{name}.bin")  # type: ignore[arg-type]
-                # mode "c" (copy-on-write) gives a writable array torch accepts; nothing ever writes through it.
-                mm = np.memmap(path, dtype=np.uint8, mode="c", shape=(self._capacity * self._chunk_bytes(),))
-                store = torch.from_numpy(mm).view(self._dtype).view(self._capacity, *self._chunk_shape)
+                self._views[name] = _DiskGather(self._files[name], self.size, self._chunk_shape, self._dtype,
+                                                self._device)
             else:
-                store = self._ram[name]
-            host = store[: self.size].transpose(0, 1)  # [B, C, S, H, D]
-            self._views[name] = host if self._device.type == "cpu" else _DeviceGather(host, self._device)
+                host = self._ram[name][: self.size].transpose(0, 1)  # [B, C, S, H, D]
+                self._views[name] = host if self._device.type == "cpu" else _DeviceGather(host, self._device)
         return self._views[name]
 
     @property
@@ -135,11 +159,11 @@ class MemmapChunkMemory:
         return None if self._keys is None else self._keys[:, : self.size]
 
     @property
-    def k(self) -> torch.Tensor | _DeviceGather | None:
+    def k(self) -> torch.Tensor | _DeviceGather | _DiskGather | None:
         return self._view("k")
 
     @property
-    def v(self) -> torch.Tensor | _DeviceGather | None:
+    def v(self) -> torch.Tensor | _DeviceGather | _DiskGather | None:
         return self._view("v")
 
     def nbytes(self) -> int:
@@ -179,6 +203,14 @@ def _pwrite_all(fd: int, x: torch.Tensor, offset: int) -> None:
     while raw:
         written = os.pwrite(fd, raw, offset)
         raw, offset = raw[written:], offset + written
+
+
+def _pread_into(fd: int, out: memoryview, offset: int) -> None:
+    while out:
+        n = os.preadv(fd, [out], offset)
+        if n == 0:
+            raise OSError(f"chunk memory file ended early at byte {offset}")
+        out, offset = out[n:], offset + n
 
 
 def _cleanup(tmpdir: str, files: dict[str, int]) -> None:

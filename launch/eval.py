@@ -1,0 +1,32 @@
+"""Evaluate a model export: ``python launch/eval.py --checkpoint <export dir> --task ppl|passkey [key=value ...]
+--out <dir>`` writes ``<dir>/<task>.json`` and ``<dir>/<task>.png``. Keys: ``pipeline/evaluation/config.py``."""
+
+import argparse
+import logging
+import sys
+
+from pipeline.evaluation.run import run_eval
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--checkpoint", required=True, help="export directory (config.json + model.safetensors)")
+    parser.add_argument("--task", required=True, choices=["ppl", "passkey"])
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--config", help="optional YAML with eval keys (e.g. configs/eval/passkey_1m.yaml)")
+    parser.add_argument("overrides", nargs="*", help="key=value, e.g. lengths=[1024,65536] samples=2")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        result = run_eval(args.checkpoint, args.task, args.out, args.overrides, args.config)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for row in result["results"]:
+        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+    print(f"peak RSS {result['peak_rss_mib']} MiB, {result['seconds']} s -> {args.out}/{args.task}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,7 @@
+"""Evaluation jobs on model exports: perplexity vs length, passkey retrieval, sampling, lm-evaluation-harness.
+
+Every job streams its input through ``model.forward_stream`` segment by segment, so memory is bounded by the
+sliding window plus the chunk memory (``model.offload.MemmapChunkMemory`` moves its K/V to disk past a size).
+Entry points: ``launch/eval.py``, ``launch/generate.py`` and ``python -m pipeline.evaluation`` (``lm_eval`` with
+the ``gca`` model registered).
+"""

@@ -1,0 +1,173 @@
+"""Token sources for evaluation: the text a perplexity window or a passkey haystack is cut from.
+
+``data`` is one of:
+- ``builtin``: endless filler prose -- random sentences over a fixed word list below, seeded, no files at all, so
+  a haystack of any length exists offline (the paper's 16M haystack source is unspecified, GCA-SPEC §6 item 19);
+- ``stdlib``: the Python standard library's source (the data-prep built-in corpus), real text of ~10M+ tokens;
+- an MDS split directory (holding ``index.json``), or a prepared dataset directory (its ``val`` split);
+- a text file, a comma-separated list of files, or a directory of text files (read recursively, sorted).
+Documents are joined with the tokenizer's EOS when it has one.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.evaluation.tokenizer import ByteTokenizer, SentencePieceTokenizer
+
+log = logging.getLogger(__name__)
+
+# Filler vocabulary: plain, frequent words. It avoids every word of the default needles and questions
+# ("pass", "key", "number", "special", "magic", "value", "leads") so the haystack never imitates a needle.
+WORDS = (
+    "the a an of and to in on at by with from over under after before while during through across near far "
+    "river mountain forest garden village city road bridge window door table chair letter story song morning "
+    "evening night summer winter spring autumn rain wind snow sun moon star cloud field stone tree flower bird "
+    "horse dog cat child teacher farmer sailor traveler merchant painter baker friend neighbor stranger family "
+    "walked carried watched opened closed painted found lost remembered wrote sang built crossed followed "
+    "waited listened smiled wondered gathered returned quiet bright old young small large warm cold green blue "
+    "gray golden gentle slow quick happy tired early late long short soft loud distant hidden simple careful"
+).split()
+
+_POOL = 2048  # distinct sentences tokenized once per source; haystacks are random sequences of them
+
+
+def _sentence(rng: np.random.Generator) -> str:
+    words = rng.choice(WORDS, size=int(rng.integers(6, 15)))
+    return " " + " ".join(words).capitalize() + "."
+
+
+class TokenSource:
+    """Tokens of one ``data`` spec for one tokenizer.
+
+    Args:
+        data: see the module docstring.
+        tokenizer: encodes text sources (MDS splits are already token ids).
+        seed: seeds the built-in filler.
+    """
+
+    def __init__(self, data: str, tokenizer: SentencePieceTokenizer | ByteTokenizer, seed: int = 0) -> None:
+        self.data, self.tokenizer, self.seed = data, tokenizer, seed
+        self._cache = np.zeros(0, dtype=np.int64)
+        self._exhausted = False
+        if data == "builtin":
+            rng = np.random.default_rng(seed)
+            self._pool = [np.asarray(tokenizer.encode(_sentence(rng)), dtype=np.int64) for _ in range(_POOL)]
+        else:
+            self._documents = self._document_iter()
+
+    @property
+    def unbounded(self) -> bool:
+        return self.data == "builtin"
+
+    def filler(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        """``n`` tokens of built-in filler prose."""
+        out: list[np.ndarray] = []
+        have = 0
+        while have < n:
+            picks = rng.integers(0, _POOL, size=max(16, (n - have) // 8))
+            for i in picks:
+                out.append(self._pool[i])
+                have += len(self._pool[i])
+                if have >= n:
+                    break
+        return np.concatenate(out)[:n]
+
+    def prefix(self, n: int) -> np.ndarray:
+        """The first ``n`` tokens of the corpus (fewer if it is shorter)."""
+        if self.unbounded:
+            return self.filler(n, np.random.default_rng(self.seed))
+        parts = [self._cache]
+        have = len(self._cache)
+        while have < n and not self._exhausted:
+            doc = next(self._documents, None)
+            if doc is None:
+                self._exhausted = True
+                break
+            if self.tokenizer.eos_id is not None and have:
+                parts.append(np.asarray([self.tokenizer.eos_id], dtype=np.int64))
+                have += 1
+            parts.append(doc)
+            have += len(doc)
+        self._cache = np.concatenate(parts)
+        return self._cache[:n]
+
+    def window(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        """``n`` consecutive tokens at a random offset.
+
+        Raises:
+            ValueError: the corpus holds fewer than ``n`` tokens.
+        """
+        if self.unbounded:
+            return self.filler(n, rng)
+        stream = self.prefix(4 * n)  # several windows' worth, so offsets vary between samples
+        if len(stream) < n:
+            raise ValueError(f"data={self.data} holds {len(stream)} tokens, fewer than the {n} haystack tokens this "
+                             "length needs; use shorter lengths or data=builtin (unbounded filler)")
+        start = int(rng.integers(0, len(stream) - n + 1))
+        return stream[start : start + n]
+
+    def _document_iter(self) -> Iterator[np.ndarray]:
+        path = Path(self.data)
+        if self.data == "stdlib":
+            from data_prep.builtin import corpus_files
+
+            yield from self._text_docs(corpus_files("python_stdlib")[1])
+        elif (path / "index.json").is_file():
+            yield from _mds_docs(path)
+        elif (path / "val" / "index.json").is_file():
+            yield from _mds_docs(path / "val")
+        elif path.is_dir():
+            files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+            if not files:
+                raise FileNotFoundError(f"data={self.data}: the directory holds no files")
+            yield from self._text_docs(files)
+        else:
+            files = [Path(p) for p in self.data.split(",")]
+            for p in files:
+                if not p.is_file():
+                    raise FileNotFoundError(f"data={self.data}: {p} is not a file, a directory, an MDS split, "
+                                            "'builtin' or 'stdlib'")
+            yield from self._text_docs(files)
+
+    def _text_docs(self, files: list[Path]) -> Iterator[np.ndarray]:
+        for p in files:
+            try:
+                text = p.read_text(encoding="utf-8")
+            except UnicodeDecodeError:
+                log.warning("data: skipping %s (not UTF-8 text)", p)
+                continue
+            if text:
+                yield np.asarray(self.tokenizer.encode(text), dtype=np.int64)
+
+
+def _mds_docs(split: Path) -> Iterator[np.ndarray]:
+    """Documents of an MDS split in order (pieces of one ``doc_id`` joined); the source directory is not written."""
+    from data_prep import format as fmt
+    from data_prep.streaming_compat import ensure_streaming_importable
+
+    ensure_streaming_importable()
+    from streaming import StreamingDataset
+
+    # remote=<split>, local=<temp> keeps the source read-only (a local-only dataset decompresses in place).
+    cache = tempfile.mkdtemp(prefix="gca-eval-mds-")
+    try:
+        ds = StreamingDataset(remote=str(split), local=cache, shuffle=False, batch_size=1)
+        doc_id, pieces = None, []
+        for i in range(ds.num_samples):
+            item = ds.get_item(i)
+            if item[fmt.DOC_ID] != doc_id and pieces:
+                yield np.concatenate(pieces)
+                pieces = []
+            doc_id = item[fmt.DOC_ID]
+            pieces.append(np.asarray(item[fmt.TOKENS], dtype=np.int64))
+        if pieces:
+            yield np.concatenate(pieces)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)

@@ -1,0 +1,115 @@
+"""lm-evaluation-harness adapter: ``@register_model("gca")``, so downstream jobs can run
+``python -m pipeline.evaluation --model gca --model_args checkpoint=<export dir> --tasks <task>``.
+
+Importing this module registers the model (the stock ``lm_eval`` command has no plugin hook for models, hence
+the ``python -m pipeline.evaluation`` wrapper, which is ``lm_eval`` with this import done first). Requests are
+scored one at a time through the streaming path, so long documents cost bounded memory. Every sequence starts
+with the tokenizer's EOS as a start token (a newline for the byte tokenizer, which has none), so the first real
+token is scored too.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+from tqdm import tqdm
+
+from pipeline.evaluation.generate import generate
+from pipeline.evaluation.runtime import load_checkpoint, stream_segments, stream_state
+
+log = logging.getLogger(__name__)
+
+
+@register_model("gca")
+class GCALM(LM):
+    """Model args: ``checkpoint`` (export dir), ``device``, ``segment``, ``max_gen_toks``, ``offload_mb``,
+    ``attn_backend``; ``batch_size`` / ``max_batch_size`` are accepted and ignored (one request at a time)."""
+
+    def __init__(
+        self,
+        checkpoint: str,
+        device: str | None = "cpu",
+        segment: int = 4096,
+        max_gen_toks: int = 256,
+        offload_mb: int = -1,
+        attn_backend: str | None = None,
+        batch_size: int | str | None = None,
+        max_batch_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        device = device or "cpu"
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            # The lm_eval CLI passes cuda:0 whenever --device is not given; say so rather than crash on a CPU box.
+            log.warning("device=%s was asked for but CUDA is not available; running on cpu", device)
+            device = "cpu"
+        self.ckpt = load_checkpoint(checkpoint, device, attn_backend)
+        self.model, self.tok = self.ckpt.model, self.ckpt.tokenizer
+        self._device = next(self.model.parameters()).device
+        self.segment, self.max_gen_toks, self.offload_mb = int(segment), int(max_gen_toks), int(offload_mb)
+        self.start_id = self.tok.eos_id if self.tok.eos_id is not None else self.tok.encode("\n")[0]
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.tok.name
+
+    def _logprobs(self, ids: list[int], first: int) -> tuple[float, bool]:
+        """Sum of log p(ids[t] | ids[:t]) for ``t >= first``, and whether each of those tokens is the argmax."""
+        inputs = torch.tensor([ids[:-1]], device=self._device)
+        total, greedy = 0.0, True
+        with stream_state(self.model, self.offload_mb, None) as state:
+            for start, logits in stream_segments(self.model, state, inputs, self.segment):
+                lo = max(first - 1 - start, 0)  # logits[:, j] predicts ids[start + j + 1]
+                if lo >= logits.shape[1]:
+                    continue
+                logp = F.log_softmax(logits[0, lo:].float(), dim=-1)
+                target = torch.tensor(ids[start + lo + 1 : start + logits.shape[1] + 1], device=self._device)
+                total += logp.gather(-1, target[:, None]).sum().item()
+                greedy = greedy and bool((logp.argmax(-1) == target).all())
+        return total, greedy
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        out = []
+        for req in tqdm(requests, disable=disable_tqdm, desc="gca loglikelihood"):
+            context, continuation = req.args
+            # Encode separately so the continuation tokens are exactly the ones scored.
+            ctx = [self.start_id] + self.tok.encode(context)
+            cont = self.tok.encode(continuation)
+            out.append(self._logprobs(ctx + cont, len(ctx)))
+        return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        out = []
+        for req in tqdm(requests, disable=disable_tqdm, desc="gca loglikelihood_rolling"):
+            ids = [self.start_id] + self.tok.encode(req.args[0])
+            out.append(self._logprobs(ids, 1)[0])  # one streamed pass: no windowing needed at any length
+        return out
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        out = []
+        for req in tqdm(requests, disable=disable_tqdm, desc="gca generate_until"):
+            context, kwargs = req.args
+            until = kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            sampling = bool(kwargs.get("do_sample", False))
+            ids, text = [], ""
+            for token in generate(self.model, [self.start_id] + self.tok.encode(context),
+                                  int(kwargs.get("max_gen_toks", self.max_gen_toks)),
+                                  temperature=float(kwargs.get("temperature", 1.0)) if sampling else 0.0,
+                                  top_k=int(kwargs.get("top_k", 0) or 0), top_p=float(kwargs.get("top_p", 1.0) or 1.0),
+                                  seed=int(kwargs.get("seed", 0) or 0),
+                                  stop_ids=(self.tok.eos_id,) if self.tok.eos_id is not None else (),
+                                  segment=self.segment, offload_mb=self.offload_mb):
+                if token == self.tok.eos_id:
+                    break
+                ids.append(token)
+                text = self.tok.decode(ids)
+                if any(stop in text for stop in until):
+                    break
+            for stop in until:
+                text = text.split(stop)[0]
+            out.append(text)
+        return out

@@ -1,0 +1,237 @@
+"""Passkey / needle-in-a-haystack retrieval (GCA-SPEC §5.2), with the script bugs of §6 item 18 fixed.
+
+A sample of ``length`` tokens is a haystack window with the needle(s), the question and the answer written over
+it, laid out on the model's chunks exactly like the trainer's needle mix (``pipeline.needle.place_needle``): the
+question's last token is the first token of a chunk near the end (so the answer is predicted by a chunk whose
+retrieval the question's landmark triggered, GCA-SPEC §5.2), and the key-bearing needle starts at
+``round(depth * room)`` (``room`` = latest start before the question), moved left by less than a chunk if it
+would straddle two chunks. Depth 0 is the start, depth 1 right before the question. Other needles (distractors,
+hop links) go at seeded random free spots. Everything is seeded per (seed, length, depth, sample).
+
+Scoring: the input stops right before the answer, so no answer token is ever in the input before it is
+predicted; the model then decodes greedily, feeding back its *own* predictions. ``accuracy`` = the first answer
+token is right; ``exact_match`` = all answer tokens are. Leading answer tokens that are pure whitespace (e.g. the
+space before the digits) are moved into the question: they are the same for every key and would make the first
+token trivially predictable.
+
+Variants (templates overridable with ``needle``, ``question``, ``answer``, ``link``):
+- ``single``: one pass-key needle (the trainer's needle-mix texts, ``pipeline/needle.py``);
+- ``multi``: ``needles`` key/value needles with distinct names; the question asks for one of them;
+- ``multihop``: chains ``name -> next name -> key`` (a link needle plus a key needle); the question names the
+  chain's start, so the key needle is found only by following the link (needs >= 2 retrieval groups in GCA).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pipeline.evaluation.haystack import TokenSource
+from pipeline.evaluation.runtime import stream_segments, stream_state
+from pipeline.evaluation.tokenizer import ByteTokenizer, SentencePieceTokenizer
+from pipeline.needle import ANSWER, NEEDLE, QUESTION, place_needle
+
+log = logging.getLogger(__name__)
+
+VARIANTS = ("single", "multi", "multihop")
+TEMPLATES = {
+    "single": {"needle": NEEDLE, "question": QUESTION, "answer": ANSWER, "link": ""},
+    "multi": {
+        "needle": " One of the special magic numbers for {name} is {key}. ",
+        "question": " What is the special magic number for {name}? The special magic number for {name} is",
+        "answer": " {key}",
+        "link": "",
+    },
+    "multihop": {
+        "needle": " The special magic number for {name} is {key}. ",
+        "question": " Where does {name} lead? The special magic number there is",
+        "answer": " {key}",
+        "link": " {name} leads to {next}. ",
+    },
+}
+_SYLLABLES = ("ka", "lo", "mi", "ru", "te", "zo", "ven", "dar", "qui", "sol", "mer", "tav", "xen", "bri", "gol")
+
+
+@dataclass
+class PasskeySample:
+    ids: np.ndarray
+    """``[length]`` token ids: haystack with needles, question and answer written over it (haystack after)."""
+    answer_start: int
+    """Index of the first answer token; the model's input is ``ids[:answer_start]``."""
+    answer_len: int
+    needle_start: int
+    """Index of the key-bearing needle's first token."""
+    needle_len: int
+    room: int
+    """Latest possible start of the key-bearing needle; depth d puts it at ``round(d * room)``."""
+    key: str
+
+
+@dataclass
+class NeedleSpec:
+    """What to hide and ask; ``None`` templates take the variant's default."""
+
+    variant: str = "single"
+    needle: str | None = None
+    question: str | None = None
+    answer: str | None = None
+    link: str | None = None
+    needles: int = 4
+    """multi: needles in the haystack (one asked for); multihop: 2 x (needles // 2) needles in chains."""
+    key_digits: int = 5
+
+    def template(self, part: str) -> str:
+        value = getattr(self, part)
+        return TEMPLATES[self.variant][part] if value is None else value
+
+
+def _render(spec: NeedleSpec, part: str, **values: str) -> str:
+    text = spec.template(part)
+    try:
+        return text.format(**values)
+    except (KeyError, IndexError) as err:
+        raise ValueError(f"{part}={text!r}: unknown placeholder {err} for variant={spec.variant} "
+                         f"(available: {', '.join('{' + k + '}' for k in values)})") from None
+
+
+def _name(rng: np.random.Generator, taken: set[str]) -> str:
+    while True:
+        name = "".join(rng.choice(_SYLLABLES, size=3)).capitalize()
+        if name not in taken:
+            taken.add(name)
+            return name
+
+
+def build_sample(
+    source: TokenSource,
+    tokenizer: SentencePieceTokenizer | ByteTokenizer,
+    spec: NeedleSpec,
+    length: int,
+    depth: float,
+    rng: np.random.Generator,
+    chunk_size: int,
+) -> PasskeySample:
+    """One passkey sequence of ``length`` tokens, laid out on the model's chunks (``pipeline.needle.place_needle``).
+
+    Raises:
+        ValueError: ``length`` cannot hold the needles, question and answer; a template is malformed.
+    """
+    enc = tokenizer.encode
+
+    def new_key() -> str:
+        return str(int(rng.integers(10 ** (spec.key_digits - 1), 10**spec.key_digits)))
+
+    key = new_key()
+    names: set[str] = set()
+    target_name = _name(rng, names)
+    if spec.variant == "single":
+        target = enc(_render(spec, "needle", key=key))
+        others: list[list[int]] = []
+        question = enc(_render(spec, "question"))
+    elif spec.variant == "multi":
+        target = enc(_render(spec, "needle", name=target_name, key=key))
+        others = [enc(_render(spec, "needle", name=_name(rng, names), key=new_key())) for _ in range(spec.needles - 1)]
+        question = enc(_render(spec, "question", name=target_name))
+    else:
+        middle = _name(rng, names)
+        target = enc(_render(spec, "needle", name=middle, key=key))
+        others = [enc(_render(spec, "link", name=target_name, next=middle))]
+        for _ in range(spec.needles // 2 - 1):  # distractor chains
+            start, end = _name(rng, names), _name(rng, names)
+            others += [enc(_render(spec, "link", name=start, next=end)),
+                       enc(_render(spec, "needle", name=end, key=new_key()))]
+        question = enc(_render(spec, "question", name=target_name))
+    answer = enc(_render(spec, "answer", key=key))
+    while len(answer) > 1 and not tokenizer.decode(answer[:1]).strip():
+        question.append(answer.pop(0))
+
+    where = place_needle(length, chunk_size, len(target), len(question), len(answer), depth)
+    ids = source.window(length, rng).astype(np.int64)  # overwritten by needles, question and answer
+    taken = [(where.needle_start, where.needle_start + len(target)), (where.question_start, length)]
+    for needle in others:  # distractors and links: random free spots before the question
+        for _ in range(1000):
+            at = int(rng.integers(0, max(where.question_start - len(needle), 0) + 1))
+            if at + len(needle) <= where.question_start and all(at + len(needle) <= lo or at >= hi for lo, hi in taken):
+                break
+        else:
+            raise ValueError(f"length={length} is too short to place {len(others) + 1} {spec.variant} needles "
+                             "without overlap; use longer lengths or fewer needles")
+        ids[at : at + len(needle)] = needle
+        taken.append((at, at + len(needle)))
+    ids[where.needle_start : where.needle_start + len(target)] = target
+    ids[where.question_start : where.answer_start] = question
+    ids[where.answer_start : where.answer_start + len(answer)] = answer
+    return PasskeySample(ids, where.answer_start, len(answer), where.needle_start, len(target),
+                         where.question_start - len(target), key)
+
+
+def predict_answer(
+    model: torch.nn.Module,
+    sample: PasskeySample,
+    segment: int,
+    offload_mb: int = -1,
+    offload_dir: str | None = None,
+    on_tokens: Callable[[int], None] | None = None,
+) -> list[int]:
+    """Greedy prediction of the answer tokens: stream ``ids[:answer_start]``, then feed back own predictions."""
+    device = next(model.parameters()).device
+    prefix = torch.from_numpy(sample.ids[: sample.answer_start])[None].to(device)
+    n_answer = sample.answer_len
+    with stream_state(model, offload_mb, offload_dir) as state:
+        for _, logits in stream_segments(model, state, prefix, segment, on_tokens):
+            last = logits[:, -1]
+        predictions = []
+        for i in range(n_answer):
+            token = int(last.argmax(-1)[0])
+            predictions.append(token)
+            if i + 1 < n_answer:
+                with torch.inference_mode():
+                    last = model.forward_stream(torch.tensor([[token]], device=device), state)[:, -1]
+                if on_tokens is not None:
+                    on_tokens(1)
+    return predictions
+
+
+def evaluate_passkey(
+    model: torch.nn.Module,
+    tokenizer: SentencePieceTokenizer | ByteTokenizer,
+    source: TokenSource,
+    spec: NeedleSpec,
+    lengths: list[int],
+    depths: list[float],
+    samples: int,
+    seed: int,
+    segment: int,
+    chunk_size: int,
+    offload_mb: int = -1,
+    offload_dir: str | None = None,
+    progress: Callable[[int, int], Callable[[int], None]] | None = None,
+) -> list[dict]:
+    """Rows ``{"length", "depth", "accuracy", "exact_match", "n", "seconds", "tokens_per_s"}`` per (length, depth)."""
+    rows = []
+    for length in lengths:
+        on_tokens = progress(length, len(depths) * samples * length) if progress else None  # approximate
+        for d, depth in enumerate(depths):
+            hits = exact = 0
+            t0 = time.perf_counter()
+            for s in range(samples):
+                rng = np.random.default_rng([seed, length, d, s])
+                sample = build_sample(source, tokenizer, spec, length, depth, rng, chunk_size)
+                predicted = predict_answer(model, sample, segment, offload_mb, offload_dir, on_tokens)
+                answer = sample.ids[sample.answer_start : sample.answer_start + sample.answer_len].tolist()
+                hits += predicted[0] == answer[0]
+                exact += predicted == answer
+                log.debug("length=%d depth=%.2f key=%s predicted=%r", length, depth, sample.key,
+                          tokenizer.decode(predicted))
+            seconds = time.perf_counter() - t0
+            rows.append({"length": length, "depth": depth, "accuracy": hits / samples,
+                         "exact_match": exact / samples, "n": samples, "seconds": round(seconds, 3),
+                         "tokens_per_s": round(samples * length / seconds, 1)})
+            log.info("passkey length=%d depth=%.2f: accuracy %.3f, exact %.3f", length, depth, hits / samples,
+                     exact / samples)
+    return rows

@@ -1,0 +1,94 @@
+"""The passkey protocol: needle at the requested depth, no answer leak, oracle = 100 %, random = chance."""
+
+import numpy as np
+import pytest
+
+from pipeline.evaluation.haystack import TokenSource
+from pipeline.evaluation.passkey import NeedleSpec, build_sample, evaluate_passkey, predict_answer
+from pipeline.evaluation.tokenizer import ByteTokenizer
+from pipeline.needle import NEEDLE
+
+from eval_stubs import InductionOracle, RandomDigits, Recorder
+
+TOK = ByteTokenizer()
+
+
+@pytest.fixture(scope="module")
+def source():
+    return TokenSource("builtin", TOK, seed=0)
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.3, 0.5, 1.0])
+def test_single_needle_at_requested_depth(source, depth):
+    sample = build_sample(source, TOK, NeedleSpec("single"), 2000, depth, np.random.default_rng(1), 16)
+    assert len(sample.ids) == 2000
+    assert (sample.answer_start - 1) % 16 == 0  # the question's last token opens a chunk, as in training
+    assert 0 <= round(depth * sample.room) - sample.needle_start < 16
+    if sample.needle_len <= 16:  # a needle that fits a chunk never straddles two
+        assert sample.needle_start // 16 == (sample.needle_start + sample.needle_len - 1) // 16
+    needle = TOK.decode(sample.ids[sample.needle_start : sample.needle_start + sample.needle_len].tolist())
+    assert needle == NEEDLE.format(key=sample.key)  # the trainer's needle-mix text
+    answer_end = sample.answer_start + sample.answer_len
+    assert TOK.decode(sample.ids[sample.answer_start - 40 : answer_end].tolist()).endswith(f"key is {sample.key}")
+    # the space before the digits went into the question: the scored answer is the key itself
+    assert TOK.decode(sample.ids[sample.answer_start : answer_end].tolist()) == sample.key
+
+
+@pytest.mark.parametrize("variant", ["multi", "multihop"])
+def test_multi_variants_layout(source, variant):
+    spec = NeedleSpec(variant, needles=4)
+    sample = build_sample(source, TOK, spec, 3000, 0.5, np.random.default_rng(2), 16)
+    text = TOK.decode(sample.ids.tolist())
+    assert len(sample.ids) == 3000
+    assert text.count(sample.key) == 2  # once in its needle, once as the answer
+    assert text.count("special magic number") == (4 + 2 if variant == "multi" else 2 + 1)  # needles + question
+    if variant == "multihop":
+        assert text.count(" leads to ") == 2  # target chain + one distractor chain
+    needle = TOK.decode(sample.ids[sample.needle_start : sample.needle_start + sample.needle_len].tolist())
+    assert sample.key in needle
+
+
+def test_answer_never_in_the_input(source):
+    model = Recorder()
+    sample = build_sample(source, TOK, NeedleSpec("single"), 1500, 0.5, np.random.default_rng(3), 16)
+    predicted = predict_answer(model, sample, segment=256)
+    fed = model.last_state.seen
+    assert fed[: sample.answer_start] == sample.ids[: sample.answer_start].tolist()
+    # after the prefix, only the model's own predictions were fed back (all but the last one)
+    assert fed[sample.answer_start :] == predicted[:-1]
+    assert len(fed) == sample.answer_start + sample.answer_len - 1
+
+
+@pytest.mark.parametrize("variant", ["single", "multi"])
+def test_copying_oracle_scores_100(source, variant):
+    rows = evaluate_passkey(InductionOracle(), TOK, source, NeedleSpec(variant), lengths=[512, 2048],
+                            depths=[0.0, 0.5, 1.0], samples=3, seed=0, segment=300, chunk_size=16)
+    assert [(r["length"], r["depth"]) for r in rows] == [(L, d) for L in (512, 2048) for d in (0.0, 0.5, 1.0)]
+    assert all(r["accuracy"] == 1.0 and r["exact_match"] == 1.0 and r["n"] == 3 for r in rows)
+
+
+def test_random_model_scores_chance(source):
+    rows = evaluate_passkey(RandomDigits(), TOK, source, NeedleSpec("single"), lengths=[160], depths=[0.5],
+                            samples=300, seed=0, segment=4096, chunk_size=16)
+    # first key digit is uniform over 1..9, the guess over 0..9: expected accuracy 0.1, 300 draws
+    assert 0.04 < rows[0]["accuracy"] < 0.17
+    assert rows[0]["exact_match"] < 0.01
+
+
+def test_length_too_short_for_needle(source):
+    with pytest.raises(ValueError, match="a sequence of 64 tokens cannot hold a passkey needle"):
+        build_sample(source, TOK, NeedleSpec("single"), 64, 0.5, np.random.default_rng(0), 16)
+
+
+def test_short_corpus_is_an_error(tmp_path):
+    corpus = tmp_path / "book.txt"
+    corpus.write_text("A short book. " * 50)
+    src = TokenSource(str(corpus), TOK)
+    with pytest.raises(ValueError, match="fewer than the .* haystack tokens"):
+        build_sample(src, TOK, NeedleSpec("single"), 4096, 0.5, np.random.default_rng(0), 16)
+    build_sample(src, TOK, NeedleSpec("single"), 600, 0.5, np.random.default_rng(0), 16)  # fits
+
+
+def test_bad_template_names_the_key(source):
+    with pytest.raises(ValueError, match="needle=.*unknown placeholder"):
+        build_sample(source, TOK, NeedleSpec("single", needle="key {kye}"), 512, 0.5, np.random.default_rng(0), 16)
