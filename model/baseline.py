@@ -46,10 +46,14 @@ class SlidingWindowLM(nn.Module):
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
         return GCAOutput(logits=logits, loss=loss)
 
-    def forward_stream(self, input_ids: torch.Tensor, state: StreamState) -> torch.Tensor:
-        return self._step(input_ids, state)
+    def forward_stream(
+        self, input_ids: torch.Tensor, state: StreamState, last_logits: int | None = None
+    ) -> torch.Tensor:
+        return self._step(input_ids, state, last_logits)
 
-    def _step(self, input_ids: torch.Tensor, state: StreamState | None) -> torch.Tensor:
+    def _step(
+        self, input_ids: torch.Tensor, state: StreamState | None, last_logits: int | None = None
+    ) -> torch.Tensor:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens]; got shape {tuple(input_ids.shape)}")
         h = self.embed(input_ids)  # [B, T, d_model]
@@ -58,6 +62,8 @@ class SlidingWindowLM(nn.Module):
             h = layer(h, cache)
         if state is not None:
             state.n_tokens += input_ids.shape[1]
+        if last_logits is not None:
+            h = h[:, max(0, h.shape[1] - last_logits) :]
         return F.linear(self.norm(h), self.embed.weight)
 
 

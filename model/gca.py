@@ -173,11 +173,16 @@ class GCAForCausalLM(nn.Module):
             )
         return GCAOutput(logits=logits, loss=loss)
 
-    def forward_stream(self, input_ids: torch.Tensor, state: StreamState) -> torch.Tensor:
-        """Continue the sequence in ``state`` with ``input_ids [B, t]``; returns their logits ``[B, t, V]``."""
-        return self._step(input_ids, state)
+    def forward_stream(
+        self, input_ids: torch.Tensor, state: StreamState, last_logits: int | None = None
+    ) -> torch.Tensor:
+        """Continue the sequence in ``state`` with ``input_ids [B, t]``; returns their logits ``[B, t, V]``, or only
+        those of the last ``last_logits`` tokens (the LM head dominates the cost of streaming a long prefix)."""
+        return self._step(input_ids, state, last_logits)
 
-    def _step(self, input_ids: torch.Tensor, state: StreamState | None) -> torch.Tensor:
+    def _step(
+        self, input_ids: torch.Tensor, state: StreamState | None, last_logits: int | None = None
+    ) -> torch.Tensor:
         cfg = self.cfg
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens]; got shape {tuple(input_ids.shape)}")
@@ -202,7 +207,8 @@ class GCAForCausalLM(nn.Module):
 
         if state is not None:
             state.n_tokens += T
-        h = self.norm(x[:, layout.token_pos])  # [B, T, d_model]
+        token_pos = layout.token_pos if last_logits is None else layout.token_pos[max(0, T - last_logits) :]
+        h = self.norm(x[:, token_pos])  # [B, T, d_model]
         return F.linear(h, self.embed.weight)  # tied LM head
 
     def _encode_chunks(

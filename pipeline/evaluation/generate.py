@@ -61,7 +61,7 @@ def generate(
     generator = torch.Generator().manual_seed(seed)
     with stream_state(model, offload_mb, offload_dir) as state:
         ids = torch.tensor([prompt], device=device)
-        for _, logits in stream_segments(model, state, ids, segment):
+        for _, logits in stream_segments(model, state, ids, segment, last_only=True):
             last = logits[0, -1]
         for i in range(max_new_tokens):
             token = sample_token(last, temperature, top_k, top_p, generator)

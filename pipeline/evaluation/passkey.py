@@ -183,7 +183,7 @@ def predict_answer(
     prefix = torch.from_numpy(sample.ids[: sample.answer_start])[None].to(device)
     n_answer = sample.answer_len
     with stream_state(model, offload_mb, offload_dir) as state:
-        for _, logits in stream_segments(model, state, prefix, segment, on_tokens):
+        for _, logits in stream_segments(model, state, prefix, segment, on_tokens, last_only=True):
             last = logits[:, -1]
         predictions = []
         for i in range(n_answer):

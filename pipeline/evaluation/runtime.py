@@ -66,12 +66,14 @@ def stream_segments(
     ids: torch.Tensor,
     segment: int,
     on_tokens: Callable[[int], None] | None = None,
+    last_only: bool = False,
 ) -> Iterator[tuple[int, torch.Tensor]]:
-    """Feed ``ids [B, T]`` in segments of ``segment`` tokens; yield ``(start, logits [B, t, V])`` per segment."""
+    """Feed ``ids [B, T]`` in segments of ``segment`` tokens; yield ``(start, logits [B, t, V])`` per segment
+    (``[B, 1, V]``, the segment's last position, with ``last_only``: skips the LM head for the rest)."""
     for start in range(0, ids.shape[1], segment):
         piece = ids[:, start : start + segment]
         with torch.inference_mode():
-            logits = model.forward_stream(piece, state)
+            logits = model.forward_stream(piece, state, last_logits=1 if last_only else None)
         if on_tokens is not None:
             on_tokens(piece.shape[1])
         yield start, logits

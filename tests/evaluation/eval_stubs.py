@@ -16,9 +16,9 @@ class _Stub(nn.Module):
     def new_stream_state(self, memory=None):
         return SimpleNamespace(seen=[])
 
-    def forward_stream(self, ids, state):
+    def forward_stream(self, ids, state, last_logits=None):
         state.seen.extend(ids[0].tolist())
-        logits = torch.zeros(1, ids.shape[1], self.vocab)
+        logits = torch.zeros(1, ids.shape[1] if last_logits is None else min(last_logits, ids.shape[1]), self.vocab)
         logits[0, -1, self.next_token(state.seen)] = 1.0  # only the last row is ever scored
         return logits
 

@@ -177,3 +177,16 @@ def test_config_errors_name_the_key(overrides, key):
 def test_config_from_dict_rejects_unknown_keys():
     with pytest.raises(ConfigError, match="model.chunk_len"):
         GCAConfig.from_dict({**tiny_config().to_dict(), "chunk_len": 64})
+
+
+def test_last_logits_only_is_the_tail_of_the_full_logits():
+    model = trained_model(tiny_config())
+    ids = torch.randint(0, VOCAB, (1, 50))
+    with torch.no_grad():
+        full = model(ids).logits
+        state = model.new_stream_state()
+        head = model.forward_stream(ids[:, :30], state, last_logits=1)
+        tail = model.forward_stream(ids[:, 30:], state, last_logits=5)
+    assert head.shape == (1, 1, VOCAB) and tail.shape == (1, 5, VOCAB)
+    torch.testing.assert_close(head[:, 0], full[:, 29], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(tail, full[:, -5:], rtol=1e-4, atol=1e-4)
