@@ -1,0 +1,145 @@
+"""``make demo``: prep -> DeepSpeed pretraining (2 CPU ranks) of a GCA model and a sliding-window baseline ->
+passkey and perplexity evaluation far beyond the training length -> one results table.
+
+Every stage is a subprocess running the same command a user would type (printed before it runs), and every stage
+is skipped when its output is already complete, so an interrupted demo continues where it stopped. Settings come
+from ``configs/demo/demo.yaml``; the training recipe from the train configs it names.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class EvalSlice:
+    lengths: list[int]
+    samples: int
+    """Samples per (length, depth)."""
+
+
+@dataclass
+class DemoConfig:
+    run_dir: str = "runs/demo"
+    data: str = "data/default"
+    """A complete data-prep output (``make prep``)."""
+    gca_config: str = "configs/demo/gca.yaml"
+    """Train config of the GCA model; the baseline uses it with ``model.arch=swa`` (same data, steps, seed)."""
+    ranks: int = 2
+    """DeepSpeed ranks on this machine (CPU: one per core)."""
+    train_overrides: list[str] = field(default_factory=list)
+    """Extra ``key=value`` overrides for both training runs (e.g. a shorter smoke run)."""
+    models: list[str] = field(default_factory=lambda: ["gca", "baseline"])
+    passkey: list[EvalSlice] = field(default_factory=list)
+    depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    haystack: str = "stdlib"
+    ppl_lengths: list[int] = field(default_factory=lambda: [1024, 4096, 16384])
+    ppl_samples: int = 4
+    seed: int = 0
+
+
+def load_demo_config(path: str | Path, overrides: list[str]) -> DemoConfig:
+    """The YAML merged with ``key=value`` overrides; any problem is one line naming the file or override."""
+    if not Path(path).is_file():
+        raise SystemExit(f"demo config {path} not found")
+    try:
+        schema = OmegaConf.structured(DemoConfig)
+        merged = OmegaConf.merge(schema, OmegaConf.load(path))
+        for item in overrides:
+            try:
+                merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+            except Exception as exc:
+                raise SystemExit(f"bad demo override {item!r}: {str(exc).splitlines()[0]}") from None
+        return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    except SystemExit:
+        raise
+    except Exception as exc:
+        raise SystemExit(f"{path}: {str(exc).splitlines()[0]}") from None
+
+
+class Stages:
+    """Runs the demo's commands, timing each and skipping what is already done."""
+
+    def __init__(self, cfg: DemoConfig) -> None:
+        self.cfg = cfg
+        self.run_dir = ROOT / cfg.run_dir
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.timings_path = self.run_dir / "timings.json"
+        self.timings: dict[str, float] = (
+            json.loads(self.timings_path.read_text()) if self.timings_path.is_file() else {}
+        )
+
+    def run(self, name: str, cmd: list[str], done: Path, env: dict[str, str] | None = None) -> None:
+        if done.exists():
+            log.info("[%s] already done (%s exists); skipping", name, done.relative_to(ROOT))
+            return
+        log.info("[%s] $ %s", name, shlex.join(cmd))
+        t0 = time.perf_counter()
+        result = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env or {})})
+        if result.returncode != 0:
+            raise SystemExit(f"demo stage '{name}' failed with exit code {result.returncode}: {shlex.join(cmd)}")
+        if not done.exists():
+            raise SystemExit(f"demo stage '{name}' finished but did not produce {done}")
+        self.timings[name] = round(time.perf_counter() - t0, 1)
+        self.timings_path.write_text(json.dumps(self.timings, indent=2))
+        log.info("[%s] done in %.0f s", name, self.timings[name])
+
+    def train(self, model: str) -> Path:
+        cfg = self.cfg
+        run_dir = self.run_dir / model
+        overrides = [f"run_dir={run_dir}", f"data.path={ROOT / cfg.data}", *cfg.train_overrides]
+        if model == "baseline":
+            overrides.append("model.arch=swa")
+        cmd = [
+            str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(cfg.ranks),
+            "launch/pretrain.py", "--config", cfg.gca_config, *overrides,
+        ]
+        env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+        export = run_dir / "export"
+        self.run(f"train-{model}", cmd, export / "model.safetensors", env)
+        return export
+
+    def evaluate(self, model: str, export: Path) -> None:
+        cfg = self.cfg
+        common = [f"seed={cfg.seed}", f"data={cfg.haystack}"]
+        for i, part in enumerate(cfg.passkey):
+            out = self.run_dir / "eval" / model / f"passkey_{i}"
+            cmd = [
+                sys.executable, "launch/eval.py", "--checkpoint", str(export), "--task", "passkey", "--out",
+                str(out), f"lengths={part.lengths}", f"samples={part.samples}", f"depths={cfg.depths}", *common,
+            ]
+            self.run(f"passkey-{model}-{i}", cmd, out / "passkey.json", {"OMP_NUM_THREADS": "2"})
+        out = self.run_dir / "eval" / model / "ppl"
+        cmd = [
+            sys.executable, "launch/eval.py", "--checkpoint", str(export), "--task", "ppl", "--out", str(out),
+            f"lengths={cfg.ppl_lengths}", f"samples={cfg.ppl_samples}", f"seed={cfg.seed}",
+            f"data={ROOT / cfg.data}",
+        ]
+        self.run(f"ppl-{model}", cmd, out / "ppl.json", {"OMP_NUM_THREADS": "2"})
+
+
+def main(config: str, overrides: list[str]) -> None:
+    from pipeline.demo_report import write_report
+
+    cfg = load_demo_config(config, overrides)
+    if not (ROOT / cfg.data / "_COMPLETE").is_file():
+        raise SystemExit(f"{cfg.data} is not a complete data-prep output; run `make prep` first")
+    stages = Stages(cfg)
+    exports = {model: stages.train(model) for model in cfg.models}
+    for model, export in exports.items():
+        stages.evaluate(model, export)
+    print(write_report(stages.run_dir, cfg.models, stages.timings))

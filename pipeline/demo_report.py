@@ -1,0 +1,116 @@
+"""Merge the demo's evaluation outputs into ``passkey.json``, ``ppl.json``, plots and ``results.md``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _read(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def collect_passkey(run_dir: Path, models: list[str]) -> tuple[list[dict], int | None]:
+    """One row per (model, length): accuracy and exact match pooled over depths, weighted by samples."""
+    rows, train_len = [], None
+    for model in models:
+        pooled: dict[int, dict[str, float]] = {}
+        for path in sorted((run_dir / "eval" / model).glob("passkey_*/passkey.json")):
+            data = _read(path)
+            train_len = data.get("train_seq_len") or train_len
+            for r in data["results"]:
+                acc = pooled.setdefault(r["length"], {"hits": 0.0, "exact": 0.0, "n": 0, "seconds": 0.0})
+                acc["hits"] += r["accuracy"] * r["n"]
+                acc["exact"] += r["exact_match"] * r["n"]
+                acc["n"] += r["n"]
+                acc["seconds"] += r.get("seconds", 0.0)
+        for length in sorted(pooled):
+            p = pooled[length]
+            rows.append({
+                "model": model, "length": length, "accuracy": p["hits"] / p["n"],
+                "exact_match": p["exact"] / p["n"], "n": int(p["n"]), "seconds": round(p["seconds"], 1),
+            })
+    return rows, train_len
+
+
+def collect_ppl(run_dir: Path, models: list[str]) -> list[dict]:
+    rows = []
+    for model in models:
+        path = run_dir / "eval" / model / "ppl" / "ppl.json"
+        if path.is_file():
+            rows += [{"model": model, **{k: r[k] for k in ("length", "ppl", "n")}} for r in _read(path)["results"]]
+    return rows
+
+
+def _plot(rows: list[dict], metric: str, ylabel: str, train_len: int | None, path: Path, log_y: bool = False) -> None:
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        ax.plot([r["length"] for r in mine], [r[metric] for r in mine], marker="o", label=model)
+    if train_len:
+        ax.axvline(train_len, color="gray", linestyle="--", label=f"training length {train_len}")
+    ax.set_xscale("log", base=2)
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _short(n: int) -> str:
+    for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+def _table(rows: list[dict], models: list[str]) -> str:
+    lengths = sorted({r["length"] for r in rows})
+    cell = {(r["model"], r["length"]): r for r in rows}
+    head = "| model | " + " | ".join(_short(n) for n in lengths) + " |"
+    lines = [head, "|---" * (len(lengths) + 1) + "|"]
+    for model in models:
+        cells = []
+        for n in lengths:
+            r = cell.get((model, n))
+            cells.append("–" if r is None else f"{100 * r['accuracy']:.0f}% ({100 * r['exact_match']:.0f}%, n={r['n']})")
+        lines.append(f"| {model} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_report(run_dir: Path, models: list[str], timings: dict[str, float]) -> str:
+    """Write the merged JSONs, plots and ``results.md``; return the markdown (also printed by the demo)."""
+    passkey, train_len = collect_passkey(run_dir, models)
+    ppl = collect_ppl(run_dir, models)
+    (run_dir / "passkey.json").write_text(json.dumps({"train_seq_len": train_len, "results": passkey}, indent=2))
+    (run_dir / "ppl.json").write_text(json.dumps({"train_seq_len": train_len, "results": ppl}, indent=2))
+    if passkey:
+        _plot(passkey, "accuracy", "passkey accuracy (first answer token)", train_len, run_dir / "passkey.png")
+    if ppl:
+        _plot(ppl, "ppl", "perplexity", train_len, run_dir / "ppl.png", log_y=True)
+    ppl_lines = ["| model | " + " | ".join(_short(r["length"]) for r in ppl if r["model"] == models[0]) + " |"]
+    ppl_lines.append("|---" * (1 + sum(r["model"] == models[0] for r in ppl)) + "|")
+    for model in models:
+        ppl_lines.append(f"| {model} | " + " | ".join(f"{r['ppl']:.2f}" for r in ppl if r["model"] == model) + " |")
+    timing_lines = [f"| {name} | {seconds:.0f} s |" for name, seconds in timings.items()]
+    report = "\n".join([
+        "# make demo results", "",
+        f"Passkey retrieval, accuracy of the first answer token (all answer tokens in brackets); "
+        f"models trained on {train_len}-token sequences.", "",
+        _table(passkey, models), "",
+        "Perplexity on the validation split (non-overlapping windows of each length).", "",
+        *ppl_lines, "",
+        "Stage timings.", "", "| stage | wall time |", "|---|---|", *timing_lines,
+        f"| total | {sum(timings.values()):.0f} s |", "",
+    ])
+    (run_dir / "results.md").write_text(report)
+    return report
