@@ -24,6 +24,7 @@ These names are imported by the pipeline; keep them stable, and bump `FORMAT_VER
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ __all__ = [
     "Manifest",
     "SplitStats",
     "TokenizerInfo",
+    "is_prep_temporary",
     "manifest_from_dict",
     "mds_columns",
     "read_manifest",
@@ -62,6 +64,15 @@ _UINT16_MAX_VOCAB = 1 << 16
 
 class IncompleteDatasetError(RuntimeError):
     """The directory is not a completed prepared dataset (missing or mismatched `_COMPLETE` marker)."""
+
+
+_PREP_TEMPORARY = re.compile(r"\..+\.(tmp|old)-\d+")
+
+
+def is_prep_temporary(path: str | Path) -> bool:
+    """Whether ``path`` is named like data prep's work directories (``.<output>.tmp-<pid>`` while writing,
+    ``.<output>.old-<pid>`` while replacing): a leftover of an interrupted run, never a dataset to train on."""
+    return _PREP_TEMPORARY.fullmatch(Path(path).name) is not None
 
 
 def token_dtype_for_vocab(vocab_size: int) -> str:

@@ -9,15 +9,26 @@ Each rank reads the whole global batch (for the paper config about 1 MB of token
 cost next to a training step.
 
 The ``StreamingDataset`` is used only as a random-access reader (local directory or remote URL, with its shard
-cache and hash validation); its own rank partitioning is not used, for the reason above.
+cache); its own rank partitioning is not used, for the reason above.
+
+Untrusted input is checked before use. ``index.json`` is read and validated before ``StreamingDataset`` sees
+it: a shard path that could leave the split directory (``../x``, ``/x``) raises ``UnsafeShardPathError`` before
+any shard file is opened or created, and a pickle column raises ``UnsafeColumnError`` (pickle runs code). Each
+shard's file is hashed against ``index.json`` the first time this process reads it, whether it was just
+extracted or left by an earlier run (``ShardCorruptError`` names the file). ``dataset_fingerprint`` is a content
+hash of the split's index (which lists every shard's hash) and the tokenizer; the trainer stores it in each
+checkpoint and refuses to resume on other data.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import os
+import re
 from dataclasses import asdict, dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
@@ -33,6 +44,71 @@ def is_remote(path: str) -> bool:
     return "://" in path
 
 
+class UnsafeDatasetError(ValueError):
+    """A dataset index asks for something this reader refuses to do."""
+
+
+class UnsafeShardPathError(UnsafeDatasetError):
+    """A shard file name in ``index.json`` is not a plain relative path inside the split directory."""
+
+
+class UnsafeColumnError(UnsafeDatasetError):
+    """A column uses an encoding that runs code when decoded (pickle)."""
+
+
+class ShardCorruptError(ValueError):
+    """A shard file's hash differs from the one ``index.json`` recorded at write time."""
+
+
+class DataFingerprintError(ValueError):
+    """The dataset differs from the one the checkpoint was trained on."""
+
+
+_SAFE_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
+_UNSAFE_ENCODINGS = ("pkl",)
+_HASH_PREFERENCE = ("xxh3_64", "xxh64", "xxh128", "xxh3_128", "sha256", "sha1", "md5")
+"""Order in which a shard hash is picked when ``data.validate_hash`` is unset: fastest first."""
+
+
+def check_shard_path(name: object, where: str) -> str:
+    """``name`` if it is a relative POSIX path of plain parts (letters, digits, ``_ . -``; no ``..``, no leading
+    ``.``, no ``/`` at the start, no backslash) -- so it cannot leave the split directory -- else raise.
+
+    Raises:
+        UnsafeShardPathError: naming ``where`` and the offending name.
+    """
+    parts = PurePosixPath(name).parts if isinstance(name, str) else ()
+    if not parts or name != "/".join(parts) or not all(_SAFE_PART.fullmatch(p) for p in parts):
+        raise UnsafeShardPathError(f"{where}: shard file name {name!r} is not a plain relative path inside the "
+                                   "split directory (path traversal?); refusing the dataset before opening any shard")
+    return str(name)
+
+
+def check_index(index: Any, where: str) -> None:
+    """Validate an MDS ``index.json`` object before any shard is touched: every shard file name is a safe
+    relative path (`check_shard_path`) and no column uses an unsafe (pickle) encoding."""
+    if not isinstance(index, dict) or not isinstance(index.get("shards"), list):
+        raise UnsafeDatasetError(f"{where}: not an MDS index (no 'shards' list)")
+    for i, shard in enumerate(index["shards"]):
+        if not isinstance(shard, dict):
+            raise UnsafeDatasetError(f"{where}: shard {i} is not an object")
+        for key in ("raw_data", "zip_data", "raw_meta", "zip_meta"):
+            info = shard.get(key)
+            if info is not None:
+                check_shard_path(info.get("basename") if isinstance(info, dict) else info, f"{where}: shard {i} {key}")
+        for name, encoding in zip(shard.get("column_names", []), shard.get("column_encodings", [])):
+            if str(encoding).split(":")[0] in _UNSAFE_ENCODINGS:
+                raise UnsafeColumnError(f"{where}: shard {i} column {name!r} has encoding {encoding!r}, which "
+                                        "unpickles (runs code) on read; the trainer never reads such columns")
+
+
+def _hash_file(algo: str, path: str) -> str:
+    from streaming.base.hashing import get_hash
+
+    with open(path, "rb") as f:
+        return get_hash(algo, f.read())
+
+
 class MDSReader:
     """Random access to one split of a prepared dataset, through ``streaming.StreamingDataset``.
 
@@ -40,7 +116,8 @@ class MDSReader:
         root: dataset directory or remote URL (``s3://...``, ``gs://...``, ``https://...``).
         split: sub-directory (``train`` / ``val``).
         cache_dir: local shard cache for a remote root (ignored for a local one, which is read in place).
-        validate_hash: hash algorithm checked when a shard is read, if data prep recorded it.
+        validate_hash: hash algorithm checked on every shard file before its first read in this process; by
+            default the fastest one data prep recorded. A shard with no recorded hash is read unchecked (warned).
     """
 
     def __init__(self, root: str, split: str, cache_dir: str | None, validate_hash: str | None = None) -> None:
@@ -51,26 +128,100 @@ class MDSReader:
             remote: str | None = root.rstrip("/") + "/" + split
             cache_root = Path(cache_dir or "data_cache")
             local = str(cache_root / hashlib.sha256(remote.encode()).hexdigest()[:16] / split)
+            self.index_path = self._fetch_index(str(remote), local)
         else:
             remote, local = None, str(Path(root) / split)
-            if not (Path(local) / "index.json").is_file():
+            self.index_path = Path(local) / "index.json"
+            if not self.index_path.is_file():
                 raise FileNotFoundError(f"data.path: no MDS split at {local} (index.json missing); run data prep "
                                         f"first or fix data.path / data.{split}_split")
+        self.local = local
+        index = json.loads(self.index_path.read_text())
+        check_index(index, str(self.index_path))  # before StreamingDataset opens, creates or deletes any file
+        self.hash_algo = self._pick_hash(index["shards"], validate_hash)
         self.dataset = StreamingDataset(remote=remote, local=local, shuffle=False, batch_size=1,
-                                        validate_hash=validate_hash, allow_unsafe_types=False)
+                                        validate_hash=self.hash_algo, allow_unsafe_types=False)
         self.samples_per_shard = np.asarray(self.dataset.samples_per_shard, dtype=np.int64)
         self.shard_offsets = np.asarray(self.dataset.sample_offset_per_shard, dtype=np.int64)
         if int(self.samples_per_shard.sum()) == 0:
             raise ValueError(f"data split {root}/{split} holds no samples")
+        self._verified: set[int] = set()
+
+    @staticmethod
+    def _fetch_index(remote: str, local: str) -> Path:
+        """Download a remote split's index.json into the cache (once), so it is validated before streaming uses it."""
+        path = Path(local) / "index.json"
+        if not path.is_file():
+            from streaming.base.storage.download import CloudDownloader
+
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"index.json.tmp-{os.getpid()}")
+            CloudDownloader.get(remote).download(remote + "/index.json", str(tmp), 60)
+            os.replace(tmp, path)
+        return path
+
+    def _pick_hash(self, shards: list[dict], requested: str | None) -> str | None:
+        def recorded(shard: dict) -> set[str]:
+            infos = [shard.get(k) for k in ("raw_data", "zip_data") if shard.get(k)]
+            return set.intersection(*(set(i.get("hashes", {})) for i in infos)) if infos else set()
+
+        common = set.intersection(*(recorded(s) for s in shards)) if shards else set()
+        if requested is not None:
+            if shards and requested not in common:
+                raise ValueError(f"data.validate_hash={requested!r}, but {self.index_path} records only "
+                                 f"{sorted(common) or 'no hashes'} for every shard")
+            return requested
+        algo = next((a for a in _HASH_PREFERENCE if a in common), None)
+        if algo is None and shards:
+            log.warning("%s records no shard hash common to all shards; corrupt shards cannot be detected",
+                        self.index_path)
+        return algo
 
     @property
     def num_shards(self) -> int:
         return len(self.samples_per_shard)
 
+    def _verify(self, shard: int) -> None:
+        """Extract/download the shard if needed (streaming checks the archive's hash), then hash the file that
+        will be read, so a shard damaged since an earlier run is caught too."""
+        self.dataset.prepare_shard(shard)
+        if self.hash_algo is not None:
+            for raw, _ in self.dataset.shards[shard].file_pairs:
+                path = os.path.join(self.local, raw.basename)
+                actual, expected = _hash_file(self.hash_algo, path), raw.hashes[self.hash_algo]
+                if actual != expected:
+                    raise ShardCorruptError(
+                        f"Checksum failure: {path}: {self.hash_algo} {actual}, but {self.index_path} records "
+                        f"{expected}; the shard changed since data prep wrote it (delete it to re-extract or "
+                        "re-download it, or re-run data prep)")
+        self._verified.add(shard)
+
     def sample(self, shard: int, index: int) -> tuple[np.ndarray, int]:
         """Token ids and document id of sample ``index`` of shard ``shard``."""
+        if shard not in self._verified:
+            self._verify(shard)
         sample = self.dataset.get_item(int(self.shard_offsets[shard] + index))
         return np.asarray(sample[fmt.TOKENS]), int(sample[fmt.DOC_ID])
+
+
+def dataset_fingerprint(reader: MDSReader, data_path: str) -> dict[str, str | None]:
+    """Content fingerprint of the training data: sha256 of the split's ``index.json`` (which records every
+    shard's hash, size and sample count) and of ``tokenizer.model`` (``None`` when there is none, or remote)."""
+    tokenizer = Path(data_path) / fmt.TOKENIZER_FILENAME
+    has_tokenizer = not is_remote(data_path) and tokenizer.is_file()
+    return {"index_sha256": hashlib.sha256(reader.index_path.read_bytes()).hexdigest(),
+            "tokenizer_sha256": hashlib.sha256(tokenizer.read_bytes()).hexdigest() if has_tokenizer else None}
+
+
+def check_fingerprint(saved: dict[str, Any], current: dict[str, Any], where: str) -> None:
+    """Raise `DataFingerprintError` naming each component that differs (old vs new hash)."""
+    changed = [f"{key}: checkpoint {saved.get(key)} vs now {current.get(key)}" for key in sorted(current)
+               if saved.get(key) != current.get(key)]
+    if changed:
+        raise DataFingerprintError(
+            f"dataset fingerprint mismatch: {where} was trained on other data than data.path now holds ("
+            + "; ".join(changed) + "); the data order and token ids would silently change. Point data.path at the "
+            "original dataset, or start a new run (checkpoint.resume=none)")
 
 
 @dataclass
@@ -237,12 +388,25 @@ class RankBatches:
 
 
 def eos_id_of(data_path: str) -> int | None:
-    """The EOS id recorded by data prep (joined between documents), or None when unknown or remote."""
+    """The EOS id recorded by data prep (joined between documents), or None when unknown or remote.
+
+    A directory without any manifest (an MDS dataset written by hand) is accepted with a warning. One with a
+    manifest but no matching ``_COMPLETE`` marker, or a data-prep work directory, is an interrupted or altered
+    data-prep output: refused.
+
+    Raises:
+        data_prep.format.IncompleteDatasetError: manifest.json present, marker missing or not matching; or a
+            data-prep temporary directory.
+    """
     if is_remote(data_path):
         return None
-    try:
-        manifest = fmt.read_manifest(data_path)
-    except (fmt.IncompleteDatasetError, FileNotFoundError) as err:
-        log.warning("no usable manifest in %s (%s); documents are packed without an EOS separator", data_path, err)
+    root = Path(data_path)
+    if fmt.is_prep_temporary(root.resolve()):
+        raise fmt.IncompleteDatasetError(f"data.path={data_path} is a work directory of an interrupted data-prep run "
+                                         "(no _COMPLETE marker); re-run data prep and use its output directory")
+    if not (root / fmt.MANIFEST_FILENAME).is_file() and not (root / fmt.COMPLETE_MARKER).is_file():
+        log.warning("no manifest in %s (not written by data prep); documents are packed without an EOS separator",
+                    data_path)
         return None
+    manifest = fmt.read_manifest(data_path)
     return manifest.tokenizer.eos_id if manifest.tokenizer.eos_id >= 0 else None

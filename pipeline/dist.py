@@ -1,24 +1,123 @@
 """The distributed environment: the only module that reads RANK / LOCAL_RANK / WORLD_SIZE.
 
 ``init_distributed`` picks the device and backend (NCCL on CUDA, gloo on CPU), creates the process group the
-chosen engine needs, and returns a ``DistInfo``. The small collectives below (``all_reduce_*``, ``barrier``)
-are no-ops when no process group exists, so single-process runs use the same trainer code.
+chosen engine needs, and returns a ``DistInfo``. The small collectives below (``all_reduce_*``, ``barrier``,
+``*_object``) are no-ops when no process group exists, so single-process runs use the same trainer code.
+
+Hangs are bounded twice. Every collective has a timeout (``PIPE_COLLECTIVE_TIMEOUT_S``, default 600 s): a rank
+waiting for a stuck peer raises instead of waiting forever. The stuck rank itself (in a sleep, an I/O wait, a C
+call) is ended by ``Watchdog``: when one training step outlasts 1.5x that timeout, it logs which step hung, dumps
+every thread's stack and exits with `EXIT_HUNG`, so every rank ends with a clear error in bounded time.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import random
 import socket
+import sys
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
+
+TIMEOUT_ENV = "PIPE_COLLECTIVE_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 600
+EXIT_HUNG = 124
+"""Exit code of a process the watchdog ended (the code ``timeout(1)`` uses)."""
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out (a peer died or hangs); the message names the step and the phase."""
+
+
+def collective_timeout_s() -> float:
+    """Seconds a collective may wait for its peers: ``$PIPE_COLLECTIVE_TIMEOUT_S`` or 600.
+
+    An environment setting rather than a config field because it depends on the cluster (network, filesystem
+    speed of the slowest save), not on the run; the same reason DeepSpeed reads ``DEEPSPEED_TIMEOUT``.
+    """
+    raw = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT_S))
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be a positive number of seconds")
+    return value
+
+
+def is_collective_failure(err: BaseException) -> bool:
+    """Whether ``err`` comes from the communication backend (timeout, peer closed the connection, ...)."""
+    if isinstance(err, dist.DistError):
+        return True
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and any(w in text for w in ("gloo", "nccl", "timed out", "connection"))
+
+
+class Watchdog:
+    """Ends this process when a guarded region (one training step) runs longer than 1.5x the collective timeout.
+
+    ``arm(what)`` / ``disarm()`` cost a lock and a notify; the thread sleeps on a condition variable in between.
+    On expiry it logs ``what``, dumps every thread's stack to stderr (where the rank is stuck) and calls
+    ``os._exit(EXIT_HUNG)``: a stuck rank cannot be unwound from another thread, and its peers have already
+    failed their collectives with a timeout error.
+    """
+
+    def __init__(self, collective_timeout: float, rank: int) -> None:
+        # Longer than the collective timeout, so the ranks waiting on a stuck peer fail first, with a Python error.
+        self.timeout_s, self.rank = 1.5 * collective_timeout, rank
+        self._cond = threading.Condition()
+        self._deadline: float | None = None
+        self._what = ""
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="pipeline-watchdog", daemon=True)
+        self._thread.start()
+
+    def arm(self, what: str) -> None:
+        with self._cond:
+            self._deadline, self._what = time.monotonic() + self.timeout_s, what
+            self._cond.notify()
+
+    def disarm(self) -> None:
+        with self._cond:
+            self._deadline = None
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed, self._deadline = True, None
+            self._cond.notify()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        with self._cond:
+            while not self._closed:
+                if self._deadline is None:
+                    self._cond.wait()
+                    continue
+                remaining = self._deadline - time.monotonic()
+                if remaining <= 0:
+                    self._fire()
+                self._cond.wait(remaining)
+
+    def _fire(self) -> None:
+        log.error("rank %d: %s did not finish within %.0f s (1.5x %s): this rank is stuck; stacks of every thread "
+                  "follow; exiting with code %d", self.rank, self._what, self.timeout_s, TIMEOUT_ENV, EXIT_HUNG)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(EXIT_HUNG)
 
 
 @dataclass(frozen=True)
@@ -48,13 +147,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def init_distributed(engine: str, timeout_s: int = 600) -> DistInfo:
+def init_distributed(engine: str, timeout_s: float | None = None) -> DistInfo:
     """Create the process group for ``engine`` and pick this rank's device.
 
     DeepSpeed and FSDP2 need a process group even on one rank, so a plain ``python`` launch gets a
     single-rank group on a free loopback port. ``parallel.engine=none`` creates a group only when a launcher
-    started more than one rank (then the model is wrapped in DDP).
+    started more than one rank (then the model is wrapped in DDP). ``timeout_s`` (default:
+    `collective_timeout_s`) bounds every collective.
     """
+    if timeout_s is None:
+        timeout_s = collective_timeout_s()
     rank, world = rank_from_env(), world_size_from_env()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if "LOCAL_WORLD_SIZE" not in os.environ and "LOCAL_SIZE" in os.environ:
@@ -122,6 +224,24 @@ def all_gather_flags(flag: bool, device: torch.device) -> list[bool]:
     out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(out, mine)
     return [bool(t.item()) for t in out]
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (picklable; peers are trusted processes of this run)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def destroy() -> None:

@@ -3,12 +3,18 @@
 ``main(config_path, overrides)`` validates the config before anything starts, sets up the process group, and
 runs ``Trainer.train()``: resume (``checkpoint.resume``), then ``train_step`` until ``train.max_steps`` with
 periodic ``evaluate``, checkpoints, metrics, NaN/Inf stops and a collective save-and-exit on SIGTERM/SIGUSR1.
+
+Failure handling (tests/reliability, README "Reliability"): a config value that carries a secret from the
+environment is refused before anything starts; resume refuses corrupt checkpoints and changed data; every step
+runs under the hang watchdog, and a failed collective is re-raised naming the step and the phase.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
+import re
 import shutil
 import signal
 import time
@@ -21,7 +27,15 @@ from model import build_model, save_pretrained
 from pipeline import dist, faults
 from pipeline.checkpoint import CheckpointManager
 from pipeline.config import ConfigError, TrainConfig, load_config, to_yaml
-from pipeline.data import MDSReader, PackedSequences, RankBatches, eos_id_of, is_remote
+from pipeline.data import (
+    MDSReader,
+    PackedSequences,
+    RankBatches,
+    check_fingerprint,
+    dataset_fingerprint,
+    eos_id_of,
+    is_remote,
+)
 from pipeline.logging import (
     MetricsLogger,
     flops_per_token,
@@ -41,7 +55,52 @@ TOKENIZER_FILE = "tokenizer.model"
 
 
 class NonFiniteError(RuntimeError):
-    """Loss or gradient norm became NaN/Inf; raised on every rank before the optimizer step."""
+    """Loss or gradient norm became NaN/Inf; raised on every rank before the optimizer step (under DeepSpeed, whose
+    step computes the gradient norm, right after it and before anything is saved)."""
+
+
+_SECRET_WORDS = {"key", "apikey", "token", "secret", "password", "passwd", "credential", "credentials"}
+"""Words of an environment variable or config key name (split at ``_``) that mark a secret: WANDB_API_KEY,
+HF_TOKEN, AWS_SECRET_ACCESS_KEY, GITHUB_TOKEN, ... (not TOKENIZERS_PARALLELISM)."""
+
+
+def _secret_name(name: str) -> bool:
+    return bool(set(re.split(r"[_\W]+", name.lower())) & _SECRET_WORDS)
+
+
+def check_no_secrets(cfg: TrainConfig) -> None:
+    """Refuse a config that would carry a secret into logs, checkpoints and wandb (they all record the config).
+
+    A value equal to or containing the value of a secret-named environment variable (``WANDB_API_KEY``,
+    ``HF_TOKEN``, ``AWS_SECRET_ACCESS_KEY``, ...; e.g. through ``${oc.env:WANDB_API_KEY}``) is refused, and so
+    is any literal value under a key named like a secret. Secrets are read from the environment by the libraries
+    that need them, never through the config. The message names the key and the variable, never the value.
+
+    Raises:
+        ConfigError: naming the config key (and the environment variable).
+    """
+    from omegaconf import OmegaConf
+
+    secrets = {name: value for name, value in os.environ.items() if _secret_name(name) and len(value) >= 8}
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, f"{path}.{key}" if path else str(key))
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                walk(value, f"{path}[{i}]")
+        elif isinstance(node, str) and node:
+            if _secret_name(path.rsplit(".", 1)[-1]):
+                raise ConfigError(f"config key '{path}' looks like a secret; secrets must come from the environment "
+                                  "(e.g. WANDB_API_KEY), never from the config, which is logged and checkpointed")
+            for name, value in secrets.items():
+                if value in node:
+                    raise ConfigError(f"config key '{path}' contains the value of the environment variable {name}; "
+                                      "secrets must not enter the config (it is logged, checkpointed and sent to "
+                                      "wandb): remove the ${oc.env:...} interpolation or literal")
+
+    walk(OmegaConf.to_container(OmegaConf.structured(cfg)), "")
 
 
 def use_bf16(cfg: TrainConfig, device: torch.device) -> bool:
@@ -64,9 +123,9 @@ class Trainer:
         self.n_params = sum(p.numel() for p in model.parameters())
         self.engine = build_engine(model, cfg, info, self.bf16)
         dist.seed_all(cfg.seed + 1 + info.rank)  # per-rank stream for Gumbel top-k noise
+        self.eos_id = eos_id_of(cfg.data.path)  # first: refuses an interrupted data-prep output
         cache = cfg.data.cache_dir or str(self.run_dir / "data_cache")
         reader = MDSReader(cfg.data.path, cfg.data.train_split, cache, cfg.data.validate_hash)
-        self.eos_id = eos_id_of(cfg.data.path)
         stream = PackedSequences(reader, cfg.train.seq_len, cfg.seed, cfg.data.shuffle, cfg.data.shuffle_window,
                                  self.eos_id)
         needles = None
@@ -74,12 +133,16 @@ class Trainer:
             needles = NeedleInserter(Path(cfg.data.path) / TOKENIZER_FILE, cfg.train.seq_len, cfg.model.chunk_size)
         self.batches = RankBatches(stream, cfg.train.global_batch, cfg.train.micro_batch, info.rank,
                                    info.world_size, needles, cfg.data.needle_mix, cfg.seed)
+        self.data_fingerprint = dataset_fingerprint(reader, cfg.data.path)
         self._val_reader: MDSReader | None = None
-        self.ckpt = CheckpointManager(self.run_dir, cfg.checkpoint.keep_last, info)
+        self.fault = faults.from_env()
+        faults.install_inf_grad(self.fault, self.engine.module, info.rank, lambda: self.step + 1)
+        self.ckpt = CheckpointManager(self.run_dir, cfg.checkpoint.keep_last, info, self.fault)
         self.step = 0
         self.tokens_seen = 0
-        self.fault = faults.from_env()
         self._stop_signal: int | None = None
+        self._phase = "setup"
+        self.watchdog: dist.Watchdog | None = None
         self.metrics: MetricsLogger | None = None
 
     # -- one optimizer step -------------------------------------------------------------------------------
@@ -89,26 +152,43 @@ class Trainer:
         lr = lr_at(self.step, cfg.train.max_steps, cfg.optim, cfg.schedule)
         set_lr(eng.param_groups, lr)
         t0 = time.perf_counter()
+        faults.before_step(self.fault, self.step + 1, self.info.rank)
         eng.train(True)
+        self._phase = "forward/backward (with the data-parallel gradient reduction)"
         micro = self.batches.next_step()
         losses = [eng.micro_step(x.to(self.info.device), self.accum, last=i == len(micro) - 1)
                   for i, x in enumerate(micro)]
         loss = torch.stack(losses).mean().float()
         if self.fault is not None and self.fault.hits("nan_loss", self.step + 1, self.info.rank):
             loss = loss * float("nan")
+        self._phase = "gradient-norm reduction and clipping"
         grad_norm = eng.grad_norm_before_step(cfg.train.grad_clip)
         bad = not math.isfinite(loss.item()) or (grad_norm is not None and not math.isfinite(grad_norm))
+        self._phase = "all-gather of the finiteness flags"
         flags = dist.all_gather_flags(bad, self.info.device)
         if any(flags):
             eng.discard_grads()
             ranks = [r for r, f in enumerate(flags) if f]
             raise NonFiniteError(
                 f"non-finite loss or gradient norm at step {self.step + 1} on rank(s) {ranks} "
-                f"(loss={loss.item()}, grad_norm={grad_norm}); stopped before the optimizer step, the last "
-                f"checkpoint in {self.ckpt.root} is intact")
+                f"(this rank: loss={loss.item()}, grad_norm={grad_norm}); stopped before the optimizer step, the "
+                f"last checkpoint in {self.ckpt.root} is intact")
+        self._phase = "optimizer step"
         eng.optimizer_step()
         if grad_norm is None:
+            # DeepSpeed computes (and clips by) the norm inside its step; an Inf/NaN is first visible here. ZeRO
+            # 1-2 in fp32 skip such an update as an overflow, other modes may apply it; either way the run stops
+            # before anything of this step is saved.
             grad_norm = eng.grad_norm_after_step()
+            self._phase = "all-gather of the finiteness flags"
+            flags = dist.all_gather_flags(grad_norm is not None and not math.isfinite(grad_norm), self.info.device)
+            if any(flags):
+                raise NonFiniteError(
+                    f"non-finite gradient norm at step {self.step + 1} on rank(s) "
+                    f"{[r for r, f in enumerate(flags) if f]} (loss={loss.item()}, grad_norm={grad_norm}), found by "
+                    f"DeepSpeed inside its optimizer step; nothing of this step is saved, the last checkpoint in "
+                    f"{self.ckpt.root} is intact")
+        self._phase = "loss all-reduce"
         global_loss = dist.all_reduce_mean(loss).item()
         dt = time.perf_counter() - t0
         tokens = cfg.tokens_per_step
@@ -150,23 +230,34 @@ class Trainer:
         else:
             log.warning("no local %s next to data.path; the export in %s has no tokenizer", TOKENIZER_FILE, directory)
 
+    def _parallel(self) -> dict[str, Any]:
+        return {"engine": self.cfg.parallel.engine, "zero_stage": self.cfg.parallel.zero_stage}
+
     def save(self) -> Path:
         state = {"tokens_seen": self.tokens_seen, "data": self.batches.state_dict(),
-                 "model_config": self.cfg.model.to_dict(), "config_yaml": to_yaml(self.cfg)}
+                 "model_config": self.cfg.model.to_dict(), "config_yaml": to_yaml(self.cfg),
+                 "parallel": self._parallel(), "data_fingerprint": self.data_fingerprint}
         return self.ckpt.save(self.step, self.engine, state, self.export if self.cfg.checkpoint.export else None)
 
     def resume(self) -> bool:
-        path = self.ckpt.resolve_resume(self.cfg.checkpoint.resume)
-        if path is None:
+        def same_data(path: Path, state: dict[str, Any]) -> None:
+            check_fingerprint(state["data_fingerprint"], self.data_fingerprint, str(path))
+
+        found = self.ckpt.restore(self.cfg.checkpoint.resume, self.engine, self.cfg.model.to_dict(),
+                                  self._parallel(), check=same_data)
+        if found is None:
             return False
-        state = self.ckpt.load(path, self.engine, self.cfg.model.to_dict())
+        _, state = found
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
         self.batches.load_state_dict(state["data"])
         return True
 
     # -- the loop -----------------------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: Any) -> None:
-        self._stop_signal = signum  # only a flag: the save happens at the next step boundary, on all ranks
+        # Only a flag: the save happens at the next step boundary, on all ranks, once. A repeated signal (SLURM
+        # and launchers often send two) changes nothing.
+        if self._stop_signal is None:
+            self._stop_signal = signum
 
     def _derived(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -183,9 +274,10 @@ class Trainer:
             header = log_run_header(to_yaml(cfg), self._derived())
             self.metrics = MetricsLogger(self.run_dir, cfg, _plain(cfg), header, self.step, resumed)
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGUSR1)}
+        self.watchdog = dist.Watchdog(dist.collective_timeout_s(), self.info.rank)
         try:
             while self.step < cfg.train.max_steps:
-                metrics = self.train_step()
+                metrics = self._guarded_step()
                 if self.metrics is not None:
                     console = self.step % cfg.logging.every == 0 or self.step == cfg.train.max_steps
                     self.metrics.step(self.step, metrics, console)
@@ -196,10 +288,11 @@ class Trainer:
                     if self.metrics is not None:
                         self.metrics.event({"event": "eval", "step": self.step, "val_loss": val})
                 flag = torch.tensor([float(self._stop_signal is not None)], device=self.info.device)
-                stop = dist.all_reduce_max(flag).item() > 0
+                stop = self._collective(f"step {self.step}: stop-flag all-reduce",
+                                        lambda: dist.all_reduce_max(flag).item() > 0)
                 periodic = cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0
                 if periodic or stop or self.step == cfg.train.max_steps:
-                    self.save()
+                    self._collective(f"checkpoint save of step {self.step}", self.save)
                 if stop:
                     log.warning("stop signal received: saved step %d, exiting with code %d for a requeue",
                                 self.step, cfg.train.requeue_exit_code)
@@ -213,8 +306,43 @@ class Trainer:
         finally:
             for s, h in handlers.items():
                 signal.signal(s, h)
+            self.watchdog.close()
             if self.metrics is not None:
                 self.metrics.close()
+
+    def _collective_error(self, what: str, err: RuntimeError) -> dist.CollectiveError:
+        return dist.CollectiveError(
+            f"rank {self.info.rank}: {what} failed: a peer rank died or did not answer within "
+            f"{dist.collective_timeout_s():.0f} s ({dist.TIMEOUT_ENV}): {str(err).splitlines()[0]}")
+
+    def _collective(self, what: str, fn: Any) -> Any:
+        """Run ``fn``; a communication failure (peer gone, timeout) is re-raised naming ``what``."""
+        try:
+            return fn()
+        except RuntimeError as err:
+            if isinstance(err, dist.CollectiveError) or not dist.is_collective_failure(err):
+                raise
+            raise self._collective_error(what, err) from err
+
+    def _guarded_step(self) -> dict[str, Any]:
+        """``train_step`` under the hang watchdog; a failed collective is re-raised naming the step and phase."""
+        step = self.step + 1
+        assert self.watchdog is not None, "train() creates the watchdog"
+        self.watchdog.arm(f"step {step}")
+        try:
+            return self.train_step()
+        except torch.OutOfMemoryError:
+            log.error("rank %d: out of memory at step %d with train.micro_batch=%d; lower train.micro_batch (the "
+                      "accumulation steps grow to keep train.global_batch) or enable "
+                      "parallel.activation_checkpointing; nothing of this step was saved", self.info.rank, step,
+                      self.cfg.train.micro_batch)
+            raise
+        except RuntimeError as err:
+            if isinstance(err, NonFiniteError) or not dist.is_collective_failure(err):
+                raise
+            raise self._collective_error(f"step {step}, during {self._phase},", err) from err
+        finally:
+            self.watchdog.disarm()
 
 
 def _plain(cfg: TrainConfig) -> dict[str, Any]:
@@ -228,6 +356,7 @@ def main(config_path: str | None, overrides: list[str]) -> int:
     setup_logging(dist.rank_from_env())
     try:
         cfg = load_config(config_path, overrides, dist.world_size_from_env())
+        check_no_secrets(cfg)
     except ConfigError as err:
         log.error("configuration error: %s", err)
         return 2

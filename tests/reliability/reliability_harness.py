@@ -1,0 +1,216 @@
+"""Helpers of the failure-test catalogue (RELIABILITY.md T1-T23, README "Reliability"); fixtures in conftest.py.
+
+A tiny prepared dataset written the way data prep writes it (MDS shards with sha256 + xxh64, manifest.json and
+the ``_COMPLETE`` marker), overrides for a ~0.05M-parameter model, launchers that run the trainer in fresh
+processes under a hard timeout (the whole process group is killed on expiry, and a timeout fails the test), and
+cleanup of the shared memory that DeepSpeed and killed streaming readers leave in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from data_prep import format as fmt
+from data_prep.streaming_compat import ensure_streaming_importable
+
+REPO = Path(__file__).resolve().parents[2]
+VOCAB = 64
+EOS = 1
+CONFIG = str(REPO / "configs/train/debug.yaml")
+
+
+# -- data ------------------------------------------------------------------------------------------------------
+
+def write_split(root: Path, split: str, n_docs: int, seed: int, size_limit: int = 4096) -> fmt.SplitStats:
+    """``n_docs`` documents of a fixed Markov chain (learnable in a few steps), 40-200 tokens, 1-3 pieces each."""
+    ensure_streaming_importable()
+    from streaming import MDSWriter
+
+    rng = np.random.default_rng(seed)
+    succ = np.random.default_rng(0).permutation(np.arange(2, VOCAB))
+    pieces = tokens_total = 0
+    with MDSWriter(out=str(root / split), columns=fmt.mds_columns("uint16"), compression="zstd",
+                   size_limit=size_limit, hashes=["sha256", "xxh64"]) as writer:
+        for doc_id in range(n_docs):
+            length = int(rng.integers(40, 200))
+            tokens = np.empty(length, dtype=np.uint16)
+            tokens[0] = rng.integers(2, VOCAB)
+            for t in range(1, length):
+                tokens[t] = succ[tokens[t - 1] - 2] if rng.random() < 0.9 else rng.integers(2, VOCAB)
+            for piece, part in enumerate(np.array_split(tokens, int(rng.integers(1, 4)))):
+                writer.write({fmt.TOKENS: part, fmt.DOC_ID: doc_id, fmt.PIECE: piece})
+                pieces += 1
+            tokens_total += length
+    index = hashlib.sha256((root / split / "index.json").read_bytes()).hexdigest()
+    return fmt.SplitStats(documents=n_docs, pieces=pieces, tokens=tokens_total, index_sha256=index)
+
+
+def tokenizer_bytes() -> bytes:
+    import sentencepiece as spm
+
+    words = "the grass is green the sky is blue here we go again".split()
+    rng = np.random.default_rng(0)
+    out = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(" ".join(rng.choice(words, 12)) for _ in range(300)),
+                                   model_writer=out, vocab_size=VOCAB, model_type="bpe", eos_id=EOS, bos_id=-1,
+                                   pad_id=-1, unk_id=0, num_threads=1, minloglevel=2, hard_vocab_limit=False)
+    return out.getvalue()
+
+
+def write_dataset(root: Path, n_train: int = 200, n_val: int = 20) -> Path:
+    """A complete prepared dataset: train/, val/, tokenizer.model, manifest.json, _COMPLETE (as data prep writes)."""
+    root.mkdir(parents=True, exist_ok=True)
+    splits = {"train": write_split(root, "train", n_train, seed=1), "val": write_split(root, "val", n_val, seed=2)}
+    model = tokenizer_bytes()
+    (root / fmt.TOKENIZER_FILENAME).write_bytes(model)
+    info = fmt.TokenizerInfo(sha256=hashlib.sha256(model).hexdigest(), vocab_size=VOCAB, model_type="bpe",
+                             trained=True, unk_id=0, bos_id=-1, eos_id=EOS, pad_id=-1)
+    manifest = fmt.Manifest(format_version=fmt.FORMAT_VERSION, token_dtype="uint16", tokenizer=info, splits=splits,
+                            skipped={}, inputs=[], config={"source": "tests/reliability"})
+    data = manifest.to_json().encode()
+    (root / fmt.MANIFEST_FILENAME).write_bytes(data)
+    (root / fmt.COMPLETE_MARKER).write_text(hashlib.sha256(data).hexdigest() + "\n")
+    return root
+
+
+# -- runs ------------------------------------------------------------------------------------------------------
+
+def overrides(run_dir: Path, data_dir: Path, **extra: object) -> list[str]:
+    """A ~0.05M-parameter GCA model on the test data (naive backend, a few ms per step on CPU)."""
+    base = {
+        "run_dir": str(run_dir), "data.path": str(data_dir), "seed": 7,
+        "model.vocab_size": VOCAB, "model.d_model": 32, "model.n_heads": 2, "model.n_kv_heads": 2,
+        "model.ffn_hidden": 64, "model.n_lower_layers": 1, "model.groups": "[1]", "model.n_encoder_layers": 1,
+        "model.chunk_size": 8, "model.top_k": 2, "model.window": 16, "model.attn_backend": "naive",
+        "train.seq_len": 64, "train.micro_batch": 2, "train.global_batch": 4, "train.max_steps": 8,
+        "train.eval_every": 0, "optim.lr": 3e-3, "optim.min_lr": 3e-4, "schedule.warmup_steps": 2,
+        "data.shuffle_window": 8, "logging.every": 1, "logging.progress": False,
+        "checkpoint.every": 4, "checkpoint.keep_last": 10, "checkpoint.export": False,
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+@dataclass
+class Result:
+    returncode: int
+    output: str
+    wall_s: float
+
+
+def run_process(cmd: list[str], timeout: float, fault: str | None = None, env: dict[str, str] | None = None) -> Result:
+    """Run ``cmd`` in its own process group; on timeout kill the whole group and fail the test (never skip)."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_SILENT": "true"}
+    full_env.pop("PIPE_FAULT", None)
+    full_env.update(env or {})
+    if fault:
+        full_env["PIPE_FAULT"] = fault
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, cwd=REPO,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"timed out after {timeout} s (process group killed): {' '.join(cmd[-6:])}\n{out[-4000:]}")
+    return Result(proc.returncode, out, time.monotonic() - t0)
+
+
+def train_ranks(nproc: int, args: list[str], fault: str | None = None, timeout: float = 180,
+                env: dict[str, str] | None = None) -> Result:
+    """``torchrun --standalone --nproc_per_node nproc launch/pretrain.py`` (gloo on CPU); no restarts. Standalone
+    rendezvous binds its own free port, so concurrent test runs on the machine cannot race for one."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           "--max-restarts", "0", str(REPO / "launch/pretrain.py"), "--config", CONFIG, *args]
+    return run_process(cmd, timeout, fault, env)
+
+
+def train_process(args: list[str], fault: str | None = None, timeout: float = 120,
+                  env: dict[str, str] | None = None) -> Result:
+    """One ``python launch/pretrain.py`` process."""
+    cmd = [sys.executable, str(REPO / "launch/pretrain.py"), "--config", CONFIG, *args]
+    return run_process(cmd, timeout, fault, env)
+
+
+def read_metrics(run_dir: Path) -> dict[int, dict]:
+    """Per-step metrics; a step logged twice (re-run after a crash) keeps its last record."""
+    records: dict[int, dict] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "step" in rec and "loss" in rec:
+            records[rec["step"]] = rec
+    return records
+
+
+def committed(run_dir: Path) -> list[str]:
+    root = run_dir / "checkpoints"
+    return sorted(p.name for p in root.iterdir() if (p / "COMMITTED").is_file()) if root.is_dir() else []
+
+
+def assert_same_steps(a: Path, b: Path, steps: range, keys: tuple[str, ...] = ("loss", "grad_norm", "lr")) -> None:
+    """Bitwise equal per-step scalars (``float.hex``); names the first differing step and key."""
+    ma, mb = read_metrics(a), read_metrics(b)
+    for step in steps:
+        for key in keys:
+            assert ma[step][key].hex() == mb[step][key].hex(), f"step {step} {key}: {ma[step][key]} vs {mb[step][key]}"
+
+
+def assert_same_checkpoint(a: Path, b: Path) -> None:
+    """Model, optimizer, per-rank RNG and data-loader state of two checkpoints are bitwise equal (torch engine)."""
+    sa = torch.load(a / "state.pt", weights_only=True)
+    sb = torch.load(b / "state.pt", weights_only=True)
+    assert sa["model"].keys() == sb["model"].keys()
+    for name in sa["model"]:
+        assert torch.equal(sa["model"][name], sb["model"][name]), f"model tensor {name} differs"
+    assert sa["optim"]["param_groups"] == sb["optim"]["param_groups"]
+    for pid, moments in sa["optim"]["state"].items():
+        for key, value in moments.items():
+            assert torch.equal(value, sb["optim"]["state"][pid][key]), f"optimizer state {pid}.{key} differs"
+    rng_a, rng_b = sorted(a.glob("rng_rank*.pt")), sorted(b.glob("rng_rank*.pt"))
+    assert [p.name for p in rng_a] == [p.name for p in rng_b]
+    for pa, pb in zip(rng_a, rng_b):
+        assert torch.equal(torch.load(pa, weights_only=True)["cpu"], torch.load(pb, weights_only=True)["cpu"]), pa.name
+    ta, tb = (json.loads((p / "trainer_state.json").read_text()) for p in (a, b))
+    for key in ("step", "tokens_seen", "data", "data_fingerprint", "parallel", "world_size"):
+        assert ta[key] == tb[key], f"trainer state {key}: {ta[key]} vs {tb[key]}"
+
+
+def flip_byte(path: Path, offset: int | None = None) -> None:
+    """Invert one byte (the middle one by default)."""
+    raw = bytearray(path.read_bytes())
+    i = len(raw) // 2 if offset is None else offset
+    raw[i] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+# -- shared memory ---------------------------------------------------------------------------------------------
+
+STREAMING_SHM = re.compile(r"\d{6}_.+")
+
+
+def mapped_shm() -> set[str]:
+    """/dev/shm files some live process has mapped (so they belong to a running job, perhaps not ours)."""
+    mapped: set[str] = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                mapped.update(line.split(None, 5)[-1].strip() for line in f if "/dev/shm/" in line)
+        except OSError:
+            continue
+    return mapped
