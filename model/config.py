@@ -76,6 +76,11 @@ class GCAConfig:
             raise ConfigError(f"model.groups must be a non-empty list of positive layer counts; got {self.groups!r}")
         if self.d_model % self.n_heads != 0:
             raise ConfigError(f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads}")
+        if self.n_encoder_layers and self.head_dim % 2:
+            raise ConfigError(
+                f"model.d_model / model.n_heads = {self.head_dim} must be even: the chunk encoder's RoPE rotates "
+                "pairs of dimensions"
+            )
         if self.n_heads % self.n_kv_heads != 0:
             raise ConfigError(
                 f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads}"

@@ -161,6 +161,7 @@ def test_export_rejects_tensor_mismatch(tmp_path):
     "overrides,key",
     [
         (dict(d_model=30), "model.d_model"),
+        (dict(d_model=30, n_heads=2, n_kv_heads=2), "must be even"),
         (dict(n_kv_heads=3), "model.n_kv_heads"),
         (dict(groups=[]), "model.groups"),
         (dict(chunk_size=0), "model.chunk_size"),
