@@ -17,7 +17,7 @@ from pipeline.evaluation.tokenizer import ByteTokenizer, SentencePieceTokenizer
 def sp_export(tmp_path):
     from model import GCAForCausalLM
 
-    from conftest import tiny_config
+    from eval_stubs import tiny_config
 
     lines = [f"The pass key is {i * 7919 % 100000}. Remember it. The river walked over the old bridge."
              for i in range(300)]
@@ -50,7 +50,7 @@ def test_missing_tokenizer_file(tiny_model, tmp_path):
 def test_bytes_need_256_ids(tmp_path):
     from model import GCAForCausalLM
 
-    from conftest import tiny_config
+    from eval_stubs import tiny_config
 
     export = save_pretrained(GCAForCausalLM(tiny_config(vocab_size=100)), tmp_path / "e")
     with pytest.raises(ValueError, match="has 256 ids but the model's vocab_size is 100"):
