@@ -27,7 +27,7 @@ from kernels.gca import gca_attention
 from model.config import GCAConfig
 from model.layers import ChunkEncoder, DecoderLayer, KVCache, RMSNorm, SlidingWindowAttention, SwiGLU
 from model.layout import StepLayout
-from model.retrieval import RetrievalRows, retrieve
+from model.retrieval import RetrievalRows, retrieval_stats, retrieve
 from model.stream import ChunkMemory, StreamState
 
 
@@ -136,6 +136,8 @@ class GCAForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         scale_dim = cfg.d_model if cfg.retrieval_scale == "d_model" else cfg.head_dim
         self.retrieval_scale = scale_dim**-0.5
+        self.retrieval_stats: dict[str, torch.Tensor] = {}
+        """Telemetry of the last step's retrievals: ``retrieval_entropy_g<g>``, ``retrieval_distance_g<g>``."""
         self.init_weights()
 
     def init_weights(self) -> None:
@@ -248,13 +250,14 @@ class GCAForCausalLM(nn.Module):
         parts = [previous if previous is not None else RetrievalRows.empty(B, cfg.top_k, x.device)]
         if layout.n_landmarks:
             queries = group.query_norm(x[:, layout.landmark_pos])  # [B, n_landmarks, d_model]
-            parts.append(
-                retrieve(
-                    queries, keys, layout.landmark_chunk,
-                    top_k=cfg.top_k, scale=self.retrieval_scale,
-                    gumbel=cfg.gumbel_topk and self.training, grad=cfg.retrieval_grad,
-                )
+            new_rows = retrieve(
+                queries, keys, layout.landmark_chunk,
+                top_k=cfg.top_k, scale=self.retrieval_scale,
+                gumbel=cfg.gumbel_topk and self.training, grad=cfg.retrieval_grad,
             )
+            for name, value in retrieval_stats(new_rows, layout.landmark_chunk).items():
+                self.retrieval_stats[f"retrieval_{name}_g{g}"] = value
+            parts.append(new_rows)
         rows = RetrievalRows.cat(parts)
         if state is not None:
             state.rows[g] = rows[-1:]

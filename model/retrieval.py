@@ -81,3 +81,17 @@ def retrieve(
     if not grad:
         weights = weights.detach()
     return RetrievalRows(torch.where(valid, index, torch.zeros_like(index)), weights)
+
+
+@torch.no_grad()
+def retrieval_stats(rows: RetrievalRows, query_chunk: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Telemetry of one group's retrieval, over the rows that retrieved anything: mean entropy of the weights
+    (nats; ``log R`` = uniform) and mean weighted distance in chunks from the reading chunk ``i + 1`` back to the
+    retrieved chunks (at least 2, since chunk ``i + 1`` reads chunks ``j < i``)."""
+    w = rows.weights  # [B, C, R]
+    used = (w > 0).any(-1)
+    if not used.any():
+        return {}
+    entropy = -(w * w.clamp_min(1e-12).log()).sum(-1)
+    distance = ((query_chunk[None, :, None] + 1 - rows.index).float() * w).sum(-1)
+    return {"entropy": entropy[used].mean(), "distance": distance[used].mean()}

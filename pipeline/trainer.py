@@ -196,9 +196,11 @@ class Trainer:
         self.tokens_seen += tokens
         peak = peak_flops(cfg.logging.peak_tflops)
         tps = tokens / dt
+        # Retrieval telemetry of this rank's last micro-batch (weight entropy, mean retrieved-chunk distance).
+        telemetry = {k: float(v) for k, v in getattr(eng.module, "retrieval_stats", {}).items()}
         return {"loss": global_loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps, "step_time_s": dt,
                 "mfu": self.flops_per_token * tps / (peak * self.info.world_size) if peak else None,
-                "mem_gb": memory_gb(), "tokens": self.tokens_seen}
+                "mem_gb": memory_gb(), "tokens": self.tokens_seen, **telemetry}
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -56,3 +56,26 @@ def test_stop_gradient_switch():
     keys = torch.randn(1, 6, 8, requires_grad=True)
     rows = retrieve(torch.randn(1, 6, 8), keys, torch.arange(6), top_k=2, scale=1.0, gumbel=False, grad=False)
     assert not rows.weights.requires_grad
+
+
+def test_model_records_retrieval_telemetry():
+    from model import GCAConfig, GCAForCausalLM
+
+    cfg = GCAConfig(vocab_size=32, d_model=32, n_heads=2, n_kv_heads=2, ffn_hidden=32, groups=[1, 1], chunk_size=4,
+                    top_k=3, window=4, attn_backend="naive")
+    model = GCAForCausalLM(cfg)
+    model(torch.randint(0, 32, (2, 40)))
+    stats = model.retrieval_stats
+    assert set(stats) == {f"retrieval_{k}_g{g}" for k in ("entropy", "distance") for g in (0, 1)}
+    for g in (0, 1):
+        assert 0.0 <= stats[f"retrieval_entropy_g{g}"] <= torch.log(torch.tensor(3.0)) + 1e-6
+        assert stats[f"retrieval_distance_g{g}"] >= 2.0  # chunk i+1 reads chunks j < i
+
+
+def test_telemetry_closed_form():
+    from model.retrieval import RetrievalRows, retrieval_stats
+
+    rows = RetrievalRows(torch.tensor([[[0, 2], [0, 0]]]), torch.tensor([[[0.5, 0.5], [0.0, 0.0]]]))
+    stats = retrieval_stats(rows, torch.tensor([4, 1]))
+    torch.testing.assert_close(stats["entropy"], torch.log(torch.tensor(2.0)))
+    torch.testing.assert_close(stats["distance"], torch.tensor(0.5 * 5 + 0.5 * 3))

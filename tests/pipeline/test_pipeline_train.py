@@ -30,6 +30,9 @@ def test_loss_goes_down(tmp_path, tiny_data, overrides, metrics):
     losses = [m["loss"] for m in metrics(run).values()]
     assert len(losses) == 40
     assert sum(losses[-5:]) / 5 < losses[0] - 0.4, losses
+    # Retrieval telemetry is logged every step (the tiny model has one retrieval group).
+    last = list(metrics(run).values())[-1]
+    assert last["retrieval_distance_g0"] >= 2.0 and last["retrieval_entropy_g0"] >= 0.0
 
 
 def test_exact_resume_after_signal(tmp_path, tiny_data, overrides, metrics, monkeypatch):
