@@ -9,7 +9,7 @@ PYTEST := $(PY) -m pytest -q
 # The default CPU tier: everything not behind a heavier marker.
 DEFAULT_MARKERS := not slow and not gpu and not dist and not slurm
 
-.PHONY: install test test-slow test-dist test-gpu test-kernels test-reliability demo demo-smoke prep bench bench-kernels test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv
+.PHONY: install test test-slow test-dist test-gpu test-kernels test-reliability test-slurm preflight demo demo-smoke prep bench bench-kernels test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv
 
 install: $(STAMP)
 
@@ -37,6 +37,15 @@ test-dist: install ds-warmup
 test-reliability: install ds-warmup
 	OMP_NUM_THREADS=1 timeout 1800 $(PYTEST) -m "reliability and not gpu" tests; status=$$?; \
 		rm -f /dev/shm/deepspeed_allreduce_buffer_*; exit $$status
+
+# SLURM tier: a real one-node cluster in a temp dir (needs root; apt-installs slurmctld/slurmd/slurm-client/munge
+# if missing): pretrain.sbatch preempt -> requeue -> exact resume, and the prep.sbatch array + merge. ~3 min.
+test-slurm: install
+	OMP_NUM_THREADS=1 timeout 1200 $(PYTEST) -s -m slurm tests/slurm
+
+# Check the node(s) before a launch: make preflight ARGS="--config configs/train/x.yaml [--gpus-per-node 8] [k=v ...]"
+preflight: install
+	$(PY) launch/preflight.py $(ARGS)
 
 test-kernels: install
 	$(PYTEST) -m "kernels and not gpu" tests

@@ -84,6 +84,12 @@ class PrepConfig:
     """Replace an existing output directory (the old one is removed only after the new one is complete)."""
     progress: bool = True
     """Show tqdm progress bars."""
+    num_slices: int = 1
+    """Cut the input files into this many contiguous slices, one per job-array task
+    (``launch/slurm/prep.sbatch``); ``data_prep.merge`` joins the slices into one dataset. 1 = no slicing."""
+    slice_index: int = 0
+    """Which slice (0-based) this run prepares. Document ids become ``ordinal * num_slices + slice_index``,
+    so they stay unique across slices without any coordination."""
 
 
 def to_container(cfg: PrepConfig) -> dict[str, Any]:
@@ -214,3 +220,13 @@ def validate(cfg: PrepConfig) -> None:
         raise _bad("shard_size_bytes", cfg.shard_size_bytes, "must be in [1024, 2**32)")
     if not cfg.text_field:
         raise _bad("text_field", cfg.text_field, "must be a non-empty column name")
+    if cfg.num_slices < 1:
+        raise _bad("num_slices", cfg.num_slices, "must be at least 1")
+    if not 0 <= cfg.slice_index < cfg.num_slices:
+        raise _bad("slice_index", cfg.slice_index, f"must be in [0, num_slices={cfg.num_slices})")
+    if cfg.num_slices > 1 and tok.model is None:
+        # Every slice must produce ids from the same tokenizer, or the merged dataset would mix vocabularies.
+        raise ConfigError(
+            f"num_slices={cfg.num_slices} needs a shared tokenizer: set 'tokenizer.model' (launch/slurm/prep.sbatch "
+            "trains one on the whole input first with `launch/slurm/prep_slices.py tokenizer`)"
+        )

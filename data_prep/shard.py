@@ -40,12 +40,20 @@ from data_prep.format import (
     mds_columns,
     token_dtype_for_vocab,
 )
-from data_prep.sources import Document, SkipCounter, Source, iter_documents, resolve_sources
+from data_prep.sources import (
+    BuiltinSource,
+    Document,
+    FileSource,
+    SkipCounter,
+    Source,
+    iter_documents,
+    resolve_sources,
+)
 from data_prep.streaming_compat import ensure_streaming_importable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["is_val", "main"]
+__all__ = ["is_val", "main", "select_slice"]
 
 _BATCH_CHARS = 1 << 21
 """Characters per task sent to a worker: large enough to amortize pickling, small enough to balance."""
@@ -99,7 +107,8 @@ def _tasks(docs: Iterator[Document], cfg: PrepConfig, skips: SkipCounter) -> Ite
     batch_docs: list[_Doc] = []
     batch_texts: list[str] = []
     size = 0
-    for doc_id, doc in enumerate(docs):
+    for ordinal, doc in enumerate(docs):
+        doc_id = ordinal * cfg.num_slices + cfg.slice_index  # unique across the slices of a sliced run
         if not doc.text.strip():
             skips.skip("empty", doc.where)
             continue
@@ -220,6 +229,35 @@ def _tokenizer_model(sources: list[Source], cfg: PrepConfig) -> tuple[bytes, boo
     return tokenize.train_tokenizer(sample, cfg.tokenizer, num_threads=cfg.num_proc), True
 
 
+def select_slice(sources: list[Source], cfg: PrepConfig) -> list[Source]:
+    """The input files of slice ``cfg.slice_index`` of ``cfg.num_slices``: a contiguous run, in input order.
+
+    Contiguous runs (not round-robin) keep the documents of the concatenated slices in the order a single run
+    reads them, so a merged dataset holds the same samples in the same order. A built-in corpus is sliced
+    by its files.
+
+    Raises:
+        ConfigError: an input that is not a local file (``hf:``), or fewer files than slices.
+    """
+    if cfg.num_slices == 1:
+        return sources
+    files: list[Source] = []
+    for source in sources:
+        if isinstance(source, BuiltinSource):
+            files.extend(source.files)
+        elif isinstance(source, FileSource):
+            files.append(source)
+        else:
+            raise ConfigError(f"num_slices={cfg.num_slices} slices local input files; {source.name} cannot be "
+                              "sliced (prepare it without num_slices)")  # fmt: skip
+    if len(files) < cfg.num_slices:
+        raise ConfigError(f"num_slices={cfg.num_slices} is more than the {len(files)} input files; "
+                          f"use at most {len(files)} slices")  # fmt: skip
+    start = cfg.slice_index * len(files) // cfg.num_slices
+    stop = (cfg.slice_index + 1) * len(files) // cfg.num_slices
+    return files[start:stop]
+
+
 def _software() -> dict[str, str]:
     from importlib.metadata import version
 
@@ -288,7 +326,7 @@ def main(cfg: PrepConfig) -> Manifest:
     out = Path(cfg.output).absolute()
     if out.exists() and not cfg.overwrite:
         raise OutputExistsError(f"output {out} already exists; pass overwrite=true to replace it")
-    sources = resolve_sources(cfg)
+    sources = select_slice(resolve_sources(cfg), cfg)
     ensure_streaming_importable()
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale(out)

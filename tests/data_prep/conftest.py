@@ -1,9 +1,7 @@
 """Fixtures for data-prep tests: a small generated corpus in every supported format, and a prep runner."""
 
-import glob
 import gzip
 import json
-import os
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,6 +15,7 @@ from data_prep.config import load_config
 from data_prep.format import Manifest
 from data_prep.shard import main as prep_main
 from data_prep.streaming_compat import ensure_streaming_importable
+from pipeline.preflight import clean_stale_shm
 
 ensure_streaming_importable()
 
@@ -40,17 +39,10 @@ def _doc(rng: random.Random, words: int) -> str:
 @pytest.fixture(autouse=True)
 def _clean_streaming_shm() -> Iterator[None]:
     """Streaming leaves /dev/shm/NNNNNN_* after a crash, and its own cleaner can miss them (CPU-NOTES §5)."""
-
-    def clean() -> None:
-        for path in glob.glob("/dev/shm/[0-9][0-9][0-9][0-9][0-9][0-9]_*"):
-            try:
-                os.remove(path)
-            except OSError:
-                pass
-
-    clean()
+    # Only files no live process maps or holds: other jobs on the machine may be streaming right now.
+    clean_stale_shm()
     yield
-    clean()
+    clean_stale_shm()
 
 
 @pytest.fixture(scope="session")
