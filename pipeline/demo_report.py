@@ -10,6 +10,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from pipeline.evaluation.plots import short_length  # noqa: E402
+
 
 def _read(path: Path) -> dict:
     return json.loads(path.read_text())
@@ -66,17 +68,10 @@ def _plot(rows: list[dict], metric: str, ylabel: str, train_len: int | None, pat
     plt.close(fig)
 
 
-def _short(n: int) -> str:
-    for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
-        if n >= size and n % size == 0:
-            return f"{n // size}{unit}"
-    return str(n)
-
-
 def _table(rows: list[dict], models: list[str]) -> str:
     lengths = sorted({r["length"] for r in rows})
     cell = {(r["model"], r["length"]): r for r in rows}
-    head = "| model | " + " | ".join(_short(n) for n in lengths) + " |"
+    head = "| model | " + " | ".join(short_length(n) for n in lengths) + " |"
     lines = [head, "|---" * (len(lengths) + 1) + "|"]
     for model in models:
         cells = []
@@ -97,7 +92,7 @@ def write_report(run_dir: Path, models: list[str], timings: dict[str, float]) ->
         _plot(passkey, "accuracy", "passkey accuracy (first answer token)", train_len, run_dir / "passkey.png")
     if ppl:
         _plot(ppl, "ppl", "perplexity", train_len, run_dir / "ppl.png", log_y=True)
-    ppl_lines = ["| model | " + " | ".join(_short(r["length"]) for r in ppl if r["model"] == models[0]) + " |"]
+    ppl_lines = ["| model | " + " | ".join(short_length(r["length"]) for r in ppl if r["model"] == models[0]) + " |"]
     ppl_lines.append("|---" * (1 + sum(r["model"] == models[0] for r in ppl)) + "|")
     for model in models:
         ppl_lines.append(f"| {model} | " + " | ".join(f"{r['ppl']:.2f}" for r in ppl if r["model"] == model) + " |")

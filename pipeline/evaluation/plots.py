@@ -19,7 +19,7 @@ def plot_ppl(rows: list[dict], train_seq_len: int | None, title: str, path: Path
         ax.axvline(train_seq_len, color="gray", linestyle="--", label=f"training length {train_seq_len}")
         ax.legend()
     ax.set_xscale("log", base=2)
-    ax.set_xticks([r["length"] for r in rows], [_short(r["length"]) for r in rows])
+    ax.set_xticks([r["length"] for r in rows], [short_length(r["length"]) for r in rows])
     ax.set_xlabel("evaluation length (tokens)")
     ax.set_ylabel("perplexity")
     ax.set_title(title)
@@ -42,7 +42,7 @@ def plot_passkey(rows: list[dict], train_seq_len: int | None, title: str, path: 
         for j in range(len(lengths)):
             if not np.isnan(grid[i, j]):
                 ax.text(j, i, f"{100 * grid[i, j]:.0f}", ha="center", va="center", fontsize=8)
-    ax.set_xticks(range(len(lengths)), [_short(n) + ("*" if n == train_seq_len else "") for n in lengths])
+    ax.set_xticks(range(len(lengths)), [short_length(n) + ("*" if n == train_seq_len else "") for n in lengths])
     ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
     ax.set_xlabel("context length (tokens; * = training length)")
     ax.set_ylabel("needle depth")
@@ -53,7 +53,8 @@ def plot_passkey(rows: list[dict], train_seq_len: int | None, title: str, path: 
     plt.close(fig)
 
 
-def _short(n: int) -> str:
+def short_length(n: int) -> str:
+    """``1048576`` -> ``1M``, ``4096`` -> ``4K``; other numbers unchanged."""
     for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
         if n >= size and n % size == 0:
             return f"{n // size}{unit}"

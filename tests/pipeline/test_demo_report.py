@@ -1,0 +1,41 @@
+"""The demo report pools per-depth passkey rows into per-length rows correctly and writes every artefact."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline.demo import load_demo_config
+from pipeline.demo_report import write_report
+
+
+def _write(path, results, train_seq_len=512):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"task": path.stem, "train_seq_len": train_seq_len, "results": results}))
+
+
+def test_pooling_and_artefacts(tmp_path):
+    rows = [
+        {"length": 1024, "depth": 0.0, "accuracy": 1.0, "exact_match": 0.5, "n": 2},
+        {"length": 1024, "depth": 1.0, "accuracy": 0.0, "exact_match": 0.0, "n": 6},
+    ]
+    _write(tmp_path / "eval/gca/passkey_0/passkey.json", rows)
+    _write(tmp_path / "eval/gca/passkey_1/passkey.json",
+           [{"length": 1048576, "depth": 0.5, "accuracy": 0.5, "exact_match": 0.5, "n": 10}])
+    _write(tmp_path / "eval/gca/ppl/ppl.json", [{"length": 1024, "ppl": 12.5, "n": 3}])
+    report = write_report(tmp_path, ["gca"], {"train-gca": 10.0, "passkey-gca-0": 5.0})
+    merged = json.loads((tmp_path / "passkey.json").read_text())["results"]
+    assert merged[0] == {"model": "gca", "length": 1024, "accuracy": 2 / 8, "exact_match": 1 / 8, "n": 8,
+                         "seconds": 0.0}
+    assert merged[1]["length"] == 1048576 and merged[1]["n"] == 10
+    assert "| gca | 25% (12%, n=8) | 50% (50%, n=10) |" in report
+    assert "| total | 15 s |" in report
+    for name in ("ppl.json", "passkey.png", "ppl.png", "results.md"):
+        assert (tmp_path / name).is_file()
+
+
+def test_bad_override_is_one_line(tmp_path):
+    with pytest.raises(SystemExit, match="bad demo override 'passkey=\\[\\{lengths:\\[1\\]\\}\\]'"):
+        load_demo_config(Path(__file__).resolve().parents[2] / "configs/demo/demo.yaml", ["passkey=[{lengths:[1]}]"])
+    with pytest.raises(SystemExit, match="not found"):
+        load_demo_config(tmp_path / "missing.yaml", [])
