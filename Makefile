@@ -9,7 +9,7 @@ PYTEST := $(PY) -m pytest -q
 # The default CPU tier: everything not behind a heavier marker.
 DEFAULT_MARKERS := not slow and not gpu and not dist and not slurm
 
-.PHONY: install test test-slow test-dist test-gpu test-kernels test-reliability test-slurm preflight demo demo-smoke prep bench bench-kernels test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv
+.PHONY: install test test-slow test-dist test-gpu test-kernels test-reliability test-slurm preflight demo demo-smoke prep bench bench-train bench-kernels test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv
 
 install: $(STAMP)
 
@@ -85,6 +85,12 @@ test-eval: install
 # Passkey eval time and peak RSS of a tiny random-init model vs length (up to 1M tokens; ~15 min).
 bench-eval: install
 	$(PY) -m pipeline.evaluation.bench --out bench_eval.json
+
+# Training-step time of GCA vs same-depth sliding window vs full attention (1K/4K/16K), and ZeRO-2 on 2 processes
+# vs 1 process with the real trainer (prepares data/default first when missing). ~10 min on 2 cores.
+bench-train: install ds-warmup
+	@test -f data/default/_COMPLETE || $(PY) launch/prep.py --config configs/data/default.yaml
+	$(PY) -m pipeline.bench_train $(ARGS)
 
 bench-kernels: install
 	$(PY) -m kernels.bench_gca
