@@ -142,4 +142,4 @@ def main(config: str, overrides: list[str]) -> None:
     exports = {model: stages.train(model) for model in cfg.models}
     for model, export in exports.items():
         stages.evaluate(model, export)
-    print(write_report(stages.run_dir, cfg.models, stages.timings))
+    sys.stdout.write(write_report(stages.run_dir, cfg.models, stages.timings) + "\n")
