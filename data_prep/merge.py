@@ -31,9 +31,7 @@ from typing import Any
 from data_prep.config import PrepConfig, to_container
 from data_prep.errors import ConfigError, InputError, OutputExistsError
 from data_prep.format import (
-    COMPLETE_MARKER,
     FORMAT_VERSION,
-    MANIFEST_FILENAME,
     SPLITS,
     TOKENIZER_FILENAME,
     IncompleteDatasetError,
@@ -41,7 +39,7 @@ from data_prep.format import (
     SplitStats,
     read_manifest,
 )
-from data_prep.shard import _commit, _fsync_write, _tokenizer_model, select_slice
+from data_prep.shard import _fsync_write, _tokenizer_model, commit_dataset, select_slice
 from data_prep.sources import resolve_sources
 
 logger = logging.getLogger(__name__)
@@ -242,10 +240,7 @@ def merge_slices(cfg: PrepConfig, num_slices: int, keep_slices: bool = False) ->
             config=to_container(dataclasses.replace(cfg, num_slices=num_slices)),
             software=manifests[0].software,
         )
-        data = manifest.to_json().encode()
-        _fsync_write(tmp / MANIFEST_FILENAME, data)
-        _fsync_write(tmp / COMPLETE_MARKER, (hashlib.sha256(data).hexdigest() + "\n").encode())
-        _commit(tmp, out, cfg.overwrite)
+        commit_dataset(tmp, out, manifest, cfg.overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

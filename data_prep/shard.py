@@ -291,6 +291,14 @@ def _fsync_write(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def commit_dataset(tmp: Path, out: Path, manifest: Manifest, overwrite: bool) -> None:
+    """Write the manifest, then the completion marker (its sha256) last, and move ``tmp`` into place at ``out``."""
+    data = manifest.to_json().encode()
+    _fsync_write(tmp / MANIFEST_FILENAME, data)
+    _fsync_write(tmp / COMPLETE_MARKER, (hashlib.sha256(data).hexdigest() + "\n").encode())
+    _commit(tmp, out, overwrite)
+
+
 def _commit(tmp: Path, out: Path, overwrite: bool) -> None:
     if out.exists():
         if not overwrite:  # someone created it while we were working
@@ -350,10 +358,7 @@ def main(cfg: PrepConfig) -> Manifest:
             config=to_container(cfg),
             software=_software(),
         )
-        data = manifest.to_json().encode()
-        _fsync_write(tmp / MANIFEST_FILENAME, data)
-        _fsync_write(tmp / COMPLETE_MARKER, (hashlib.sha256(data).hexdigest() + "\n").encode())
-        _commit(tmp, out, cfg.overwrite)
+        commit_dataset(tmp, out, manifest, cfg.overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
