@@ -18,13 +18,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels.cpu_math import flush_denormals
 from model.config import GCAConfig
 from model.gca import GCAForCausalLM
 from model.layers import RMSNorm, SwiGLU
 
 BENCH_CONFIG = GCAConfig(
     vocab_size=8192, d_model=256, n_heads=4, n_kv_heads=4, ffn_hidden=768, n_lower_layers=3, groups=[3],
-    n_encoder_layers=1, chunk_size=63, top_k=8, window=512, attn_backend="naive",
+    n_encoder_layers=1, chunk_size=63, top_k=8, window=512,
 )
 
 
@@ -62,6 +63,7 @@ class FullAttentionLM(nn.Module):
 
 
 def _measure(kind: str, length: int, repeats: int) -> dict:
+    flush_denormals()  # as the trainer and the eval jobs do
     torch.manual_seed(0)
     model = (GCAForCausalLM(BENCH_CONFIG) if kind == "gca" else FullAttentionLM(BENCH_CONFIG)).eval()
     ids = torch.randint(0, BENCH_CONFIG.vocab_size, (1, length))

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field, fields
 from kernels.gca.limits import MAX_HEAD_DIM, MIN_HEAD_DIM
 
 ARCHS = ("gca", "swa")
-ATTN_BACKENDS = ("auto", "naive", "triton")
+ATTN_BACKENDS = ("auto", "naive", "sdpa", "triton")
 RETRIEVAL_SCALES = ("d_model", "head_dim")
 
 
@@ -53,7 +53,9 @@ class GCAConfig:
     retrieval_scale: str = "d_model"
     """Retrieval score scale: ``d_model`` (1/sqrt(d_model), the paper) or ``head_dim``."""
     attn_backend: str = "auto"
-    """GCA operator backend: ``auto`` (triton on CUDA, naive on CPU), ``naive`` or ``triton``."""
+    """Attention backend: ``auto`` (CUDA: Triton GCA + FlashAttention/FlexAttention window; CPU: ``sdpa``),
+    ``sdpa`` (both operators through PyTorch's fused SDPA), ``naive`` (the readable references) or ``triton``
+    (Triton GCA; the window as under ``auto``)."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon (one value everywhere, the encoder included)."""
     rope_theta: float = 10000.0

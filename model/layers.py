@@ -57,6 +57,8 @@ class SlidingWindowAttention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.window = cfg.window
+        # The window has no Triton kernel: under `triton` it takes the same path as under `auto`.
+        self.backend = "auto" if cfg.attn_backend == "triton" else cfg.attn_backend
         self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
@@ -70,7 +72,9 @@ class SlidingWindowAttention(nn.Module):
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
         if cache is not None:
             k, v = cache.extend(k, v, self.window)  # [B, Tcache + T, H, D]
-        o = sliding_window_attention(q, k, v, window=self.window, alibi_slopes=self.slopes)
+        o = sliding_window_attention(
+            q, k, v, window=self.window, alibi_slopes=self.slopes, backend=self.backend
+        )
         return self.wo(o.reshape(B, T, -1))
 
 

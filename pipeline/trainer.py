@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from kernels.cpu_math import flush_denormals
 from model import build_model, save_pretrained
 from pipeline import dist, faults
 from pipeline.checkpoint import CheckpointManager
@@ -355,6 +356,7 @@ def _plain(cfg: TrainConfig) -> dict[str, Any]:
 
 def main(config_path: str | None, overrides: list[str]) -> int:
     """Entry point of ``launch/pretrain.py``; returns the exit code (2 for a configuration error)."""
+    flush_denormals()  # first, before torch starts its thread pool (see kernels/cpu_math.py)
     setup_logging(dist.rank_from_env())
     try:
         cfg = load_config(config_path, overrides, dist.world_size_from_env())

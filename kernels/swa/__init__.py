@@ -1,12 +1,14 @@
-"""Causal sliding-window attention with ALiBi: an O(T * window) PyTorch reference and a fast GPU path."""
+"""Causal sliding-window attention with ALiBi: an O(T * window) PyTorch reference, a fused-SDPA CPU path and a
+fast GPU path."""
 
 from __future__ import annotations
 
 import torch
 
 from kernels.swa.naive import naive_sliding_window_attention
+from kernels.swa.sdpa import sdpa_sliding_window_attention
 
-SWA_BACKENDS = ("auto", "naive", "gpu")
+SWA_BACKENDS = ("auto", "naive", "sdpa", "gpu")
 
 
 def alibi_slopes(n_heads: int) -> torch.Tensor:
@@ -25,7 +27,8 @@ def sliding_window_attention(
     backend: str = "auto",
 ) -> torch.Tensor:
     """Sliding-window ALiBi attention; ``q [B, Tq, HQ, D]``, ``k, v [B, Tk, H, D]``, the queries are the last
-    ``Tq`` key positions. ``backend="auto"`` takes the GPU path on CUDA tensors when it is available."""
+    ``Tq`` key positions. ``backend="auto"`` takes the GPU path on CUDA tensors when it is available and the SDPA
+    path otherwise; ``"naive"`` is the readable reference."""
     if backend not in SWA_BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {SWA_BACKENDS}")
     if backend == "gpu" or (backend == "auto" and q.is_cuda):
@@ -36,4 +39,6 @@ def sliding_window_attention(
                 raise ImportError(f"the GPU sliding-window path is unavailable: {exc}") from exc
         else:
             return gpu_sliding_window_attention(q, k, v, window=window, alibi_slopes=alibi_slopes, scale=scale)
-    return naive_sliding_window_attention(q, k, v, window=window, alibi_slopes=alibi_slopes, scale=scale)
+    if backend == "naive":
+        return naive_sliding_window_attention(q, k, v, window=window, alibi_slopes=alibi_slopes, scale=scale)
+    return sdpa_sliding_window_attention(q, k, v, window=window, alibi_slopes=alibi_slopes, scale=scale)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from kernels.cpu_math import flush_denormals
 from pipeline.evaluation.config import TASKS, EvalConfig, EvalConfigError, load_eval_config, validate
 from pipeline.evaluation.haystack import TokenSource
 from pipeline.evaluation.passkey import NeedleSpec, evaluate_passkey
@@ -41,6 +42,7 @@ class _Progress:
 
 def run_eval(checkpoint: str, task: str, out: str | Path, overrides: list[str], config: str | None = None) -> dict:
     """Evaluate ``checkpoint`` on ``task``; returns the JSON written to ``<out>/<task>.json``."""
+    flush_denormals()  # before torch starts its thread pool (see kernels/cpu_math.py)
     if task not in TASKS:
         raise EvalConfigError(f"--task {task!r} is not one of {TASKS}")
     cfg = load_eval_config(config, overrides)
