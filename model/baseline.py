@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from model.config import GCAConfig
 from model.gca import GCAOutput
-from model.layers import DecoderLayer, RMSNorm
+from model.layers import DecoderLayer, KVCache, RMSNorm
 from model.stream import ChunkMemory, StreamState
 
 
@@ -47,9 +47,20 @@ class SlidingWindowLM(nn.Module):
         return GCAOutput(logits=logits, loss=loss)
 
     def forward_stream(
-        self, input_ids: torch.Tensor, state: StreamState, last_logits: int | None = None
+        self, input_ids: torch.Tensor, state: StreamState, last_logits: int | None = None, memory_only: bool = False
     ) -> torch.Tensor:
+        """As ``GCAForCausalLM.forward_stream``. This model has no long-range memory: ``memory_only`` only counts
+        the tokens and empties the windows, and logits are exact again after ``window_reach`` tokens."""
+        if memory_only:
+            state.n_tokens += input_ids.shape[1]
+            state.caches[:] = [KVCache() for _ in self.layers]
+            return self.embed.weight.new_empty(input_ids.shape[0], 0, self.cfg.vocab_size)
         return self._step(input_ids, state, last_logits)
+
+    @property
+    def window_reach(self) -> int:
+        """The receptive field in tokens: every logit depends on this many tokens, itself included."""
+        return len(self.layers) * self.cfg.window + 1
 
     def _step(
         self, input_ids: torch.Tensor, state: StreamState | None, last_logits: int | None = None

@@ -176,14 +176,33 @@ class GCAForCausalLM(nn.Module):
         return GCAOutput(logits=logits, loss=loss)
 
     def forward_stream(
-        self, input_ids: torch.Tensor, state: StreamState, last_logits: int | None = None
+        self, input_ids: torch.Tensor, state: StreamState, last_logits: int | None = None, memory_only: bool = False
     ) -> torch.Tensor:
         """Continue the sequence in ``state`` with ``input_ids [B, t]``; returns their logits ``[B, t, V]``, or only
-        those of the last ``last_logits`` tokens (the LM head dominates the cost of streaming a long prefix)."""
-        return self._step(input_ids, state, last_logits)
+        those of the last ``last_logits`` tokens (the LM head dominates the cost of streaming a long prefix).
+
+        ``memory_only=True`` (one retrieval group only) skips the upper layers and returns no logits: it keeps
+        what later tokens read from far back -- the lower layers' windows, the chunk memory, the retrieval row --
+        and empties the upper layers' windows. Logits are then exact again from ``window_reach`` tokens on; a
+        long prefix is streamed this way except for its last ``window_reach`` tokens (passkey evaluation).
+        """
+        if memory_only and len(self.groups) != 1:
+            raise ValueError("memory_only needs a single retrieval group: later groups query upper-layer states")
+        return self._step(input_ids, state, last_logits, memory_only)
+
+    @property
+    def window_reach(self) -> int | None:
+        """The shortest run of tokens after ``memory_only`` steps whose last logits are exact: one more than the
+        upper stack's sliding-window receptive field (counted in stream positions, which N tokens always cover).
+        ``None`` when ``memory_only`` is unsupported (several retrieval groups)."""
+        return self.cfg.n_upper_layers * self.cfg.window + 1 if len(self.groups) == 1 else None
 
     def _step(
-        self, input_ids: torch.Tensor, state: StreamState | None, last_logits: int | None = None
+        self,
+        input_ids: torch.Tensor,
+        state: StreamState | None,
+        last_logits: int | None = None,
+        memory_only: bool = False,
     ) -> torch.Tensor:
         cfg = self.cfg
         if input_ids.dim() != 2:
@@ -204,11 +223,16 @@ class GCAForCausalLM(nn.Module):
         caches = caches[len(self.lower) :]
         for g, group in enumerate(self.groups):
             memory = self._retrieve(g, group, x, keys, mem_k, mem_v, layout, state)
+            if memory_only:
+                break
             for layer in group.layers:
                 x = layer(x, caches.pop(0), memory, layout)
 
         if state is not None:
             state.n_tokens += T
+        if memory_only:
+            state.caches[len(self.lower) :] = [KVCache() for _ in range(cfg.n_upper_layers)]
+            return x.new_empty(B, 0, cfg.vocab_size)
         token_pos = layout.token_pos if last_logits is None else layout.token_pos[max(0, T - last_logits) :]
         h = self.norm(x[:, token_pos])  # [B, T, d_model]
         return F.linear(h, self.embed.weight)  # tied LM head

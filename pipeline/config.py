@@ -118,6 +118,9 @@ class CheckpointConfig:
     """``auto`` (latest committed checkpoint in ``run_dir``, else fresh), ``none``, or a checkpoint directory."""
     export: bool = True
     """Write an eval export (safetensors + config.json + tokenizer.model) into every checkpoint."""
+    init_from: str | None = None
+    """An eval export directory whose weights start a fresh run (a curriculum stage, fine-tuning); the optimizer,
+    schedule and data start anew. A checkpoint of this run (``resume``) takes precedence."""
 
 
 @dataclass
@@ -271,6 +274,9 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"parallel.offload_optimizer needs parallel.zero_stage >= 1; got {p.zero_stage}")
     if p.offload_params and p.zero_stage != 3:
         raise ConfigError(f"parallel.offload_params needs parallel.zero_stage=3; got {p.zero_stage}")
+    if c.init_from is not None and not (Path(c.init_from) / "model.safetensors").is_file():
+        raise ConfigError(f"checkpoint.init_from must be a model export directory (with model.safetensors); "
+                          f"got {c.init_from!r}")
     if c.resume not in ("auto", "none") and not Path(c.resume).is_dir():
         raise ConfigError(f"checkpoint.resume must be 'auto', 'none' or an existing checkpoint directory; "
                           f"got {c.resume!r}")

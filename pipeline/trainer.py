@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from kernels.cpu_math import flush_denormals
-from model import build_model, save_pretrained
+from model import build_model, read_export_config, save_pretrained
 from pipeline import dist, faults
 from pipeline.checkpoint import CheckpointManager
 from pipeline.config import ConfigError, TrainConfig, load_config, to_yaml
@@ -104,6 +104,29 @@ def check_no_secrets(cfg: TrainConfig) -> None:
     walk(OmegaConf.to_container(OmegaConf.structured(cfg)), "")
 
 
+def init_weights_from(model: torch.nn.Module, export_dir: str) -> None:
+    """Load the weights of an eval export into a freshly built model (``checkpoint.init_from``).
+
+    Raises:
+        ConfigError: the export holds another architecture, or tensors that do not fit this model (named).
+    """
+    from safetensors.torch import load_model
+
+    exported, _ = read_export_config(export_dir)
+    if exported.arch != model.cfg.arch:
+        raise ConfigError(f"checkpoint.init_from={export_dir!r} holds a model.arch={exported.arch!r} model; "
+                          f"this run builds model.arch={model.cfg.arch!r}")
+    weights = Path(export_dir) / "model.safetensors"
+    try:
+        missing, unexpected = load_model(model, str(weights), strict=False)
+    except RuntimeError as exc:  # a tensor of another shape
+        raise ConfigError(f"checkpoint.init_from: {weights} does not fit model.*: {exc}") from exc
+    if missing or unexpected:
+        raise ConfigError(f"checkpoint.init_from: {weights} does not fit model.*: missing tensors "
+                          f"{sorted(missing)}, unexpected tensors {sorted(unexpected)}")
+    log.info("initial weights from %s", weights)
+
+
 def use_bf16(cfg: TrainConfig, device: torch.device) -> bool:
     if cfg.precision.dtype == "auto":
         return device.type == "cuda"
@@ -120,6 +143,8 @@ class Trainer:
         self.bf16 = use_bf16(cfg, info.device)
         dist.seed_all(cfg.seed)  # the same initial weights on every rank and every world size
         model = build_model(cfg.model).to(info.device)
+        if cfg.checkpoint.init_from:
+            init_weights_from(model, cfg.checkpoint.init_from)
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len, matmul_params(model))
         self.n_params = sum(p.numel() for p in model.parameters())
         self.engine = build_engine(model, cfg, info, self.bf16)
@@ -367,6 +392,11 @@ def main(config_path: str | None, overrides: list[str]) -> int:
     info = dist.init_distributed(cfg.parallel.engine)
     setup_logging(info.rank)
     try:
-        return Trainer(cfg, info).train()
+        try:
+            trainer = Trainer(cfg, info)
+        except ConfigError as err:  # found while building the run (e.g. checkpoint.init_from does not fit)
+            log.error("configuration error: %s", err)
+            return 2
+        return trainer.train()
     finally:
         dist.destroy()

@@ -178,12 +178,20 @@ def predict_answer(
     offload_dir: str | None = None,
     on_tokens: Callable[[int], None] | None = None,
 ) -> list[int]:
-    """Greedy prediction of the answer tokens: stream ``ids[:answer_start]``, then feed back own predictions."""
+    """Greedy prediction of the answer tokens: stream ``ids[:answer_start]``, then feed back own predictions.
+
+    All but the last ``model.window_reach`` prefix tokens are streamed with ``memory_only`` (same predictions:
+    the answer is beyond the reach of the skipped layers; a GCA model still reads every chunk of the prefix).
+    """
     device = next(model.parameters()).device
     prefix = torch.from_numpy(sample.ids[: sample.answer_start])[None].to(device)
     n_answer = sample.answer_len
+    reach = getattr(model, "window_reach", None)
+    split = 0 if reach is None else max(0, prefix.shape[1] - reach) // segment * segment
     with stream_state(model, offload_mb, offload_dir) as state:
-        for _, logits in stream_segments(model, state, prefix, segment, on_tokens, last_only=True):
+        for _ in stream_segments(model, state, prefix[:, :split], segment, on_tokens, memory_only=True):
+            pass
+        for _, logits in stream_segments(model, state, prefix[:, split:], segment, on_tokens, last_only=True):
             last = logits[:, -1]
         predictions = []
         for i in range(n_answer):

@@ -67,13 +67,16 @@ def stream_segments(
     segment: int,
     on_tokens: Callable[[int], None] | None = None,
     last_only: bool = False,
+    memory_only: bool = False,
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """Feed ``ids [B, T]`` in segments of ``segment`` tokens; yield ``(start, logits [B, t, V])`` per segment
-    (``[B, 1, V]``, the segment's last position, with ``last_only``: skips the LM head for the rest)."""
+    (``[B, 1, V]``, the segment's last position, with ``last_only``: skips the LM head for the rest; no logits
+    with ``memory_only``, see ``GCAForCausalLM.forward_stream``)."""
+    extra = {"memory_only": True} if memory_only else {}
     for start in range(0, ids.shape[1], segment):
         piece = ids[:, start : start + segment]
         with torch.inference_mode():
-            logits = model.forward_stream(piece, state, last_logits=1 if last_only else None)
+            logits = model.forward_stream(piece, state, last_logits=1 if last_only else None, **extra)
         if on_tokens is not None:
             on_tokens(piece.shape[1])
         yield start, logits

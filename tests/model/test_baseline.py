@@ -33,3 +33,15 @@ def test_streaming_matches_full_forward_and_export_round_trip(tmp_path):
     loaded = load_pretrained(tmp_path)
     assert isinstance(loaded, SlidingWindowLM)
     torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+
+
+def test_memory_only_prefix_is_exact_beyond_the_receptive_field():
+    model = build_model(_config()).eval()
+    ids = torch.randint(0, 50, (1, 60))
+    with torch.no_grad():
+        full = model(ids).logits
+        for split, exact in ((60 - model.window_reach, True), (61 - model.window_reach, False)):
+            state = model.new_stream_state()
+            assert model.forward_stream(ids[:, :split], state, memory_only=True).shape == (1, 0, 50)
+            tail = model.forward_stream(ids[:, split:], state)
+            assert torch.allclose(tail[:, -1], full[:, -1], atol=1e-5) == exact

@@ -191,3 +191,32 @@ def test_last_logits_only_is_the_tail_of_the_full_logits():
     assert head.shape == (1, 1, VOCAB) and tail.shape == (1, 5, VOCAB)
     torch.testing.assert_close(head[:, 0], full[:, 29], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(tail, full[:, -5:], rtol=1e-4, atol=1e-4)
+
+
+def test_memory_only_prefix_gives_the_same_logits_after_the_window_reach():
+    model = trained_model(tiny_config(groups=[2]), T=64)
+    reach = model.window_reach
+    assert reach == 2 * 6 + 1
+    ids = torch.randint(0, VOCAB, (1, 90))
+    with torch.no_grad():
+        full = model(ids).logits
+
+        def tail_logits(split: int) -> torch.Tensor:
+            state = model.new_stream_state()
+            skipped = model.forward_stream(ids[:, :split], state, memory_only=True)
+            assert skipped.shape == (1, 0, VOCAB)
+            return model.forward_stream(ids[:, split:], state)
+
+        torch.testing.assert_close(tail_logits(90 - reach)[:, -1], full[:, -1], rtol=1e-4, atol=1e-4)
+        # Control: the skipped upper layers do matter inside the reach, and the far tokens are read via retrieval.
+        assert (tail_logits(89)[:, -1] - full[:, -1]).abs().max() > 1e-3
+        far = ids.clone()
+        far[0, :60] = (far[0, :60] + 1) % VOCAB  # far beyond every window: read only through retrieval
+        assert (model(far).logits[:, -1] - full[:, -1]).abs().max() > 1e-3
+
+
+def test_memory_only_needs_a_single_group():
+    model = GCAForCausalLM(tiny_config())
+    assert model.window_reach is None
+    with pytest.raises(ValueError, match="single retrieval group"):
+        model.forward_stream(torch.zeros(1, 4, dtype=torch.long), model.new_stream_state(), memory_only=True)

@@ -135,3 +135,25 @@ def test_activation_checkpointing_changes_nothing(tmp_path, tiny_data, overrides
     assert main(None, overrides(plain, tiny_data, **extra)) == 0
     assert main(None, overrides(ckpt, tiny_data, **extra, **{"parallel.activation_checkpointing": True})) == 0
     assert [m["loss"] for m in metrics(plain).values()] == [m["loss"] for m in metrics(ckpt).values()]
+
+
+def test_init_from_starts_a_fresh_run_from_exported_weights(tmp_path, tiny_data, overrides, caplog):
+    first = tmp_path / "first"
+    assert main(None, overrides(first, tiny_data, **{"train.max_steps": 3})) == 0
+    exported = load_file(first / "export" / "model.safetensors")
+    # A new stage: other sequence length and optimizer; the weights are the export's, step and data start anew.
+    extra = {"checkpoint.init_from": str(first / "export"), "train.seq_len": 32, "optim.lr": 1e-3}
+    cfg = load_config(None, overrides(tmp_path / "second", tiny_data, **extra))
+    trainer = Trainer(cfg, dist.init_distributed("none"))
+    state = trainer.engine.module.state_dict()
+    assert trainer.step == 0 and exported.keys() == state.keys()
+    assert all(torch.equal(state[name], tensor) for name, tensor in exported.items())
+    fresh = Trainer(load_config(None, overrides(tmp_path / "fresh", tiny_data)), dist.init_distributed("none"))
+    assert not torch.equal(fresh.engine.module.state_dict()["embed.weight"], exported["embed.weight"])
+    # An export of another shape is refused before training, naming the key.
+    caplog.clear()
+    wider = {**extra, "model.d_model": 64, "model.ffn_hidden": 128}
+    assert main(None, overrides(tmp_path / "third", tiny_data, **wider)) == 2
+    assert "checkpoint.init_from" in caplog.text and "does not fit model" in caplog.text
+    with pytest.raises(Exception, match="checkpoint.init_from must be a model export directory"):
+        load_config(None, overrides(tmp_path / "fourth", tiny_data, **{"checkpoint.init_from": str(tmp_path)}))
