@@ -60,6 +60,9 @@ class DataConfig:
     """Packed sequences shuffled together; larger mixes more, costs memory on every rank."""
     needle_mix: float = 0.0
     """Fraction of training sequences that get a passkey needle and the question + answer at the end."""
+    needle_answer_weight: float = 1.0
+    """Loss weight of a needle's answer tokens relative to every other token (the loss is the weighted mean).
+    1 is the plain LM loss of the paper; a larger weight strengthens the retrieval signal of short runs."""
     validate_hash: str | None = None
     """Shard hash checked on read (e.g. ``xxh64``), if data prep wrote one."""
 
@@ -263,6 +266,8 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
                           f"train.max_steps={t.max_steps}")
     if not 0.0 <= cfg.data.needle_mix <= 1.0:
         raise ConfigError(f"data.needle_mix must be in [0, 1]; got {cfg.data.needle_mix}")
+    if not cfg.data.needle_answer_weight > 0:
+        raise ConfigError(f"data.needle_answer_weight must be > 0; got {cfg.data.needle_answer_weight}")
     if not 0 <= p.zero_stage <= 3:
         raise ConfigError(f"parallel.zero_stage must be 0, 1, 2 or 3; got {p.zero_stage}")
     if p.engine != "deepspeed" and (p.zero_stage or p.offload_optimizer or p.offload_params):

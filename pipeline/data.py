@@ -358,27 +358,39 @@ class RankBatches:
         needles: optional ``NeedleInserter``; applied to a sequence with probability ``needle_mix``, decided by
             a generator seeded with the sequence's global id (so the same sequence gets the same needle on any
             world size and after a resume).
+        answer_weight: loss weight of the needle answers' tokens (1: no weights are produced).
     """
 
     def __init__(self, stream: PackedSequences, global_batch: int, micro_batch: int, rank: int, world_size: int,
-                 needles: Any = None, needle_mix: float = 0.0, seed: int = 0) -> None:
+                 needles: Any = None, needle_mix: float = 0.0, seed: int = 0, answer_weight: float = 1.0) -> None:
         self.stream, self.global_batch, self.micro_batch = stream, global_batch, micro_batch
         self.rank, self.world_size = rank, world_size
         self.needles, self.needle_mix, self.seed = needles, needle_mix, seed
+        self.answer_weight = answer_weight
 
     def next_step(self) -> list[torch.Tensor]:
         """The micro-batches ``[micro_batch, seq_len]`` (int64) of this rank for the next optimizer step."""
+        return [tokens for tokens, _ in self.next_step_weighted()]
+
+    def next_step_weighted(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """The micro-batches with their per-token loss weights ``[micro_batch, seq_len]`` (fp32, aligned with the
+        tokens as labels), or ``None`` when every token weighs the same."""
         seqs, ids = self.stream.next(self.global_batch)
         per_rank = self.global_batch // self.world_size
         lo = self.rank * per_rank
         mine, mine_ids = seqs[lo : lo + per_rank].copy(), ids[lo : lo + per_rank]
+        weights = np.ones(mine.shape, dtype=np.float32) if self.answer_weight != 1.0 else None
         if self.needles is not None and self.needle_mix > 0:
             for row, gid in enumerate(mine_ids):
                 rng = np.random.default_rng([self.seed, 2, int(gid)])
                 if rng.random() < self.needle_mix:
-                    mine[row] = self.needles.insert(mine[row], rng)
-        batch = torch.from_numpy(mine)
-        return list(batch.split(self.micro_batch))
+                    mine[row], answer = self.needles.insert(mine[row], rng)
+                    if weights is not None:
+                        weights[row, answer] = self.answer_weight
+        tokens = torch.from_numpy(mine).split(self.micro_batch)
+        if weights is None:
+            return [(t, None) for t in tokens]
+        return list(zip(tokens, torch.from_numpy(weights).split(self.micro_batch)))
 
     def state_dict(self) -> dict[str, Any]:
         return self.stream.state_dict()

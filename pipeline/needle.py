@@ -81,13 +81,15 @@ class NeedleInserter:
             question.append(answer.pop(0))
         return needle, question, answer
 
-    def insert(self, seq: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        """Return a copy of ``seq`` with a needle at a random depth and question + answer near the end."""
+    def insert(self, seq: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, slice]:
+        """Return a copy of ``seq`` with a needle at a random depth and question + answer near the end, and the
+        positions of the answer tokens."""
         key = str(int(rng.integers(10_000, 100_000)))
         needle, question, answer = self.parts(key)
         where = place_needle(len(seq), self.chunk_size, len(needle), len(question), len(answer), rng.random())
         out = seq.copy()
         out[where.needle_start : where.needle_start + len(needle)] = needle
         out[where.question_start : where.answer_start] = question
-        out[where.answer_start : where.answer_start + len(answer)] = answer
-        return out
+        answer_span = slice(where.answer_start, where.answer_start + len(answer))
+        out[answer_span] = answer
+        return out, answer_span

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from pipeline.config import TrainConfig
 from pipeline.dist import DistInfo
@@ -89,6 +90,17 @@ def _clean(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k.replace(_WRAPPED, ""): v.detach().cpu() for k, v in state.items()}
 
 
+def lm_loss(model: nn.Module, x: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """Next-token loss of ``x``: the model's mean cross-entropy, or with ``weights [B, T]`` (aligned with ``x``
+    as labels) the weighted mean ``sum(w * ce) / sum(w)`` over the predicted positions."""
+    if weights is None:
+        return model(x, labels=x).loss
+    logits = model(x).logits[:, :-1]
+    ce = F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten(), reduction="none")
+    w = weights[:, 1:].flatten()
+    return (ce * w).sum() / w.sum()
+
+
 class TorchEngine:
     """``parallel.engine=none`` (plain module, DDP when several ranks) and ``fsdp`` (FSDP2)."""
 
@@ -124,16 +136,15 @@ class TorchEngine:
             return self.model.no_sync()
         return contextlib.nullcontext()
 
-    def loss(self, x: torch.Tensor) -> torch.Tensor:
+    def loss(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         with torch.autocast(self.info.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            out = self.model(x, labels=x)
-        return out.loss
+            return lm_loss(self.model, x, weights)
 
-    def micro_step(self, x: torch.Tensor, accum: int, last: bool) -> torch.Tensor:
+    def micro_step(self, x: torch.Tensor, accum: int, last: bool, weights: torch.Tensor | None = None) -> torch.Tensor:
         if self.kind == "fsdp" and last:
             self.model.set_requires_gradient_sync(True)  # type: ignore[operator]
         with self._sync_context(last):
-            loss = self.loss(x)
+            loss = self.loss(x, weights)
             (loss / accum).backward()
         return loss.detach()
 
@@ -238,11 +249,11 @@ class DeepSpeedEngine:
     def train(self, mode: bool = True) -> None:
         self.model.train(mode)
 
-    def loss(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x, labels=x).loss
+    def loss(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        return lm_loss(self.model, x, weights)
 
-    def micro_step(self, x: torch.Tensor, accum: int, last: bool) -> torch.Tensor:
-        loss = self.loss(x)
+    def micro_step(self, x: torch.Tensor, accum: int, last: bool, weights: torch.Tensor | None = None) -> torch.Tensor:
+        loss = self.loss(x, weights)
         self.model.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself
         if not last:
             self.model.step()  # off the accumulation boundary this only advances DeepSpeed's counters

@@ -158,7 +158,8 @@ class Trainer:
         if cfg.data.needle_mix > 0:
             needles = NeedleInserter(Path(cfg.data.path) / TOKENIZER_FILE, cfg.train.seq_len, cfg.model.chunk_size)
         self.batches = RankBatches(stream, cfg.train.global_batch, cfg.train.micro_batch, info.rank,
-                                   info.world_size, needles, cfg.data.needle_mix, cfg.seed)
+                                   info.world_size, needles, cfg.data.needle_mix, cfg.seed,
+                                   cfg.data.needle_answer_weight)
         self.data_fingerprint = dataset_fingerprint(reader, cfg.data.path)
         self._val_reader: MDSReader | None = None
         self.fault = faults.from_env()
@@ -181,9 +182,10 @@ class Trainer:
         faults.before_step(self.fault, self.step + 1, self.info.rank)
         eng.train(True)
         self._phase = "forward/backward (with the data-parallel gradient reduction)"
-        micro = self.batches.next_step()
-        losses = [eng.micro_step(x.to(self.info.device), self.accum, last=i == len(micro) - 1)
-                  for i, x in enumerate(micro)]
+        micro = self.batches.next_step_weighted()
+        losses = [eng.micro_step(x.to(self.info.device), self.accum, last=i == len(micro) - 1,
+                                 weights=None if w is None else w.to(self.info.device))
+                  for i, (x, w) in enumerate(micro)]
         loss = torch.stack(losses).mean().float()
         if self.fault is not None and self.fault.hits("nan_loss", self.step + 1, self.info.rank):
             loss = loss * float("nan")

@@ -29,7 +29,7 @@ def test_too_short_raises():
 def test_inserter_writes_key_at_both_places(tiny_data):
     ins = NeedleInserter(tiny_data / "tokenizer.model", 256, chunk_size=16)
     seq = np.zeros(256, dtype=np.int64) + 5
-    out = ins.insert(seq, np.random.default_rng(0))
+    out, answer_span = ins.insert(seq, np.random.default_rng(0))
     assert out.shape == seq.shape and (seq == 5).all()  # a copy; the input is untouched
     text = ins.sp.decode(out.tolist())
     key = text.split("The pass key is")[1].split(".")[0].strip()
@@ -37,3 +37,4 @@ def test_inserter_writes_key_at_both_places(tiny_data):
     assert f"The pass key is {key}" in text.split("What is")[1]
     needle, question, answer = ins.parts(key)
     assert ins.sp.decode(answer[:1]).strip() == key[0]  # the first answer token is a digit, not a space
+    assert out[answer_span].tolist() == answer

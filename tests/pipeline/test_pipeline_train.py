@@ -157,3 +157,22 @@ def test_init_from_starts_a_fresh_run_from_exported_weights(tmp_path, tiny_data,
     assert "checkpoint.init_from" in caplog.text and "does not fit model" in caplog.text
     with pytest.raises(Exception, match="checkpoint.init_from must be a model export directory"):
         load_config(None, overrides(tmp_path / "fourth", tiny_data, **{"checkpoint.init_from": str(tmp_path)}))
+
+
+def test_needle_answer_weight_is_a_weighted_mean_over_the_answer_tokens(tmp_path, tiny_data, overrides, metrics):
+    extra = {"data.needle_mix": 1.0, "train.seq_len": 96, "model.chunk_size": 16}
+    cfg = load_config(None, overrides(tmp_path / "w", tiny_data, **extra, **{"data.needle_answer_weight": 5.0}))
+    trainer = Trainer(cfg, dist.init_distributed("none"))
+    x, w = trainer.batches.next_step_weighted()[0]
+    # Independent reference: per-token cross-entropy, answer positions found from the weights.
+    model = trainer.engine.module.eval()  # no Gumbel noise: every forward below sees the same retrieval
+    with torch.no_grad():
+        ce = torch.nn.functional.cross_entropy(model(x).logits[:, :-1].flatten(0, 1), x[:, 1:].flatten(),
+                                               reduction="none").view(x.shape[0], -1)
+        answer = w[:, 1:] == 5.0
+        assert (answer.sum(1) > 0).all() and (w[:, 1:][~answer] == 1.0).all()
+        expected = (ce.sum() + 4.0 * ce[answer].sum()) / (ce.numel() + 4.0 * answer.sum())
+        torch.testing.assert_close(trainer.engine.loss(x, w), expected)
+        assert not torch.allclose(trainer.engine.loss(x, None), expected)
+    plain = load_config(None, overrides(tmp_path / "p", tiny_data, **extra))
+    assert all(w is None for _, w in Trainer(plain, dist.init_distributed("none")).batches.next_step_weighted())
