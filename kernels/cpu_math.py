@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 
@@ -15,4 +17,6 @@ def flush_denormals() -> bool:
     Call it before the first multi-threaded torch op: OpenMP worker threads copy the floating-point control
     register when they are created, so a call after the thread pool exists only affects the calling thread.
     """
+    # numpy notices flushed denormals when it computes float limits and warns once per type; that is this setting.
+    warnings.filterwarnings("ignore", message="The value of the smallest subnormal", category=UserWarning)
     return torch.set_flush_denormal(True)

@@ -23,6 +23,12 @@ from omegaconf import OmegaConf
 log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
+# What distinguishes the demo's models; everything else comes from the same train config.
+MODEL_OVERRIDES = {
+    "gca": [],
+    "baseline": ["model.arch=swa"],
+    "ablation": ["model.retrieval_grad=false"],  # GCA whose retriever gets no gradient
+}
 
 
 @dataclass
@@ -30,6 +36,13 @@ class EvalSlice:
     lengths: list[int]
     samples: int
     """Samples per (length, depth)."""
+
+
+@dataclass
+class TrainStage:
+    name: str
+    overrides: list[str] = field(default_factory=list)
+    """``key=value`` overrides of this stage (sequence length, batch, steps, ...)."""
 
 
 @dataclass
@@ -42,7 +55,10 @@ class DemoConfig:
     ranks: int = 2
     """DeepSpeed ranks on this machine (CPU: one per core)."""
     train_overrides: list[str] = field(default_factory=list)
-    """Extra ``key=value`` overrides for both training runs (e.g. a shorter smoke run)."""
+    """Extra ``key=value`` overrides for every training run (e.g. a shorter smoke run)."""
+    train_stages: list[TrainStage] = field(default_factory=list)
+    """A curriculum: each model trains through these stages in order, every stage starting from the previous
+    stage's weights (``checkpoint.init_from``); empty = one stage with the train config as it is."""
     models: list[str] = field(default_factory=lambda: ["gca", "baseline"])
     passkey: list[EvalSlice] = field(default_factory=list)
     depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
@@ -99,18 +115,24 @@ class Stages:
         log.info("[%s] done in %.0f s", name, self.timings[name])
 
     def train(self, model: str) -> Path:
+        """Train ``model`` through every stage; returns the last stage's export."""
         cfg = self.cfg
-        run_dir = self.run_dir / model
-        overrides = [f"run_dir={run_dir}", f"data.path={ROOT / cfg.data}", *cfg.train_overrides]
-        if model == "baseline":
-            overrides.append("model.arch=swa")
-        cmd = [
-            str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(cfg.ranks),
-            "launch/pretrain.py", "--config", cfg.gca_config, *overrides,
-        ]
-        env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-        export = run_dir / "export"
-        self.run(f"train-{model}", cmd, export / "model.safetensors", env)
+        stages = cfg.train_stages or [TrainStage(name="train")]
+        export: Path | None = None
+        for stage in stages:
+            run_dir = self.run_dir / model / stage.name
+            overrides = [f"run_dir={run_dir}", f"data.path={ROOT / cfg.data}", *MODEL_OVERRIDES[model],
+                         *stage.overrides, *cfg.train_overrides]
+            if export is not None:
+                overrides.append(f"checkpoint.init_from={export}")
+            cmd = [
+                str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(cfg.ranks),
+                "launch/pretrain.py", "--config", cfg.gca_config, *overrides,
+            ]
+            env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+            export = run_dir / "export"
+            self.run(f"train-{model}-{stage.name}", cmd, export / "model.safetensors", env)
+        assert export is not None
         return export
 
     def evaluate(self, model: str, export: Path) -> None:
@@ -136,6 +158,9 @@ def main(config: str, overrides: list[str]) -> None:
     from pipeline.demo_report import write_report
 
     cfg = load_demo_config(config, overrides)
+    unknown = [m for m in cfg.models if m not in MODEL_OVERRIDES]
+    if unknown:
+        raise SystemExit(f"demo models {unknown} are not among {sorted(MODEL_OVERRIDES)}")
     if not (ROOT / cfg.data / "_COMPLETE").is_file():
         raise SystemExit(f"{cfg.data} is not a complete data-prep output; run `make prep` first")
     stages = Stages(cfg)

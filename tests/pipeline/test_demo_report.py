@@ -39,3 +39,25 @@ def test_bad_override_is_one_line(tmp_path):
         load_demo_config(Path(__file__).resolve().parents[2] / "configs/demo/demo.yaml", ["passkey=[{lengths:[1]}]"])
     with pytest.raises(SystemExit, match="not found"):
         load_demo_config(tmp_path / "missing.yaml", [])
+
+
+def test_curriculum_stages_chain_their_weights(tmp_path, monkeypatch):
+    from pipeline import demo
+
+    cfg = load_demo_config(Path(__file__).resolve().parents[2] / "configs/demo/demo.yaml",
+                           [f"run_dir={tmp_path}", "models=[gca,baseline,ablation]"])
+    assert [s.name for s in cfg.train_stages] == ["short", "long"]
+    calls = []
+    monkeypatch.setattr(demo.Stages, "run", lambda self, name, cmd, done, env=None: calls.append((name, cmd)))
+    stages = demo.Stages(cfg)
+    exports = {model: stages.train(model) for model in cfg.models}
+    assert exports["gca"] == tmp_path / "gca" / "long" / "export"
+    by_name = dict(calls)
+    assert list(by_name) == [f"train-{m}-{s}" for m in cfg.models for s in ("short", "long")]
+    short, long_ = by_name["train-gca-short"], by_name["train-gca-long"]
+    assert "train.seq_len=64" in short and not any(a.startswith("checkpoint.init_from") for a in short)
+    assert f"checkpoint.init_from={tmp_path / 'gca' / 'short' / 'export'}" in long_
+    assert "model.arch=swa" in by_name["train-baseline-long"]
+    assert "model.retrieval_grad=false" in by_name["train-ablation-short"]
+    with pytest.raises(SystemExit, match="not among"):
+        demo.main(str(Path(__file__).resolve().parents[2] / "configs/demo/demo.yaml"), ["models=[gca,oracle]"])
