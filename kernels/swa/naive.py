@@ -15,6 +15,16 @@ import torch.nn.functional as F
 _MAX_LOGIT_ELEMENTS = 1 << 25
 
 
+def check_window_inputs(q: torch.Tensor, k: torch.Tensor) -> None:
+    """Raise ``ValueError`` when the keys do not cover the queries or the heads do not group."""
+    Tq, HQ = q.shape[1], q.shape[2]
+    Tk, H = k.shape[1], k.shape[2]
+    if Tk < Tq:
+        raise ValueError(f"keys (Tk={Tk}) must cover the queries (Tq={Tq})")
+    if HQ % H != 0:
+        raise ValueError(f"query heads HQ={HQ} must be a multiple of key/value heads H={H}")
+
+
 def naive_sliding_window_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -36,12 +46,9 @@ def naive_sliding_window_attention(
     Returns:
         ``[B, Tq, HQ, D]`` in the dtype of ``q``.
     """
+    check_window_inputs(q, k)
     B, Tq, HQ, D = q.shape
     Tk, H = k.shape[1], k.shape[2]
-    if Tk < Tq:
-        raise ValueError(f"keys (Tk={Tk}) must cover the queries (Tq={Tq})")
-    if HQ % H != 0:
-        raise ValueError(f"query heads HQ={HQ} must be a multiple of key/value heads H={H}")
     if Tq == 0:
         return q.new_zeros(q.shape)
     G = HQ // H

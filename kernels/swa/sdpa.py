@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.swa.naive import check_window_inputs
+
 
 def _block_rows(window: int) -> int:
     """Query rows per block: about half the window (a block's span of ``block + window`` keys is then at most
@@ -48,12 +50,9 @@ def sdpa_sliding_window_attention(
 ) -> torch.Tensor:
     """Causal sliding-window attention with ALiBi; same arguments and result as
     ``naive_sliding_window_attention`` (``q [B, Tq, HQ, D]``, ``k, v [B, Tk, H, D]``, ``Tk >= Tq``)."""
+    check_window_inputs(q, k)
     B, Tq, HQ, D = q.shape
     Tk, H = k.shape[1], k.shape[2]
-    if Tk < Tq:
-        raise ValueError(f"keys (Tk={Tk}) must cover the queries (Tq={Tq})")
-    if HQ % H != 0:
-        raise ValueError(f"query heads HQ={HQ} must be a multiple of key/value heads H={H}")
     if Tq == 0:
         return q.new_zeros(q.shape)
     if HQ != H:  # grouped-query attention: every query head reads its key/value head

@@ -57,3 +57,12 @@ def test_dispatch_picks_sdpa_on_cpu_and_naive_on_request():
                        naive_sliding_window_attention(q, k, v, **args))
     with pytest.raises(ValueError, match="backend='flash' is not one of"):
         sliding_window_attention(q, k, v, backend="flash", **args)
+
+
+@pytest.mark.parametrize("fn", [naive_sliding_window_attention, sdpa_sliding_window_attention])
+def test_bad_shapes_name_the_rule(fn):
+    slopes = alibi_slopes(4)
+    with pytest.raises(ValueError, match=r"keys \(Tk=3\) must cover the queries \(Tq=5\)"):
+        fn(torch.randn(1, 5, 4, 8), torch.randn(1, 3, 4, 8), torch.randn(1, 3, 4, 8), window=4, alibi_slopes=slopes)
+    with pytest.raises(ValueError, match="HQ=4 must be a multiple of key/value heads H=3"):
+        fn(torch.randn(1, 5, 4, 8), torch.randn(1, 5, 3, 8), torch.randn(1, 5, 3, 8), window=4, alibi_slopes=slopes)
