@@ -101,7 +101,7 @@ demo: install ds-warmup
 	@test -f data/default/_COMPLETE || $(PY) launch/prep.py --config configs/data/default.yaml
 	$(PY) launch/demo.py --config configs/demo/demo.yaml $(ARGS)
 
-# The same pipeline in ~4 minutes with a few training steps and samples (plumbing only; numbers meaningless).
+# The same pipeline in ~2 minutes with a few training steps and samples (plumbing only; numbers meaningless).
 demo-smoke: install ds-warmup
 	@test -f data/default/_COMPLETE || $(PY) launch/prep.py --config configs/data/default.yaml
 	$(PY) launch/demo.py --config configs/demo/smoke.yaml $(ARGS)
