@@ -53,9 +53,9 @@ class GCAConfig:
     retrieval_scale: str = "d_model"
     """Retrieval score scale: ``d_model`` (1/sqrt(d_model), the paper) or ``head_dim``."""
     attn_backend: str = "auto"
-    """Attention backend: ``auto`` (CUDA: Triton GCA + FlashAttention/FlexAttention window; CPU: ``sdpa``),
-    ``sdpa`` (both operators through PyTorch's fused SDPA), ``naive`` (the readable references) or ``triton``
-    (Triton GCA; the window as under ``auto``)."""
+    """Attention backend: ``auto`` (CUDA: Triton GCA + FlashAttention/FlexAttention window; CPU: matmul GCA with
+    a hand-written backward + the window through PyTorch's fused SDPA), ``sdpa`` (both operators through fused
+    SDPA), ``naive`` (the readable references) or ``triton`` (Triton GCA; the window as under ``auto``)."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon (one value everywhere, the encoder included)."""
     rope_theta: float = 10000.0

@@ -39,8 +39,8 @@ _EVAL_SLICE_ELEMENTS = 1 << 24
 class RetrievedMemory:
     """The chunk memories one group reads, gathered once and shared by the group's layers."""
 
-    k: torch.Tensor  # [B, C, R, S, H, D]
-    v: torch.Tensor  # [B, C, R, S, H, D]
+    k: torch.Tensor  # [B, C, H, R, S, D]: per head, a chunk's R memories are contiguous (the operator's layout)
+    v: torch.Tensor  # [B, C, H, R, S, D]
     weights: torch.Tensor  # [B, C, R]
 
 
@@ -72,22 +72,21 @@ class GroupedCrossAttention(nn.Module):
         # Align the step to chunk boundaries: `lead` positions of the first chunk came in earlier steps.
         q = F.pad(q, (0, 0, layout.lead, C * P - layout.lead - L))
         q = q.view(B * C, P, cfg.n_heads, cfg.head_dim).transpose(1, 2)  # [B*C, HQ, S+1, D]
-        R, S = memory.k.shape[2], memory.k.shape[3]
-        k = memory.k.reshape(B * C, R, S, cfg.n_kv_heads, cfg.head_dim).permute(0, 3, 1, 2, 4)  # [B*C, H, R, S, D]
-        v = memory.v.reshape(B * C, R, S, cfg.n_kv_heads, cfg.head_dim).permute(0, 3, 1, 2, 4)
+        R, S = memory.k.shape[3], memory.k.shape[4]
+        k = memory.k.flatten(0, 1)  # [B*C, H, R, S, D], no copy
+        v = memory.v.flatten(0, 1)
         w = memory.weights.reshape(B * C, R)
         # Without autograd nothing is kept for backward, so long inputs are read in slices of chunks: the
         # operator's transient [chunks, HQ, R, S+1, S] logits then stay bounded whatever the input length.
         step = B * C if torch.is_grad_enabled() else max(1, _EVAL_SLICE_ELEMENTS // (cfg.n_heads * R * P * S))
-        o = torch.cat(
-            [
-                gca_attention(
-                    q[i : i + step], k[i : i + step], v[i : i + step], w[i : i + step],
-                    softmax_off_by_one=cfg.softmax_off_by_one, backend=cfg.attn_backend,
-                )
-                for i in range(0, B * C, step)
-            ]
-        )  # [B*C, HQ, S+1, D]
+        parts = [
+            gca_attention(
+                q[i : i + step], k[i : i + step], v[i : i + step], w[i : i + step],
+                softmax_off_by_one=cfg.softmax_off_by_one, backend=cfg.attn_backend,
+            )
+            for i in range(0, B * C, step)
+        ]
+        o = torch.cat(parts) if len(parts) > 1 else parts[0]  # [B*C, HQ, S+1, D]
         o = o.transpose(1, 2).reshape(B, C * P, -1)[:, layout.lead : layout.lead + L]  # [B, L, HQ*D]
         return self.wo(o)
 
@@ -287,4 +286,7 @@ class GCAForCausalLM(nn.Module):
             state.rows[g] = rows[-1:]
         rows = rows[: layout.n_chunks]
         batch = torch.arange(B, device=x.device)[:, None, None]
-        return RetrievedMemory(k=mem_k[batch, rows.index], v=mem_v[batch, rows.index], weights=rows.weights)
+        # Gathered once per group, shared by its layers: [B, C, R, S, H, D] -> the operator's [B, C, H, R, S, D].
+        k = mem_k[batch, rows.index].permute(0, 1, 4, 2, 3, 5).contiguous()
+        v = mem_v[batch, rows.index].permute(0, 1, 4, 2, 3, 5).contiguous()
+        return RetrievedMemory(k=k, v=v, weights=rows.weights)

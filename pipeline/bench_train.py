@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_math import flush_denormals
+from kernels.cpu_math import flush_denormals, retain_freed_memory
 from model.baseline import SlidingWindowLM
 from model.bench import BENCH_CONFIG, FullAttentionLM
 from model.config import GCAConfig
@@ -41,6 +41,7 @@ def _build(kind: str) -> torch.nn.Module:
 
 def _time_step(kind: str, length: int, repeats: int) -> dict:
     flush_denormals()  # as the trainer does
+    retain_freed_memory()
     torch.manual_seed(0)
     model = _build(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -42,6 +42,9 @@ class TrainLoopConfig:
     """Global batches of the validation split per evaluation."""
     requeue_exit_code: int = 75
     """Exit code after a SIGTERM/SIGUSR1-triggered save, so a wrapper can requeue (EX_TEMPFAIL)."""
+    retain_freed_memory: bool = True
+    """Keep freed host memory for reuse instead of returning it to the OS (glibc): ~12% faster CPU steps for
+    ~15% more resident memory (``kernels.cpu_math.retain_freed_memory``)."""
 
 
 @dataclass

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from kernels.cpu_math import flush_denormals
+from kernels.cpu_math import flush_denormals, retain_freed_memory
 from model import build_model, read_export_config, save_pretrained
 from pipeline import dist, faults
 from pipeline.checkpoint import CheckpointManager
@@ -391,6 +391,8 @@ def main(config_path: str | None, overrides: list[str]) -> int:
     except ConfigError as err:
         log.error("configuration error: %s", err)
         return 2
+    if cfg.train.retain_freed_memory:
+        retain_freed_memory()  # steps reuse their buffers instead of page-faulting fresh mappings
     info = dist.init_distributed(cfg.parallel.engine)
     setup_logging(info.rank)
     try:

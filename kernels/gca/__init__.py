@@ -6,14 +6,17 @@ is the gradient that trains the retriever end to end (GCA-SPEC section 1.6).
 
 Backends:
     ``naive``  readable fp32 PyTorch reference (``kernels.gca.naive``), any device.
-    ``sdpa``   the R per-chunk softmaxes as one batched PyTorch SDPA call (``kernels.gca.sdpa``): the CPU path.
+    ``matmul`` two batched matmuls per direction with a hand-written backward (``kernels.gca.matmul``): the CPU
+               path, measured 1.3x faster than ``sdpa`` forward+backward at the benchmark shapes.
+    ``sdpa``   the R per-chunk softmaxes as one batched PyTorch SDPA call (``kernels.gca.sdpa``).
     ``triton`` fused Triton kernels (CUDA, or the CPU interpreter with ``TRITON_INTERPRET=1``).
-    ``auto``   ``triton`` for CUDA tensors, ``sdpa`` otherwise.
+    ``auto``   ``triton`` for CUDA tensors, ``matmul`` otherwise.
 """
 
 from kernels.gca.dispatch import BACKENDS, gca_attention
 from kernels.gca.limits import MAX_HEAD_DIM, MIN_HEAD_DIM
+from kernels.gca.matmul import matmul_gca
 from kernels.gca.naive import naive_gca
 from kernels.gca.sdpa import sdpa_gca
 
-__all__ = ["BACKENDS", "MAX_HEAD_DIM", "MIN_HEAD_DIM", "gca_attention", "naive_gca", "sdpa_gca"]
+__all__ = ["BACKENDS", "MAX_HEAD_DIM", "MIN_HEAD_DIM", "gca_attention", "matmul_gca", "naive_gca", "sdpa_gca"]

@@ -6,10 +6,11 @@ from collections.abc import Callable
 
 import torch
 
+from kernels.gca.matmul import matmul_gca
 from kernels.gca.naive import naive_gca
 from kernels.gca.sdpa import sdpa_gca
 
-BACKENDS = ("auto", "naive", "sdpa", "triton")
+BACKENDS = ("auto", "naive", "matmul", "sdpa", "triton")
 
 
 def _triton_gca() -> Callable[..., torch.Tensor]:
@@ -43,7 +44,8 @@ def gca_attention(
         weights: ``[B, R]``.
         scale: default ``D ** -0.5``.
         softmax_off_by_one: a virtual zero logit with zero value in every per-chunk softmax.
-        backend: ``"auto"`` (triton on CUDA tensors, sdpa otherwise), ``"naive"``, ``"sdpa"`` or ``"triton"``.
+        backend: ``"auto"`` (triton on CUDA tensors, matmul otherwise), ``"naive"``, ``"matmul"``, ``"sdpa"`` or
+            ``"triton"``.
 
     Returns:
         ``o [B, HQ, Q, D]``, differentiable in q, k, v and weights.
@@ -55,9 +57,11 @@ def gca_attention(
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     if backend == "auto":
-        backend = "triton" if q.is_cuda else "sdpa"
+        backend = "triton" if q.is_cuda else "matmul"
     if backend == "naive":
         return naive_gca(q, k, v, weights, scale=scale, softmax_off_by_one=softmax_off_by_one)
+    if backend == "matmul":
+        return matmul_gca(q, k, v, weights, scale=scale, softmax_off_by_one=softmax_off_by_one)
     if backend == "sdpa":
         return sdpa_gca(q, k, v, weights, scale=scale, softmax_off_by_one=softmax_off_by_one)
     return _triton_gca()(q, k, v, weights, scale=scale, softmax_off_by_one=softmax_off_by_one)

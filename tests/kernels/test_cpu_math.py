@@ -36,3 +36,32 @@ def test_flush_reaches_all_threads_only_when_called_first():
     assert _nonzero("first") == 0
     # Called after the pool exists, only the calling thread flushes: the workers' share stays denormal.
     assert 0 < _nonzero("late") < 1 << 22
+
+
+
+_ALLOC_PROBE = textwrap.dedent(
+    """
+    import sys, torch
+    from kernels.cpu_math import retain_freed_memory
+    if sys.argv[1] == "retain":
+        assert retain_freed_memory()
+    def rss_kb():
+        return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1])
+    x = torch.empty(1 << 24).fill_(1.0)  # 64 MB, resident
+    before = rss_kb()
+    del x
+    print(before - rss_kb())  # how much the free gave back to the OS
+    """
+)
+
+
+def _released_kb(mode: str) -> int:
+    done = subprocess.run([sys.executable, "-c", _ALLOC_PROBE, mode], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout.strip())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc allocator setting, /proc")
+def test_retained_memory_stays_with_the_process():
+    assert _released_kb("default") > 60_000  # by default a 64 MB buffer is its own mapping, unmapped on free
+    assert _released_kb("retain") < 4_000  # retained: the heap keeps it for the next allocation
