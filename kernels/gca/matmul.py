@@ -45,9 +45,12 @@ class _MatmulGCA(torch.autograd.Function):
         keys, values = k.reshape(B, H, R * S, D), v.reshape(B, H, R * S, D)
         probs = torch.matmul(q_rows, keys.transpose(-1, -2)).view(B, H, rows, R, S)
         probs = _per_chunk_softmax(probs, softmax_off_by_one)  # A
-        mixed = probs * weights.view(B, 1, 1, R, 1)  # weights_r * A
+        training = any(ctx.needs_input_grad[:4])
+        # weights_r * A; without a backward, A itself is not needed any more and is scaled in place.
+        mixed = probs * weights.view(B, 1, 1, R, 1) if training else probs.mul_(weights.view(B, 1, 1, R, 1))
         o = torch.matmul(mixed.view(B, H, rows, R * S), values)  # [B, H, rows, D]
-        ctx.save_for_backward(q_rows, keys, values, weights, probs)
+        if training:
+            ctx.save_for_backward(q_rows, keys, values, weights, probs)
         ctx.scale, ctx.q_shape = scale, q.shape
         return o.view(B, HQ, Q, D)
 

@@ -63,3 +63,12 @@ def test_auto_is_matmul_on_cpu():
 def test_rejects_bad_shapes_with_the_argument_named():
     with pytest.raises(ValueError, match=r"weights must be \[B, R\]"):
         matmul_gca(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 4, 5, 8), torch.randn(1, 2, 4, 5, 8), torch.rand(1, 3))
+
+
+def test_inference_path_equals_the_training_path():
+    """Without gradients the probabilities are scaled in place; the output must not change."""
+    torch.manual_seed(4)
+    q, k, v, w = _inputs(2, 4, 2, 6, 3, 5, 8)
+    with torch.no_grad():
+        inference = matmul_gca(q, k, v, w, softmax_off_by_one=True)
+    assert torch.equal(inference, matmul_gca(q, k, v, w, softmax_off_by_one=True).detach())
