@@ -164,6 +164,8 @@ def main(config: str, overrides: list[str]) -> None:
     if not (ROOT / cfg.data / "_COMPLETE").is_file():
         raise SystemExit(f"{cfg.data} is not a complete data-prep output; run `make prep` first")
     stages = Stages(cfg)
+    # The demo config as run (overrides applied); each training stage writes its own resolved config.yaml.
+    (stages.run_dir / "demo.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     exports = {model: stages.train(model) for model in cfg.models}
     for model, export in exports.items():
         stages.evaluate(model, export)

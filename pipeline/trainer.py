@@ -295,12 +295,20 @@ class Trainer:
                 "total_tokens": cfg.tokens_per_step * cfg.train.max_steps, "params": self.n_params,
                 "flops_per_token": self.flops_per_token, "bf16": self.bf16, "device": str(self.info.device)}
 
+    def _write_resolved_config(self) -> None:
+        """``<run_dir>/config.yaml``: the resolved config of the latest start (re-runnable with ``--config``)."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.run_dir / f"config.yaml.tmp-{os.getpid()}"
+        tmp.write_text(to_yaml(self.cfg))
+        os.replace(tmp, self.run_dir / "config.yaml")
+
     def train(self) -> int:
         """Run to ``train.max_steps``; returns the process exit code (``train.requeue_exit_code`` on a signal)."""
         cfg = self.cfg
         self.ckpt.remove_uncommitted()
         resumed = self.resume()
         if self.info.is_main:
+            self._write_resolved_config()
             header = log_run_header(to_yaml(cfg), self._derived())
             self.metrics = MetricsLogger(self.run_dir, cfg, _plain(cfg), header, self.step, resumed)
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGUSR1)}

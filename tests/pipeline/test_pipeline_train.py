@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from model import load_pretrained
 from pipeline import dist
 from pipeline.checkpoint import CheckpointError
-from pipeline.config import load_config
+from pipeline.config import load_config, to_yaml
 from pipeline.trainer import NonFiniteError, Trainer, main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,6 +58,15 @@ def test_exact_resume_after_signal(tmp_path, tiny_data, overrides, metrics, monk
     ta = json.loads((a / "checkpoints/step_00000008/trainer_state.json").read_text())
     tb = json.loads((b / "checkpoints/step_00000008/trainer_state.json").read_text())
     assert ta["data"] == tb["data"] and ta["tokens_seen"] == tb["tokens_seen"]
+
+
+def test_run_dir_keeps_the_resolved_config_and_it_reproduces_the_run_config(tmp_path, tiny_data, overrides):
+    run = tmp_path / "run"
+    args = overrides(run, tiny_data, **{"train.max_steps": 3, "checkpoint.export": False, "optim.lr": 2e-3})
+    assert main(None, args) == 0
+    saved = run / "config.yaml"
+    assert to_yaml(load_config(str(saved), [], 1)) == to_yaml(load_config(None, args, 1)) == saved.read_text()
+    assert "lr: 0.002" in saved.read_text()
 
 
 def test_export_matches_trainer_logits_and_loads_without_pickle(tmp_path, tiny_data, overrides):
