@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -106,11 +108,18 @@ def test_t12_five_megabyte_document_is_chunked_exactly(tmp_path):
     assert manifest.splits["train"].pieces == -(-len(expected) // 4096)
 
 
+def _dead_pid() -> int:
+    """The pid of a process that has exited (a fixed number could belong to a live process on the CI machine)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
 def test_t13_trainer_refuses_incomplete_prep_outputs_and_prep_refuses_to_overwrite(data, tmp_path):
     """A prep killed mid-way leaves only ``.<out>.tmp-<pid>`` (no ``_COMPLETE``; tests/data_prep kills a real one);
     the trainer refuses it, refuses a dataset whose marker is missing or does not match its manifest (the
     manifest holds the prep arguments and the input list), and prep refuses to write over a finished output."""
-    leftover = tmp_path / ".out.tmp-4242"
+    leftover = tmp_path / f".out.tmp-{_dead_pid()}"
     shutil.copytree(data, leftover)
     (leftover / COMPLETE_MARKER).unlink()
     (leftover / MANIFEST_FILENAME).unlink()
