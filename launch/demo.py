@@ -6,6 +6,7 @@
 import argparse
 import logging
 
+from data_prep.redaction import install_log_redaction
 from pipeline.demo import main
 
 if __name__ == "__main__":
@@ -14,4 +15,5 @@ if __name__ == "__main__":
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the demo config")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [demo] %(message)s", datefmt="%H:%M:%S")
+    install_log_redaction()
     main(args.config, args.overrides)

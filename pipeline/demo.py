@@ -18,7 +18,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
+
+from data_prep.redaction import raw_env_paths, redact, restore_env_interpolations, track_env_values
 
 log = logging.getLogger(__name__)
 
@@ -68,23 +70,31 @@ class DemoConfig:
     seed: int = 0
 
 
-def load_demo_config(path: str | Path, overrides: list[str]) -> DemoConfig:
-    """The YAML merged with ``key=value`` overrides; any problem is one line naming the file or override."""
+def load_demo_config(path: str | Path, overrides: list[str]) -> tuple[DemoConfig, dict[str, str]]:
+    """The YAML merged with ``key=value`` overrides, and the paths of its nodes that read the environment (see
+    ``data_prep.redaction``); any problem is one line naming the file or override, with environment values
+    redacted."""
     if not Path(path).is_file():
         raise SystemExit(f"demo config {path} not found")
+    track_env_values()
     try:
-        schema = OmegaConf.structured(DemoConfig)
-        merged = OmegaConf.merge(schema, OmegaConf.load(path))
+        loaded = OmegaConf.load(path)
+        if not isinstance(loaded, DictConfig):
+            raise SystemExit(f"{path}: the top level must be a mapping of demo keys, not a "
+                             f"{type(loaded).__name__.replace('Config', '').lower()}")
+        merged = OmegaConf.merge(OmegaConf.structured(DemoConfig), loaded)
         for item in overrides:
             try:
                 merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
             except Exception as exc:
-                raise SystemExit(f"bad demo override {item!r}: {str(exc).splitlines()[0]}") from None
-        return OmegaConf.to_object(merged)  # type: ignore[return-value]
+                raise SystemExit(redact(f"bad demo override {item!r}: {str(exc).splitlines()[0]}")) from None
+        env_paths = raw_env_paths(OmegaConf.to_container(merged, resolve=False))
+        return OmegaConf.to_object(merged), env_paths  # type: ignore[return-value]
     except SystemExit:
         raise
     except Exception as exc:
-        raise SystemExit(f"{path}: {str(exc).splitlines()[0]}") from None
+        key = getattr(exc, "full_key", None)
+        raise SystemExit(redact(f"{path}: {f'key {key!r}: ' if key else ''}{str(exc).splitlines()[0]}")) from None
 
 
 class Stages:
@@ -157,7 +167,7 @@ class Stages:
 def main(config: str, overrides: list[str]) -> None:
     from pipeline.demo_report import write_report
 
-    cfg = load_demo_config(config, overrides)
+    cfg, env_paths = load_demo_config(config, overrides)
     unknown = [m for m in cfg.models if m not in MODEL_OVERRIDES]
     if unknown:
         raise SystemExit(f"demo models {unknown} are not among {sorted(MODEL_OVERRIDES)}")
@@ -165,7 +175,8 @@ def main(config: str, overrides: list[str]) -> None:
         raise SystemExit(f"{cfg.data} is not a complete data-prep output; run `make prep` first")
     stages = Stages(cfg)
     # The demo config as run (overrides applied); each training stage writes its own resolved config.yaml.
-    (stages.run_dir / "demo.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    as_run = restore_env_interpolations(OmegaConf.to_container(OmegaConf.structured(cfg)), env_paths)
+    (stages.run_dir / "demo.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(as_run)))
     exports = {model: stages.train(model) for model in cfg.models}
     for model, export in exports.items():
         stages.evaluate(model, export)

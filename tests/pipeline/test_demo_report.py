@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from data_prep.redaction import restore_env_interpolations
 from pipeline.demo import load_demo_config
 from pipeline.demo_report import write_report
 
@@ -41,11 +42,34 @@ def test_bad_override_is_one_line(tmp_path):
         load_demo_config(tmp_path / "missing.yaml", [])
 
 
+def test_a_list_at_the_top_level_is_one_line_naming_the_file(tmp_path):
+    path = tmp_path / "demo.yaml"
+    path.write_text("- models: [gca]\n")
+    with pytest.raises(SystemExit, match=f"{path}: the top level must be a mapping of demo keys, not a list"):
+        load_demo_config(path, [])
+
+
+def test_environment_values_stay_out_of_errors_and_the_saved_demo_config(tmp_path, monkeypatch):
+    from omegaconf import OmegaConf
+
+    monkeypatch.setenv("DEMO_SENTINEL_DIR", str(tmp_path / "sentinel-7f3a9c"))
+    monkeypatch.setenv("DEMO_SENTINEL_SEED", "not-a-number-7f3a9c")
+    path = tmp_path / "demo.yaml"
+    path.write_text("run_dir: ${oc.env:DEMO_SENTINEL_DIR}\nseed: ${oc.env:DEMO_SENTINEL_SEED}\n")
+    with pytest.raises(SystemExit) as err:
+        load_demo_config(path, [])
+    assert "7f3a9c" not in str(err.value) and "seed" in str(err.value)
+    cfg, env_paths = load_demo_config(path, ["seed=3"])
+    assert cfg.run_dir == str(tmp_path / "sentinel-7f3a9c") and env_paths == {"run_dir": "${oc.env:DEMO_SENTINEL_DIR}"}
+    written = restore_env_interpolations(OmegaConf.to_container(OmegaConf.structured(cfg)), env_paths)
+    assert "7f3a9c" not in OmegaConf.to_yaml(OmegaConf.create(written))
+
+
 def test_curriculum_stages_chain_their_weights(tmp_path, monkeypatch):
     from pipeline import demo
 
-    cfg = load_demo_config(Path(__file__).resolve().parents[2] / "configs/demo/demo.yaml",
-                           [f"run_dir={tmp_path}", "models=[gca,baseline,ablation]"])
+    cfg, _ = load_demo_config(Path(__file__).resolve().parents[2] / "configs/demo/demo.yaml",
+                              [f"run_dir={tmp_path}", "models=[gca,baseline,ablation]"])
     assert [s.name for s in cfg.train_stages] == ["short", "long"]
     calls = []
     monkeypatch.setattr(demo.Stages, "run", lambda self, name, cmd, done, env=None: calls.append((name, cmd)))
