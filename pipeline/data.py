@@ -8,16 +8,15 @@ never on the number of ranks, and the loader state is a few global integers that
 Each rank reads the whole global batch (for the paper config about 1 MB of tokens per step), a negligible
 cost next to a training step.
 
-The ``StreamingDataset`` is used only as a random-access reader (local directory or remote URL, with its shard
-cache); its own rank partitioning is not used, for the reason above.
-
-Untrusted input is checked before use. ``index.json`` is read and validated before ``StreamingDataset`` sees
-it: a shard path that could leave the split directory (``../x``, ``/x``) raises ``UnsafeShardPathError`` before
-any shard file is opened or created, and a pickle column raises ``UnsafeColumnError`` (pickle runs code). Each
-shard's file is hashed against ``index.json`` the first time this process reads it, whether it was just
-extracted or left by an earlier run (``ShardCorruptError`` names the file). ``dataset_fingerprint`` is a content
-hash of the split's index (which lists every shard's hash) and the tokenizer; the trainer stores it in each
-checkpoint and refuses to resume on other data.
+A dataset is untrusted input and is never written to. ``MDSReader`` reads ``index.json`` and checks it
+(``data_prep.safe_files``: shard names confined to the split directory, no pickle column) before any shard file is
+opened or created, then brings each shard it needs into a private cache directory of this process: a local shard
+is read from a regular file only (no symbolic links, FIFOs or devices) and written there, decompressed when only
+the compressed file exists; a remote one is downloaded there by streaming's downloader. Every shard's bytes are
+hashed against ``index.json`` as they go into the cache (``ShardCorruptError`` names the file), and streaming's
+shard reader decodes the samples from the cached copy only. The cache holds the last few shards and is removed
+when the reader goes away. ``dataset_fingerprint`` is a content hash of the split's index (which lists every
+shard's hash) and the tokenizer; the trainer stores it in each checkpoint and refuses to resume on other data.
 """
 
 from __future__ import annotations
@@ -27,33 +26,43 @@ import json
 import logging
 import os
 import re
+import shutil
+import socket
+import stat
+import tempfile
+import weakref
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from data_prep import format as fmt
+from data_prep.safe_files import (
+    INDEX_FILENAME,
+    UnsafeColumnError,
+    UnsafeDatasetError,
+    UnsafeShardPathError,
+    check_index,
+    check_shard_path,
+    open_regular,
+    read_index,
+    read_regular,
+    stat_regular,
+)
 from data_prep.streaming_compat import ensure_streaming_importable
 
 log = logging.getLogger(__name__)
 
+__all__ = ["Cursor", "DataFingerprintError", "EmptySplitError", "MDSReader", "PackedSequences", "RankBatches",
+           "ShardCorruptError", "UnsafeColumnError", "UnsafeDatasetError", "UnsafeShardPathError", "check_fingerprint",
+           "check_index", "check_shard_path", "dataset_fingerprint", "eos_id_of", "is_remote"]
+
 
 def is_remote(path: str) -> bool:
     return "://" in path
-
-
-class UnsafeDatasetError(ValueError):
-    """A dataset index asks for something this reader refuses to do."""
-
-
-class UnsafeShardPathError(UnsafeDatasetError):
-    """A shard file name in ``index.json`` is not a plain relative path inside the split directory."""
-
-
-class UnsafeColumnError(UnsafeDatasetError):
-    """A column uses an encoding that runs code when decoded (pickle)."""
 
 
 class ShardCorruptError(ValueError):
@@ -64,101 +73,146 @@ class DataFingerprintError(ValueError):
     """The dataset differs from the one the checkpoint was trained on."""
 
 
-_SAFE_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
-_UNSAFE_ENCODINGS = ("pkl",)
+class EmptySplitError(ValueError):
+    """A split's index lists no samples."""
+
+
 _HASH_PREFERENCE = ("xxh3_64", "xxh64", "xxh128", "xxh3_128", "sha256", "sha1", "md5")
 """Order in which a shard hash is picked when ``data.validate_hash`` is unset: fastest first."""
+_CACHE_PREFIX = "gca-reader-"
+_CACHE_MARKER = ".gca-reader-cache"
+"""Written into every private cache directory: with the name pattern, the proof that a leftover is ours."""
+_KEEP_SHARDS = 4
+"""Shards kept in a private cache: packing reads shards one after another, so the current one and a few before it
+(a shuffle window re-read across a shard boundary) are all it needs; older ones are deleted from the cache."""
+_DOWNLOAD_TIMEOUT_S = 60
 
 
-def check_shard_path(name: object, where: str) -> str:
-    """``name`` if it is a relative POSIX path of plain parts (letters, digits, ``_ . -``; no ``..``, no leading
-    ``.``, no ``/`` at the start, no backslash) -- so it cannot leave the split directory -- else raise.
-
-    Raises:
-        UnsafeShardPathError: naming ``where`` and the offending name.
-    """
-    parts = PurePosixPath(name).parts if isinstance(name, str) else ()
-    if not parts or name != "/".join(parts) or not all(_SAFE_PART.fullmatch(p) for p in parts):
-        raise UnsafeShardPathError(f"{where}: shard file name {name!r} is not a plain relative path inside the "
-                                   "split directory (path traversal?); refusing the dataset before opening any shard")
-    return str(name)
+def _inside(path: Path, root: Path) -> bool:
+    path, root = path.resolve(), root.resolve()
+    return path == root or root in path.parents
 
 
-def check_index(index: Any, where: str) -> None:
-    """Validate an MDS ``index.json`` object before any shard is touched: every shard file name is a safe
-    relative path (`check_shard_path`) and no column uses an unsafe (pickle) encoding."""
-    if not isinstance(index, dict) or not isinstance(index.get("shards"), list):
-        raise UnsafeDatasetError(f"{where}: not an MDS index (no 'shards' list)")
-    for i, shard in enumerate(index["shards"]):
-        if not isinstance(shard, dict):
-            raise UnsafeDatasetError(f"{where}: shard {i} is not an object")
-        for key in ("raw_data", "zip_data", "raw_meta", "zip_meta"):
-            info = shard.get(key)
-            if info is not None:
-                check_shard_path(info.get("basename") if isinstance(info, dict) else info, f"{where}: shard {i} {key}")
-        for name, encoding in zip(shard.get("column_names", []), shard.get("column_encodings", [])):
-            if str(encoding).split(":")[0] in _UNSAFE_ENCODINGS:
-                raise UnsafeColumnError(f"{where}: shard {i} column {name!r} has encoding {encoding!r}, which "
-                                        "unpickles (runs code) on read; the trainer never reads such columns")
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
-def _hash_file(algo: str, path: str) -> str:
-    from streaming.base.hashing import get_hash
+def _remove_stale_caches(parent: Path, host: str) -> None:
+    """Remove private caches that readers of this host left when they were killed (their pid is gone). Only
+    directories with our name pattern and marker are touched: nothing else in ``parent`` is provably ours."""
+    pattern = re.compile(rf"{re.escape(_CACHE_PREFIX)}{re.escape(host)}-(\d+)-[A-Za-z0-9_]+")
+    for entry in parent.iterdir():
+        match = pattern.fullmatch(entry.name)
+        if match is None or _pid_alive(int(match.group(1))):
+            continue
+        st = os.lstat(entry)
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and (entry / _CACHE_MARKER).is_file():
+            log.info("removing the data cache of a killed reader: %s", entry)
+            shutil.rmtree(entry, ignore_errors=True)
 
-    with open(path, "rb") as f:
-        return get_hash(algo, f.read())
+
+def _remove_cache(path: Path, owner_pid: int) -> None:
+    if os.getpid() == owner_pid:  # a forked child must not delete its parent's cache
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def make_private_cache(parent: Path) -> Path:
+    """A fresh directory under ``parent`` that only this process uses: created by ``mkdtemp`` (mode 0700, a name
+    no one else can have taken: host, pid and a random part, so ranks and nodes sharing ``parent`` never
+    collide) and checked to be a real directory of ours."""
+    host = socket.gethostname().replace("/", "_")
+    parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _remove_stale_caches(parent, host)
+    path = Path(tempfile.mkdtemp(prefix=f"{_CACHE_PREFIX}{host}-{os.getpid()}-", dir=parent))
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise UnsafeDatasetError(f"data cache {path} is not a private directory of this user; set data.cache_dir "
+                                 "to a directory only you can write")
+    (path / _CACHE_MARKER).write_text(f"{host} {os.getpid()}\n")
+    return path
 
 
 class MDSReader:
-    """Random access to one split of a prepared dataset, through ``streaming.StreamingDataset``.
+    """Random access to one split of a prepared dataset, read through a private cache (see the module docstring).
 
     Args:
         root: dataset directory or remote URL (``s3://...``, ``gs://...``, ``https://...``).
         split: sub-directory (``train`` / ``val``).
-        cache_dir: local shard cache for a remote root (ignored for a local one, which is read in place).
-        validate_hash: hash algorithm checked on every shard file before its first read in this process; by
-            default the fastest one data prep recorded. A shard with no recorded hash is read unchecked (warned).
+        cache_dir: where this reader creates its private cache directory (the system temp dir when None); never
+            inside a local ``root``.
+        validate_hash: hash algorithm checked on every shard file as it enters the cache; by default the
+            fastest one data prep recorded. A shard with no recorded hash is read unchecked (warned).
+
+    Raises:
+        FileNotFoundError: no ``index.json``.
+        UnsafeDatasetError: an unsafe index, a cache inside the dataset.
+        EmptySplitError: the split holds no samples.
     """
 
     def __init__(self, root: str, split: str, cache_dir: str | None, validate_hash: str | None = None) -> None:
         ensure_streaming_importable()
-        from streaming import StreamingDataset
+        from streaming.base.format import reader_from_json
 
-        if is_remote(root):
-            remote: str | None = root.rstrip("/") + "/" + split
-            cache_root = Path(cache_dir or "data_cache")
-            local = str(cache_root / hashlib.sha256(remote.encode()).hexdigest()[:16] / split)
-            self.index_path = self._fetch_index(str(remote), local)
-        else:
-            remote, local = None, str(Path(root) / split)
-            self.index_path = Path(local) / "index.json"
-            if not self.index_path.is_file():
-                raise FileNotFoundError(f"data.path: no MDS split at {local} (index.json missing); run data prep "
-                                        f"first or fix data.path / data.{split}_split")
-        self.local = local
-        index = json.loads(self.index_path.read_text())
-        check_index(index, str(self.index_path))  # before StreamingDataset opens, creates or deletes any file
+        self.remote: str | None = root.rstrip("/") + "/" + split if is_remote(root) else None
+        self.split_dir = Path(root) / split
+        parent = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir())
+        if self.remote is None:
+            if _inside(parent, Path(root)):
+                raise UnsafeDatasetError(f"data cache {parent} lies inside the dataset {root}, which is never "
+                                         "written to; set data.cache_dir (or run_dir) to a directory outside data.path")
+            index, self.index_bytes = self._local_index(split)
+            self.index_path = str(self.split_dir / INDEX_FILENAME)
+        self.cache = make_private_cache(parent)  # only after the local index passed its checks
+        self._finalizer = weakref.finalize(self, _remove_cache, self.cache, os.getpid())
+        if self.remote is not None:
+            self.index_path = f"{self.remote}/{INDEX_FILENAME}"
+            self.index_bytes = self._download(INDEX_FILENAME)
+            index = json.loads(self.index_bytes)
+            check_index(index, self.index_path)
         self.hash_algo = self._pick_hash(index["shards"], validate_hash)
-        self.dataset = StreamingDataset(remote=remote, local=local, shuffle=False, batch_size=1,
-                                        validate_hash=self.hash_algo, allow_unsafe_types=False)
-        self.samples_per_shard = np.asarray(self.dataset.samples_per_shard, dtype=np.int64)
-        self.shard_offsets = np.asarray(self.dataset.sample_offset_per_shard, dtype=np.int64)
+        self.shards = [reader_from_json(str(self.cache), None, shard) for shard in index["shards"]]
+        for shard in self.shards:
+            shard.validate(allow_unsafe_types=False)  # streaming's own pickle check, behind check_index
+        self.samples_per_shard = np.asarray([s.samples for s in self.shards], dtype=np.int64)
+        self.shard_offsets = np.cumsum(self.samples_per_shard) - self.samples_per_shard
         if int(self.samples_per_shard.sum()) == 0:
-            raise ValueError(f"data split {root}/{split} holds no samples")
-        self._verified: set[int] = set()
+            raise EmptySplitError(f"data split {self.split_dir} holds no samples ({len(self.shards)} shards listed "
+                                  f"in {self.index_path}); prepare it from more documents (for val: a larger "
+                                  "val_fraction), or point data.path / the split key at a non-empty split")
+        self._cached: OrderedDict[int, None] = OrderedDict()
 
-    @staticmethod
-    def _fetch_index(remote: str, local: str) -> Path:
-        """Download a remote split's index.json into the cache (once), so it is validated before streaming uses it."""
-        path = Path(local) / "index.json"
-        if not path.is_file():
-            from streaming.base.storage.download import CloudDownloader
+    def _local_index(self, split: str) -> tuple[dict[str, Any], bytes]:
+        try:
+            return read_index(self.split_dir)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"data.path: no MDS split at {self.split_dir} (index.json missing); run data prep "
+                                    f"first or fix data.path / data.{split}_split") from None
 
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"index.json.tmp-{os.getpid()}")
-            CloudDownloader.get(remote).download(remote + "/index.json", str(tmp), 60)
-            os.replace(tmp, path)
-        return path
+    def close(self) -> None:
+        """Delete the private cache now (also done when the reader is garbage-collected or the process exits)."""
+        self._finalizer()
+
+    def _download(self, name: str) -> bytes:
+        """A remote file's bytes, fetched through a temporary file of the private cache."""
+        from streaming.base.storage.download import CloudDownloader
+
+        assert self.remote is not None
+        tmp = self.cache / f".download-{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        url = f"{self.remote}/{name}"
+        downloader = CloudDownloader.get(url)
+        try:
+            downloader.download(url, str(tmp), _DOWNLOAD_TIMEOUT_S)
+            return read_regular(self.cache, tmp.name)
+        finally:
+            downloader.clean_up()
+            tmp.unlink(missing_ok=True)
 
     def _pick_hash(self, shards: list[dict], requested: str | None) -> str | None:
         def recorded(shard: dict) -> set[str]:
@@ -181,36 +235,84 @@ class MDSReader:
     def num_shards(self) -> int:
         return len(self.samples_per_shard)
 
-    def _verify(self, shard: int) -> None:
-        """Extract/download the shard if needed (streaming checks the archive's hash), then hash the file that
-        will be read, so a shard damaged since an earlier run is caught too."""
-        self.dataset.prepare_shard(shard)
+    def _check(self, info: Any, data: bytes, where: str) -> bytes:
+        """``data`` if its size and hash match what ``index.json`` records for ``info``."""
+        if len(data) != info.bytes:
+            raise ShardCorruptError(f"Size mismatch: {where}: {len(data)} bytes, but {self.index_path} records "
+                                    f"{info.bytes}; the shard changed since data prep wrote it (re-run data prep)")
         if self.hash_algo is not None:
-            for raw, _ in self.dataset.shards[shard].file_pairs:
-                path = os.path.join(self.local, raw.basename)
-                actual, expected = _hash_file(self.hash_algo, path), raw.hashes[self.hash_algo]
-                if actual != expected:
-                    raise ShardCorruptError(
-                        f"Checksum failure: {path}: {self.hash_algo} {actual}, but {self.index_path} records "
-                        f"{expected}; the shard changed since data prep wrote it (delete it to re-extract or "
-                        "re-download it, or re-run data prep)")
-        self._verified.add(shard)
+            from streaming.base.hashing import get_hash
+
+            actual, expected = get_hash(self.hash_algo, data), info.hashes[self.hash_algo]
+            if actual != expected:
+                raise ShardCorruptError(
+                    f"Checksum failure: {where}: {self.hash_algo} {actual}, but {self.index_path} records {expected}; "
+                    "the shard changed since data prep wrote it (re-run data prep, or restore the file)")
+        return data
+
+    def _fetch(self, info: Any) -> bytes:
+        """The checked bytes of one shard file: read from a regular file of the split, or downloaded."""
+        if self.remote is not None:
+            return self._check(info, self._download(info.basename), f"{self.remote}/{info.basename}")
+        where = str(self.split_dir / info.basename)
+        with os.fdopen(open_regular(self.split_dir, info.basename), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != info.bytes:  # checked before reading: a shard grown to gigabytes is never loaded
+                raise ShardCorruptError(f"Size mismatch: {where}: {size} bytes, but {self.index_path} records "
+                                        f"{info.bytes}; the shard changed since data prep wrote it (re-run data prep)")
+            return self._check(info, f.read(), where)
+
+    def _raw_bytes(self, raw: Any, packed: Any, compression: str | None) -> bytes:
+        """A shard file's decoded bytes. Locally the raw file is used when present (a dataset read in place by an
+        older version holds both), else the compressed one; remotely the compressed one (a smaller download)."""
+        from streaming.base.compression import decompress
+
+        local_raw = self.remote is None and stat_regular(self.split_dir, raw.basename) is not None
+        if packed is None or local_raw:
+            return self._fetch(raw)
+        where = f"{self.remote or self.split_dir}/{raw.basename}"
+        return self._check(raw, decompress(compression, self._fetch(packed)), f"{where} (decompressed)")
+
+    def _write_cached(self, name: str, data: bytes) -> None:
+        """Write ``data`` as ``name`` into the private cache (a temporary name first, so a failed write never
+        leaves a partial shard under its real name)."""
+        path = self.cache / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.cache / f".part-{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+
+    def _prepare(self, shard: int) -> None:
+        """Bring ``shard`` into the cache (checked), and drop the least recently used shard beyond the limit."""
+        reader = self.shards[shard]
+        for raw, packed in reader.file_pairs:
+            self._write_cached(raw.basename, self._raw_bytes(raw, packed, reader.compression))
+        self._cached[shard] = None
+        while len(self._cached) > _KEEP_SHARDS:
+            old, _ = self._cached.popitem(last=False)
+            for raw, _ in self.shards[old].file_pairs:
+                (self.cache / raw.basename).unlink(missing_ok=True)
 
     def sample(self, shard: int, index: int) -> tuple[np.ndarray, int]:
         """Token ids and document id of sample ``index`` of shard ``shard``."""
-        if shard not in self._verified:
-            self._verify(shard)
-        sample = self.dataset.get_item(int(self.shard_offsets[shard] + index))
+        if shard in self._cached:
+            self._cached.move_to_end(shard)
+        else:
+            self._prepare(shard)
+        sample = self.shards[shard][int(index)]
         return np.asarray(sample[fmt.TOKENS]), int(sample[fmt.DOC_ID])
 
 
 def dataset_fingerprint(reader: MDSReader, data_path: str) -> dict[str, str | None]:
     """Content fingerprint of the training data: sha256 of the split's ``index.json`` (which records every
     shard's hash, size and sample count) and of ``tokenizer.model`` (``None`` when there is none, or remote)."""
-    tokenizer = Path(data_path) / fmt.TOKENIZER_FILENAME
-    has_tokenizer = not is_remote(data_path) and tokenizer.is_file()
-    return {"index_sha256": hashlib.sha256(reader.index_path.read_bytes()).hexdigest(),
-            "tokenizer_sha256": hashlib.sha256(tokenizer.read_bytes()).hexdigest() if has_tokenizer else None}
+    root = Path(data_path)
+    has_tokenizer = not is_remote(data_path) and stat_regular(root, fmt.TOKENIZER_FILENAME) is not None
+    tokenizer = read_regular(root, fmt.TOKENIZER_FILENAME) if has_tokenizer else None
+    return {"index_sha256": hashlib.sha256(reader.index_bytes).hexdigest(),
+            "tokenizer_sha256": hashlib.sha256(tokenizer).hexdigest() if tokenizer is not None else None}
 
 
 def check_fingerprint(saved: dict[str, Any], current: dict[str, Any], where: str) -> None:
