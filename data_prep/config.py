@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from data_prep.errors import ConfigError
+from data_prep.redaction import raw_env_paths, redact, restore_env_interpolations, track_env_values
 
 __all__ = ["HFConfig", "PrepConfig", "TokenizerConfig", "load_config", "to_container"]
 
@@ -90,11 +92,29 @@ class PrepConfig:
     slice_index: int = 0
     """Which slice (0-based) this run prepares. Document ids become ``ordinal * num_slices + slice_index``,
     so they stay unique across slices without any coordination."""
+    env_interpolations: dict[str, str] = field(default_factory=dict, metadata={"internal": True})
+    """Set by `load_config`, not by users: dotted key -> raw ``${oc.env:...}`` text of every value that came
+    from the environment, so `to_container` can write the interpolation instead of the value."""
 
 
 def to_container(cfg: PrepConfig) -> dict[str, Any]:
-    """The config as plain JSON-able data (for the manifest)."""
-    return dataclasses.asdict(cfg)
+    """The config as plain JSON-able data for the manifest, without values that came from the environment.
+
+    Environment-derived values are written as their ``${oc.env:NAME}`` text, and every other string value is
+    redacted of secret shapes (a token pasted into ``hf.revision``). Keys are schema names and stay as they are.
+    """
+    data = dataclasses.asdict(cfg)
+    data.pop("env_interpolations")
+    restored = restore_env_interpolations(data, cfg.env_interpolations)
+    return _redact_values(restored)
+
+
+def _redact_values(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {key: _redact_values(value) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_redact_values(value) for value in node]
+    return redact(node) if isinstance(node, str) else node
 
 
 def _schema_fields(cls: type) -> dict[str, type | None]:
@@ -110,6 +130,8 @@ def _check_keys(node: Any, cls: type, prefix: str) -> None:
     if not isinstance(node, DictConfig):
         return
     known = _schema_fields(cls)
+    internal = {f.name for f in dataclasses.fields(cls) if f.metadata.get("internal")}
+    known = {name: nested for name, nested in known.items() if name not in internal}
     for key in node.keys():
         full = f"{prefix}{key}"
         if key not in known:
@@ -141,17 +163,10 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     Raises:
         ConfigError: unknown key (with a suggestion), bad value or type (naming key and value), missing file.
     """
+    track_env_values()  # before anything resolves: every ${oc.env:...} value is then known to `redact`
     layers: list[DictConfig] = []
     if path is not None:
-        if not Path(path).is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            loaded = OmegaConf.load(path)
-        except Exception as exc:  # YAML syntax errors come from yaml, not omegaconf
-            raise ConfigError(f"cannot parse {path}: {str(exc).splitlines()[0]}") from None
-        if not isinstance(loaded, DictConfig):
-            raise ConfigError(f"{path} must hold a mapping of keys, got a {type(loaded).__name__}")
-        layers.append(loaded)
+        layers.append(_load_yaml(Path(path)))
     for item in overrides or []:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override '{item}' is not of the form key=value")
@@ -162,12 +177,11 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         raise ConfigError(f"bad override: {_first_line(exc)}") from None
     assert isinstance(raw, DictConfig)
     _check_keys(raw, PrepConfig, "")
-    # A single input is natural to write as a string; the schema field is a list.
-    if "input" in raw and isinstance(raw["input"], str):
-        raw["input"] = [raw["input"]]
+    _input_as_list(raw)
+    env_paths = raw_env_paths(OmegaConf.to_container(raw, resolve=False))
     try:
         merged = OmegaConf.merge(OmegaConf.structured(PrepConfig), raw)
-        cfg = OmegaConf.to_object(merged)
+        cfg = dataclasses.replace(OmegaConf.to_object(merged), env_interpolations=env_paths)
     except MissingMandatoryValue as exc:
         raise ConfigError(f"missing required key '{exc.full_key}'") from None
     except OmegaConfBaseException as exc:
@@ -177,6 +191,38 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     assert isinstance(cfg, PrepConfig)
     validate(cfg)
     return cfg
+
+
+def _load_yaml(path: Path) -> DictConfig:
+    """The YAML file as a mapping; anything else (a list, a scalar, bad syntax) is a one-line error naming it."""
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        top = yaml.safe_load(path.read_text())  # the top-level type, before omegaconf reinterprets a scalar
+        if not isinstance(top, (dict, type(None))):
+            kind = "list" if isinstance(top, list) else f"scalar ({type(top).__name__})"
+            raise ConfigError(f"{path} must hold a mapping of keys (lines like 'output: data/mine'), got a {kind} "
+                              "at the top level")  # fmt: skip
+        loaded = OmegaConf.load(path)
+    except ConfigError:
+        raise
+    except Exception as exc:  # YAML syntax errors come from yaml, not omegaconf
+        where = " ".join(line.strip() for line in str(exc).splitlines())  # yaml puts line and column on line 2+
+        raise ConfigError(f"cannot parse {path}: {where}") from None
+    assert isinstance(loaded, DictConfig), "a YAML mapping loads as a DictConfig"
+    return loaded
+
+
+def _input_as_list(raw: DictConfig) -> None:
+    """A single input is natural to write as a string; the schema field is a list.
+
+    The raw (unresolved) text goes into the list, so an ``${oc.env:...}`` input stays an interpolation and is
+    known to `to_container` as one.
+    """
+    if "input" not in raw or not isinstance(raw["input"], str):
+        return
+    raw_input = OmegaConf.to_container(raw, resolve=False)["input"]  # type: ignore[index]
+    raw["input"] = [raw_input if isinstance(raw_input, str) else raw["input"]]
 
 
 def _bad(key: str, value: Any, why: str) -> ConfigError:
@@ -207,6 +253,8 @@ def validate(cfg: PrepConfig) -> None:
         raise _bad("tokenizer.sample_bytes", tok.sample_bytes, "must be positive")
     if not 0.0 < tok.character_coverage <= 1.0:
         raise _bad("tokenizer.character_coverage", tok.character_coverage, "must be in (0, 1]")
+    if not 0 <= cfg.split_seed < 2**63:  # xxh64 takes an unsigned 64-bit seed; the tokenizer sample uses seed + 1
+        raise _bad("split_seed", cfg.split_seed, "must be in [0, 2**63)")
     if not 0.0 <= cfg.val_fraction < 1.0:
         raise _bad("val_fraction", cfg.val_fraction, "must be in [0, 1)")
     if cfg.max_piece_tokens < 1:

@@ -1,10 +1,19 @@
 """Errors that `launch/prep.py` reports as one line (no traceback): they describe bad input, not bugs."""
 
-__all__ = ["ConfigError", "InputError", "OutputExistsError", "PrepError"]
+from data_prep.redaction import redact
+
+__all__ = ["ConfigError", "InputError", "OutputExistsError", "OutputWriteError", "PrepError"]
 
 
 class PrepError(Exception):
-    """Base class; the message names the offending file, key or value and, where possible, the fix."""
+    """Base class; the message names the offending file, key or value and, where possible, the fix.
+
+    The message is redacted when the error is made: it may quote config values that came from the environment,
+    and it is printed, logged and shown by test runners in more places than `launch/prep.py` controls.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(redact(message))
 
 
 class ConfigError(PrepError, ValueError):
@@ -16,4 +25,9 @@ class InputError(PrepError):
 
 
 class OutputExistsError(PrepError, FileExistsError):
-    """The output directory exists and ``overwrite=true`` was not given."""
+    """The output exists and may not be replaced: ``overwrite=true`` was not given, or the directory is not a
+    dataset prep wrote (so replacing it could delete someone's files)."""
+
+
+class OutputWriteError(PrepError):
+    """The output cannot be written: its parent is not writable, or the disk filled up during the run."""

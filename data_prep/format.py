@@ -16,8 +16,10 @@ and `PIECE` the piece's index within the document. Consecutive pieces with one
 `DOC_ID` concatenate to the whole document. Packing into sequences and landmark insertion happen in the
 trainer, so the GCA chunk length can change without re-sharding.
 
-A split with no documents (``val_fraction=0``) is still written, as an MDS index with no shards;
-``StreamingDataset`` refuses such a directory, so check ``Manifest.splits[split].pieces`` before opening it.
+A split with no documents (``val_fraction=0``, or a corpus too small for any document to hash into val) is
+not written at all: its directory is absent, and its `SplitStats` in the manifest has ``documents``, ``pieces`` and
+``tokens`` 0 and ``index_sha256`` ``""`` (`EMPTY_SPLIT_SHA256`). Every split directory that exists can be opened by
+``StreamingDataset`` (which refuses an index without samples); check `Manifest.has_split` before opening one.
 
 These names are imported by the pipeline; keep them stable, and bump `FORMAT_VERSION` on any change.
 """
@@ -32,6 +34,7 @@ from typing import Any
 __all__ = [
     "COMPLETE_MARKER",
     "DOC_ID",
+    "EMPTY_SPLIT_SHA256",
     "FORMAT_VERSION",
     "MANIFEST_FILENAME",
     "PIECE",
@@ -58,6 +61,8 @@ SPLITS = ("train", "val")
 MANIFEST_FILENAME = "manifest.json"
 TOKENIZER_FILENAME = "tokenizer.model"
 COMPLETE_MARKER = "_COMPLETE"
+EMPTY_SPLIT_SHA256 = ""
+"""`SplitStats.index_sha256` of a split with no documents, whose directory is not written."""
 
 _UINT16_MAX_VOCAB = 1 << 16
 
@@ -100,7 +105,8 @@ class SplitStats:
     tokens: int
     """Sum of the lengths of all `TOKENS` arrays."""
     index_sha256: str
-    """sha256 of the split's index.json, which itself lists every shard's xxh64: a content fingerprint."""
+    """sha256 of the split's index.json, which itself lists every shard's xxh64: a content fingerprint;
+    `EMPTY_SPLIT_SHA256` for a split with no documents (no directory)."""
 
 
 @dataclass(frozen=True)
@@ -152,6 +158,10 @@ class Manifest:
     """The resolved prep config (see ``data_prep.config.PrepConfig``)."""
     software: dict[str, str] = field(default_factory=dict)
     """Versions of python, sentencepiece and streaming used to write the dataset."""
+
+    def has_split(self, split: str) -> bool:
+        """Whether ``<output>/<split>/`` exists and holds samples (an empty split is not written)."""
+        return split in self.splits and self.splits[split].pieces > 0
 
     def to_json(self) -> str:
         """Deterministic JSON text (sorted keys), so identical runs write identical bytes."""

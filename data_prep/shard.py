@@ -4,14 +4,22 @@
 manifest.json and then the `_COMPLETE` marker holding the manifest's sha256, and only then renames the
 directory into place. A crash at any point leaves either no output or the previous complete one; the
 trainer's `data_prep.format.read_manifest` refuses anything without a matching marker.
+
+Prep deletes only what it provably wrote: an existing output is replaced (``overwrite=true``) only when it is a
+complete dataset holding nothing but the files its manifest and split indexes account for, and a leftover work
+directory of a dead run only when it carries the marker every work directory gets when it is created. Everything
+else is refused before any work, naming the path.
 """
 
+import errno
 import hashlib
+import json
 import logging
 import multiprocessing as mp
 import os
 import platform
 import shutil
+import stat
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -25,19 +33,22 @@ from tqdm import tqdm
 
 from data_prep import tokenize
 from data_prep.config import PrepConfig, to_container
-from data_prep.errors import ConfigError, OutputExistsError
+from data_prep.errors import ConfigError, InputError, OutputExistsError, OutputWriteError, PrepError
 from data_prep.format import (
     COMPLETE_MARKER,
     DOC_ID,
+    EMPTY_SPLIT_SHA256,
     FORMAT_VERSION,
     MANIFEST_FILENAME,
     PIECE,
     SPLITS,
     TOKENIZER_FILENAME,
     TOKENS,
+    IncompleteDatasetError,
     Manifest,
     SplitStats,
     mds_columns,
+    read_manifest,
     token_dtype_for_vocab,
 )
 from data_prep.sources import (
@@ -53,12 +64,17 @@ from data_prep.streaming_compat import ensure_streaming_importable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["is_val", "main", "select_slice"]
+__all__ = ["commit_dataset", "is_val", "main", "make_work_dir", "select_slice"]
 
 _BATCH_CHARS = 1 << 21
 """Characters per task sent to a worker: large enough to amortize pickling, small enough to balance."""
 _TASKS_IN_FLIGHT_PER_PROC = 4
 """Bounded read-ahead, so a fast reader cannot pull a whole corpus into memory."""
+_WORK_MARKER = ".prep-work"
+"""Empty file created in every work directory right after it: proof that a leftover ``.<name>.tmp-<pid>`` is
+prep's own and may be deleted. Removed from the finished dataset after the rename."""
+_INDEX = "index.json"
+_REPO = Path(__file__).resolve().parents[1]
 
 
 def is_val(text: str, val_fraction: float, seed: int) -> bool:
@@ -149,7 +165,13 @@ class _SplitWriter:
 
     def finish(self) -> SplitStats:
         self.writer.finish()
-        index_hash = hashlib.sha256((self.out / "index.json").read_bytes()).hexdigest()
+        if not self.pieces:
+            # streaming refuses an index without samples, so an empty split is not written at all (the manifest
+            # records it as empty); the writer made the directory and its index.json, nothing else
+            (self.out / _INDEX).unlink()
+            self.out.rmdir()
+            return SplitStats(documents=0, pieces=0, tokens=0, index_sha256=EMPTY_SPLIT_SHA256)
+        index_hash = hashlib.sha256((self.out / _INDEX).read_bytes()).hexdigest()
         return SplitStats(documents=self.documents, pieces=self.pieces, tokens=self.tokens, index_sha256=index_hash)
 
 
@@ -198,9 +220,20 @@ def _write_splits(sources: list[Source], cfg: PrepConfig, model_proto: bytes, vo
         bar.set_postfix_str(f"{tokens_done / max(time.perf_counter() - start, 1e-9):,.0f} tok/s", refresh=False)
     bar.close()
     stats = {split: writer.finish() for split, writer in writers.items()}
-    if cfg.val_fraction > 0 and stats["val"].documents == 0:
-        logger.warning("val split is empty: no document hashed into val_fraction=%s", cfg.val_fraction)
+    _check_split_sizes(stats, cfg)
     return stats
+
+
+def _check_split_sizes(stats: dict[str, SplitStats], cfg: PrepConfig) -> None:
+    """Refuse a dataset without training documents; warn that an empty val split is absent."""
+    if stats["train"].documents == 0 and cfg.num_slices == 1:  # one slice of several may legitimately be empty
+        raise InputError(f"no document reached the train split ({stats['val'].documents} went to val with "
+                         f"val_fraction={cfg.val_fraction}); nothing was written: add input documents or lower "
+                         "val_fraction / min_tokens")  # fmt: skip
+    if cfg.val_fraction > 0 and stats["val"].documents == 0:
+        logger.warning("val split is empty: no document hashed into val_fraction=%s, so %s has no val/ directory "
+                       "(manifest: 0 val tokens); raise val_fraction or change split_seed, or train with eval off",
+                       cfg.val_fraction, cfg.output)  # fmt: skip
 
 
 def _in_train_sample(doc: Document, cfg: PrepConfig, rate: float) -> bool:
@@ -275,13 +308,137 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _is_file(path: Path) -> bool:
+    """A regular file itself, not a symbolic link to one (prep never writes links)."""
+    return stat.S_ISREG(path.lstat().st_mode)
+
+
+def _is_dir(path: Path) -> bool:
+    return stat.S_ISDIR(path.lstat().st_mode)
+
+
+def _shard_names(index_path: Path) -> set[str] | None:
+    """The file names an MDS index lists (compressed and decompressed shards), or None if it is not one."""
+    try:
+        shards = json.loads(index_path.read_text())["shards"]
+        names = {shard[key]["basename"] for shard in shards for key in ("raw_data", "zip_data") if shard.get(key)}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    # a name with a separator could point out of the split directory; such an index is not one prep wrote
+    if not all(isinstance(n, str) and n == Path(n).name and n not in (".", "..") for n in names):
+        return None
+    return names | {_INDEX}
+
+
+def _split_paths(split_dir: Path) -> tuple[list[Path], list[Path]]:
+    """(paths prep wrote, other paths) in one split directory: index.json and the shards it lists are prep's.
+
+    Reading a split in place lets streaming decompress a listed shard beside its zip; both names are listed.
+    """
+    names = _shard_names(split_dir / _INDEX) if (split_dir / _INDEX).is_file() else None
+    if names is None:
+        return [], [split_dir]
+    ours, other = [], []
+    for entry in sorted(split_dir.iterdir()):
+        (ours if entry.name in names and _is_file(entry) else other).append(entry)
+    return ours, other
+
+
+def _refuse(root: Path, why: str) -> OutputExistsError:
+    return OutputExistsError(f"output {root} {why}; nothing was deleted: remove or move it yourself, or choose "
+                             "another output")  # fmt: skip
+
+
+def _dataset_paths(root: Path) -> list[Path]:
+    """Every path of the complete dataset at ``root``, each file before the directory holding it.
+
+    Raises:
+        OutputExistsError: ``root`` is not a complete dataset written by prep (no valid manifest.json with a
+            matching `_COMPLETE`), or it holds anything prep did not write, or a link where prep writes a file.
+    """
+    if root.is_symlink() or not root.is_dir():
+        raise _refuse(root, "exists and is not a directory (a file or a symbolic link)")
+    try:
+        read_manifest(root)
+    except (IncompleteDatasetError, OSError, ValueError, KeyError, TypeError):
+        raise _refuse(root, f"exists but is not a complete dataset written by prep (no valid {MANIFEST_FILENAME} "
+                            f"with a matching {COMPLETE_MARKER})") from None  # fmt: skip
+    files: list[Path] = []
+    dirs: list[Path] = []
+    other: list[Path] = []
+    for entry in sorted(root.iterdir()):
+        if entry.name in (MANIFEST_FILENAME, COMPLETE_MARKER, TOKENIZER_FILENAME, _WORK_MARKER) and _is_file(entry):
+            files.append(entry)
+        elif entry.name in SPLITS and _is_dir(entry):
+            ours, theirs = _split_paths(entry)
+            files.extend(ours)
+            other.extend(theirs)
+            dirs.append(entry)
+        else:
+            other.append(entry)
+    if other:
+        names = ", ".join(str(p.relative_to(root)) for p in other[:5]) + (" ..." if len(other) > 5 else "")
+        raise _refuse(root, f"holds files prep did not write ({names})")
+    return files + dirs
+
+
+def _delete_dataset(root: Path) -> None:
+    """Delete the dataset at ``root`` path by path (never through a link); warn instead of failing, since by
+    now the new dataset is in place. Anything prep did not write is left where it is."""
+    try:
+        for path in _dataset_paths(root):
+            path.rmdir() if _is_dir(path) else path.unlink()
+        root.rmdir()
+    except (PrepError, OSError) as exc:
+        logger.warning("could not fully remove the previous dataset at %s (%s); remove it by hand", root, exc)
+
+
+def _is_work_dir(path: Path) -> bool:
+    """Whether ``path`` is a work directory prep created (a real directory holding the work marker)."""
+    marker = path / _WORK_MARKER
+    return _is_dir(path) and marker.exists() and _is_file(marker)
+
+
 def _remove_stale(out: Path) -> None:
-    """Remove temporaries left by crashed runs on the same output (their pid is gone)."""
-    for stale in out.parent.glob(f".{out.name}.*-*"):
+    """Remove work directories (``.tmp-``) and replaced datasets (``.old-``) of crashed runs on the same output
+    (their pid is gone), each only when it provably is prep's."""
+    if not out.parent.is_dir():
+        return
+    for stale in out.parent.iterdir():
         kind, _, pid = stale.name.rpartition("-")
-        if kind.endswith((".tmp", ".old")) and pid.isdigit() and not _pid_alive(int(pid)):
+        if not (kind in (f".{out.name}.tmp", f".{out.name}.old") and pid.isdigit()) or _pid_alive(int(pid)):
+            continue
+        if kind.endswith(".old"):
+            logger.warning("removing %s, the previous dataset of an interrupted replacement", stale)
+            _delete_dataset(stale)
+        elif _is_work_dir(stale):
             logger.warning("removing %s left by an interrupted run", stale)
             shutil.rmtree(stale, ignore_errors=True)
+        else:
+            logger.warning("leaving %s: named like a prep work directory but not marked as one", stale)
+
+
+def make_work_dir(out: Path) -> Path:
+    """Create this process's hidden, marked work directory next to ``out`` (and ``out``'s parents).
+
+    Raises:
+        OutputWriteError: the directory cannot be created (read-only or missing permissions, a file in the way).
+        OutputExistsError: a directory of that name exists that prep did not create.
+    """
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    if tmp.is_symlink() or tmp.exists():
+        if not _is_work_dir(tmp):
+            raise _refuse(tmp, "is named like this run's work directory but was not made by prep")
+        shutil.rmtree(tmp)  # a previous run in this very process (tests) left it
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+        (tmp / _WORK_MARKER).touch()
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OutputWriteError(f"cannot create {exc.filename or tmp} ({exc.strerror or exc}): output={out} needs "
+                               "a writable parent directory; fix its permissions or choose another output") from None
+    return tmp
 
 
 def _fsync_write(path: Path, data: bytes) -> None:
@@ -292,7 +449,11 @@ def _fsync_write(path: Path, data: bytes) -> None:
 
 
 def commit_dataset(tmp: Path, out: Path, manifest: Manifest, overwrite: bool) -> None:
-    """Write the manifest, then the completion marker (its sha256) last, and move ``tmp`` into place at ``out``."""
+    """Write the manifest, then the completion marker (its sha256) last, and move ``tmp`` into place at ``out``.
+
+    An existing ``out`` is replaced only with ``overwrite`` and only if it is a dataset prep wrote (checked again
+    here: it may have changed during the run); it is deleted only after the new one is in place.
+    """
     data = manifest.to_json().encode()
     _fsync_write(tmp / MANIFEST_FILENAME, data)
     _fsync_write(tmp / COMPLETE_MARKER, (hashlib.sha256(data).hexdigest() + "\n").encode())
@@ -300,21 +461,75 @@ def commit_dataset(tmp: Path, out: Path, manifest: Manifest, overwrite: bool) ->
 
 
 def _commit(tmp: Path, out: Path, overwrite: bool) -> None:
-    if out.exists():
+    if out.exists() or out.is_symlink():
         if not overwrite:  # someone created it while we were working
             raise OutputExistsError(f"output {out} appeared during the run; pass overwrite=true to replace it")
+        _dataset_paths(out)
         # Move the old dataset aside first, so there is never a moment with neither a complete old nor new one.
         old = out.with_name(f".{out.name}.old-{os.getpid()}")
         out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old)
+        try:
+            tmp.rename(out)
+        except BaseException:
+            old.rename(out)
+            raise
+        _delete_dataset(old)
     else:
         tmp.rename(out)
+    (out / _WORK_MARKER).unlink(missing_ok=True)  # the marker is for work directories, not datasets
     dir_fd = os.open(out.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)  # make the rename itself durable
     finally:
         os.close(dir_fd)
+
+
+def _contains(outer: Path, path: Path) -> bool:
+    """Whether ``path`` is ``outer`` or inside it, by its written and its resolved (links followed) location."""
+    return any(p == outer or outer in p.parents for p in (path.absolute(), path.resolve()))
+
+
+def _check_output_location(out: Path, cfg: PrepConfig, sources: list[Source]) -> None:
+    """Refuse an output that replacing (or writing) would harm: a link, a directory holding the working
+    directory, the repository or the home directory, or one holding an input or the tokenizer being used."""
+    if out.is_symlink():
+        raise ConfigError(f"output={out} is a symbolic link; name the real directory instead")
+    resolved = out.resolve()
+    for label, place in (("the current directory", Path.cwd()), ("the repository", _REPO), ("home", Path.home())):
+        if _contains(resolved, place):
+            raise ConfigError(f"output={out} is or contains {label} ({place}); choose a dedicated dataset directory "
+                              "such as data/mine")  # fmt: skip
+    inputs: list[Path] = [Path(entry) for entry in cfg.input if Path(entry).exists()]
+    for source in sources:
+        if isinstance(source, FileSource):
+            inputs.append(source.path)
+        elif isinstance(source, BuiltinSource):
+            inputs.append(source.root)
+    for path in inputs:
+        if _contains(resolved, path):
+            raise ConfigError(f"output={out} contains the input {path}; writing the dataset there could delete it: "
+                              "choose an output outside the input")  # fmt: skip
+    if cfg.tokenizer.model is not None and _contains(resolved, Path(cfg.tokenizer.model)):
+        raise ConfigError(f"output={out} contains tokenizer.model={cfg.tokenizer.model}, which replacing the "
+                          "output would delete; copy the model elsewhere first")  # fmt: skip
+
+
+def _check_output(out: Path, cfg: PrepConfig, sources: list[Source]) -> None:
+    """Everything about the output that can be refused before any work."""
+    _check_output_location(out, cfg, sources)
+    if out.exists():
+        if not cfg.overwrite:
+            raise OutputExistsError(f"output {out} already exists; pass overwrite=true to replace it")
+        _dataset_paths(out)  # replace only a dataset prep wrote, and only if nothing else lives in it
+
+
+def _write_error(exc: OSError, tmp: Path, out: Path) -> str:
+    where = exc.filename or tmp
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = f"the disk is full (or over quota); free space under {out.parent} or choose another output"
+    else:
+        fix = exc.strerror or str(exc)
+    return f"cannot write {where}: {fix}. The unfinished {tmp.name} was removed; {out} is as it was before the run"
 
 
 def main(cfg: PrepConfig) -> Manifest:
@@ -327,42 +542,35 @@ def main(cfg: PrepConfig) -> Manifest:
         The manifest that was written.
 
     Raises:
-        OutputExistsError: the output exists and ``cfg.overwrite`` is false (checked before any work).
-        InputError: unreadable input or, under ``cfg.strict``, a malformed record.
-        ConfigError: SentencePiece rejected the tokenizer settings.
+        OutputExistsError: the output exists and ``cfg.overwrite`` is false, or it is not a dataset prep wrote
+            (checked before any work).
+        ConfigError: an output that holds an input, the tokenizer, the working directory or the repository, or
+            is a link (checked before any work); SentencePiece rejected the tokenizer settings.
+        OutputWriteError: the output's parent is not writable (before any work), or writing failed (disk full);
+            the work directory is removed and any previous dataset left intact.
+        InputError: unreadable input or, under ``cfg.strict``, a malformed record; no train documents.
     """
     out = Path(cfg.output).absolute()
-    if out.exists() and not cfg.overwrite:
-        raise OutputExistsError(f"output {out} already exists; pass overwrite=true to replace it")
     sources = select_slice(resolve_sources(cfg), cfg)
+    _check_output(out, cfg, sources)
     ensure_streaming_importable()
-    out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale(out)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)  # a previous run in this very process (tests) may have left it
-    tmp.mkdir()
+    tmp = make_work_dir(out)
     started = time.perf_counter()
     try:
-        model_proto, trained = _tokenizer_model(sources, cfg)
-        _fsync_write(tmp / TOKENIZER_FILENAME, model_proto)
-        info = tokenize.tokenizer_info(model_proto, trained)
-        skips = SkipCounter(strict=cfg.strict)
-        splits = _write_splits(sources, cfg, model_proto, info.vocab_size, tmp, skips)
-        manifest = Manifest(
-            format_version=FORMAT_VERSION,
-            token_dtype=token_dtype_for_vocab(info.vocab_size),
-            tokenizer=info,
-            splits=splits,
-            skipped=dict(sorted(skips.counts.items())),
-            inputs=[s.fingerprint(content=cfg.fingerprint == "content") for s in sources],
-            config=to_container(cfg),
-            software=_software(),
-        )
+        manifest = _prepare(sources, cfg, tmp)
         commit_dataset(tmp, out, manifest, cfg.overwrite)
+    except PrepError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OutputWriteError(_write_error(exc, tmp, out)) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     seconds = time.perf_counter() - started
+    splits = manifest.splits
     total_tokens = sum(s.tokens for s in splits.values())
     logger.info(
         "wrote %s in %.1fs: train %d docs / %d tokens, val %d docs / %d tokens, %.0f tokens/s; skipped %s",
@@ -370,3 +578,22 @@ def main(cfg: PrepConfig) -> Manifest:
         splits["val"].tokens, total_tokens / max(seconds, 1e-9), manifest.skipped or "none",
     )  # fmt: skip
     return manifest
+
+
+def _prepare(sources: list[Source], cfg: PrepConfig, tmp: Path) -> Manifest:
+    """Tokenizer and splits into ``tmp``; the manifest describing them."""
+    model_proto, trained = _tokenizer_model(sources, cfg)
+    _fsync_write(tmp / TOKENIZER_FILENAME, model_proto)
+    info = tokenize.tokenizer_info(model_proto, trained)
+    skips = SkipCounter(strict=cfg.strict)
+    splits = _write_splits(sources, cfg, model_proto, info.vocab_size, tmp, skips)
+    return Manifest(
+        format_version=FORMAT_VERSION,
+        token_dtype=token_dtype_for_vocab(info.vocab_size),
+        tokenizer=info,
+        splits=splits,
+        skipped=dict(sorted(skips.counts.items())),
+        inputs=[s.fingerprint(content=cfg.fingerprint == "content") for s in sources],
+        config=to_container(cfg),
+        software=_software(),
+    )

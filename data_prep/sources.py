@@ -23,6 +23,7 @@ from data_prep import builtin
 from data_prep.config import PrepConfig
 from data_prep.errors import InputError
 from data_prep.format import InputFingerprint
+from data_prep.redaction import redact
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,11 @@ class Source(abc.ABC):
 
     @abc.abstractmethod
     def fingerprint(self, content: bool) -> InputFingerprint:
-        """Identity for the manifest; ``content`` asks for a sha256 of the data where that is possible."""
+        """Identity for the manifest; ``content`` asks for a sha256 of the data where that is possible.
+
+        Its path is redacted (`data_prep.redaction.redact`): a path or dataset name taken from the environment is
+        written as its ``${oc.env:NAME}`` text, and a token inside one never reaches the manifest.
+        """
 
     def size_bytes(self) -> int | None:
         """Approximate input size (for sampling rates); None when unknown."""
@@ -123,7 +128,8 @@ class FileSource(Source):
         if content:
             with open(self.path, "rb") as f:
                 digest = hashlib.file_digest(f, "sha256").hexdigest()
-        return InputFingerprint(path=str(self.path), size=stat.st_size, mtime_ns=stat.st_mtime_ns, sha256=digest)
+        return InputFingerprint(path=redact(str(self.path)), size=stat.st_size, mtime_ns=stat.st_mtime_ns,
+                                sha256=digest)  # fmt: skip
 
     def documents(self, skips: SkipCounter) -> Iterator[Document]:
         try:
@@ -212,7 +218,7 @@ class HFSource(Source):
     def fingerprint(self, content: bool) -> InputFingerprint:
         # A hub dataset is pinned by its revision; content hashing would mean downloading it twice.
         revision = f"@{self.hf.revision}" if self.hf.revision else ""
-        return InputFingerprint(path=self.name + revision)
+        return InputFingerprint(path=redact(self.name + revision))
 
     def documents(self, skips: SkipCounter) -> Iterator[Document]:
         import datasets
@@ -251,7 +257,7 @@ class BuiltinSource(Source):
         digest = hashlib.sha256()
         for f in self.files:
             digest.update(f.name.encode() + b"\0" + f.path.read_bytes() + b"\0")
-        return InputFingerprint(path=f"{self.name} ({self.root}, {len(self.files)} files)",
+        return InputFingerprint(path=redact(f"{self.name} ({self.root}, {len(self.files)} files)"),
                                 size=self.size_bytes(), sha256=digest.hexdigest())  # fmt: skip
 
     def documents(self, skips: SkipCounter) -> Iterator[Document]:

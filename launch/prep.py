@@ -6,6 +6,7 @@ import sys
 
 from data_prep.config import load_config
 from data_prep.errors import PrepError
+from data_prep.redaction import install_log_redaction
 from data_prep.shard import main
 
 
@@ -15,6 +16,7 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. tokenizer.vocab_size=8192")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    install_log_redaction()  # log lines name paths and values that may come from the environment
     try:
         main(load_config(args.config, args.overrides))
     except PrepError as exc:

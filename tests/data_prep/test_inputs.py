@@ -56,9 +56,9 @@ def test_bad_records_are_skipped_counted_and_located(run_prep, messy, read_split
     sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "out" / "tokenizer.model"))
     docs = join_documents(read_split(tmp_path / "out" / "train"))
     assert sorted(sp.decode(t) for t in docs.values()) == sorted(good)
-    # an empty split is a valid MDS dataset with no shards (StreamingDataset refuses it; the trainer checks counts)
-    assert manifest.splits["val"].documents == 0
-    assert json.loads((tmp_path / "out" / "val" / "index.json").read_text())["shards"] == []
+    # an empty split is not written (StreamingDataset refuses an index without samples); the manifest says so
+    assert (manifest.splits["val"].documents, manifest.splits["val"].tokens) == (0, 0)
+    assert not manifest.has_split("val") and not (tmp_path / "out" / "val").exists()
 
 
 def test_strict_fails_on_the_first_bad_record(run_prep, messy, tmp_path):

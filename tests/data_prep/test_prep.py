@@ -74,8 +74,14 @@ def test_refuses_to_overwrite(run_prep, tmp_path):
     with pytest.raises(OutputExistsError, match="overwrite=true"):
         run_prep()
     assert (out / "precious.txt").read_text() == "not ours"
+    with pytest.raises(OutputExistsError, match="not a complete dataset written by prep"):
+        run_prep(overwrite=True)  # overwrite replaces only a dataset prep wrote
+    assert (out / "precious.txt").read_text() == "not ours"
+    (out / "precious.txt").unlink()
+    out.rmdir()
+    first = run_prep()
     manifest = run_prep(overwrite=True, val_fraction=0.5)
-    assert read_manifest(out) == manifest and not (out / "precious.txt").exists()
+    assert read_manifest(out) == manifest != first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], "no temporaries left next to the output"
 
 
