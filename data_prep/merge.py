@@ -39,6 +39,7 @@ from data_prep.format import (
     SplitStats,
     read_manifest,
 )
+from data_prep.safe_files import INDEX_FILENAME, open_regular, read_index, read_regular, stat_regular
 from data_prep.shard import _fsync_write, _tokenizer_model, commit_dataset, select_slice
 from data_prep.sources import resolve_sources
 
@@ -46,7 +47,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["merge_slices", "prepare_tokenizer", "slice_dir", "slices_root"]
 
-INDEX_FILENAME = "index.json"
 _SHARD_NAME = re.compile(r"shard\.\d+(\.mds(?:\.[A-Za-z0-9]+)?)")
 """MDSWriter's shard basenames: ``shard.00012.mds`` (raw) and ``shard.00012.mds.zstd`` (compressed)."""
 _CONTENT_KEYS = ("format", "text_field", "hf", "val_fraction", "split_seed", "max_piece_tokens", "min_tokens", "strict")
@@ -121,11 +121,17 @@ def _check_slice(cfg: PrepConfig, index: int, num_slices: int, manifest: Manifes
                          f"shared model {tokenizer_sha[:16]}); rerun that slice")  # fmt: skip
 
 
-def _link(src: Path, dst: Path) -> None:
+def _link(src_dir: Path, name: str, dst: Path) -> None:
+    """Hard-link (else copy) the regular file ``src_dir/name`` to ``dst``. The link is made to the file itself,
+    never through a symbolic link, and what landed in ``dst`` is checked again, so a file swapped for a link
+    after `stat_regular` is refused too. Sharing the inode is safe: no reader writes into a dataset."""
     try:
-        os.link(src, dst)
+        os.link(src_dir / name, dst, follow_symlinks=False)
     except OSError:  # another file system, or one without hard links
-        shutil.copy2(src, dst)
+        with os.fdopen(open_regular(src_dir, name), "rb") as f:
+            _fsync_write(dst, f.read())
+        return
+    stat_regular(dst.parent, dst.name)
 
 
 def _merge_split(sources: list[Path], dst: Path) -> int:
@@ -134,7 +140,7 @@ def _merge_split(sources: list[Path], dst: Path) -> int:
     entries: list[dict[str, Any]] = []
     layout: tuple[Any, ...] | None = None
     for src in sources:
-        for entry in json.loads((src / INDEX_FILENAME).read_text())["shards"]:
+        for entry in read_index(src)[0]["shards"]:  # checked: plain names inside src, MDS, no pickle
             this = (entry["column_names"], entry["column_encodings"], entry["format"])
             if layout is not None and this != layout:
                 raise InputError(f"{src} has columns {this}, earlier slices have {layout}")
@@ -149,9 +155,9 @@ def _merge_split(sources: list[Path], dst: Path) -> int:
                 if match is None:  # never follow a path out of the split directory
                     raise InputError(f"{src / INDEX_FILENAME}: unexpected shard name {data['basename']!r}")
                 name = f"shard.{number:05d}{match.group(1)}"
-                # Reading a split in place makes streaming decompress it and drop the zip, so either may be gone.
-                if (src / data["basename"]).is_file():
-                    _link(src / data["basename"], dst / name)
+                # Older versions read splits in place, decompressing them and dropping the zip: either may be gone.
+                if stat_regular(src, data["basename"]) is not None:
+                    _link(src, data["basename"], dst / name)
                     linked += 1
                 data["basename"] = name
             if not linked:
@@ -184,10 +190,10 @@ def merge_slices(cfg: PrepConfig, num_slices: int, keep_slices: bool = False) ->
         raise OutputExistsError(f"output {out} already exists; pass overwrite=true to replace it")
     if num_slices < 1:
         raise ConfigError(f"num_slices must be at least 1, got {num_slices}")
-    tokenizer = root / TOKENIZER_FILENAME
-    if not tokenizer.is_file():
-        raise IncompleteDatasetError(f"{tokenizer} is missing: run the tokenizer step first")
-    tokenizer_sha = hashlib.sha256(tokenizer.read_bytes()).hexdigest()
+    if stat_regular(root, TOKENIZER_FILENAME) is None:
+        raise IncompleteDatasetError(f"{root / TOKENIZER_FILENAME} is missing: run the tokenizer step first")
+    tokenizer = read_regular(root, TOKENIZER_FILENAME)
+    tokenizer_sha = hashlib.sha256(tokenizer).hexdigest()
     all_sources = resolve_sources(cfg)
     manifests: dict[int, Manifest] = {}
     for index in range(num_slices):
@@ -215,7 +221,7 @@ def merge_slices(cfg: PrepConfig, num_slices: int, keep_slices: bool = False) ->
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp.mkdir()
     try:
-        shutil.copyfile(tokenizer, tmp / TOKENIZER_FILENAME)
+        _fsync_write(tmp / TOKENIZER_FILENAME, tokenizer)
         splits: dict[str, SplitStats] = {}
         for split in SPLITS:
             shards = _merge_split([slice_dir(cfg, i) / split for i in range(num_slices)], tmp / split)

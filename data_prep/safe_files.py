@@ -35,6 +35,8 @@ INDEX_FILENAME = "index.json"
 _SAFE_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 _UNSAFE_ENCODINGS = ("pkl",)
 _FILE_KEYS = ("raw_data", "zip_data", "raw_meta", "zip_meta")
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | os.O_CLOEXEC
+"""``O_DIRECTORY`` fails on a FIFO or device before it is opened; ``O_NONBLOCK`` is a second guard."""
 _KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
@@ -120,10 +122,10 @@ def _not_regular(path: Path, mode: int) -> UnsafeDatasetError:
 
 def _open_dir_below(directory: Path, parts: list[str]) -> int:
     """A descriptor of ``directory/parts...`` reached without following a symbolic link below ``directory``."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fd = os.open(directory, _DIR_FLAGS)
     for depth, part in enumerate(parts):
         try:
-            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            nxt = os.open(part, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
         except OSError as err:
             os.close(fd)
             if err.errno in (errno.ELOOP, errno.ENOTDIR):
@@ -159,8 +161,8 @@ def stat_regular(directory: Path, name: str) -> os.stat_result | None:
 
 def open_regular(directory: Path, name: str) -> int:
     """A read-only descriptor of the regular file ``directory/name``, reached without following any symbolic
-    link below ``directory``. ``O_NONBLOCK`` keeps a FIFO from blocking the open; ``fstat`` on the descriptor
-    checks what was really opened.
+    link below ``directory``. The file is checked with ``lstat`` first and, as it may be swapped in between, on
+    the descriptor again (``O_NOFOLLOW`` refuses a symbolic link, ``O_NONBLOCK`` keeps a FIFO from blocking).
 
     Raises:
         FileNotFoundError: it does not exist.
@@ -169,6 +171,10 @@ def open_regular(directory: Path, name: str) -> int:
     parts = name.split("/")
     dir_fd = _open_dir_below(directory, parts[:-1])
     try:
+        # Refused before the open: opening a device can act (a tape rewinds, a watchdog arms).
+        mode = os.stat(parts[-1], dir_fd=dir_fd, follow_symlinks=False).st_mode
+        if not stat.S_ISREG(mode):
+            raise _not_regular(directory / name, mode)
         fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError as err:
         if err.errno == errno.ELOOP:

@@ -11,8 +11,9 @@ Checks, each failure one ``preflight: <host> rank <r>: <what>: <why and the fix>
 - accelerators: the node has ``--gpus-per-node`` GPUs and this rank can allocate on ``cuda:<local rank>``;
 - backend: a one-element all-reduce over the training backend (NCCL on GPUs, gloo on CPUs) gives the right sum;
   a hang anywhere (a missing node, a blocked port) ends the run after ``--timeout-s`` with a line saying so;
-- data: ``data.path`` is a complete prepared dataset (``manifest.json`` + ``_COMPLETE``), its train index is
-  readable and its tokenizer fits ``model.vocab_size``;
+- data: ``data.path`` is a complete prepared dataset (``manifest.json`` + ``_COMPLETE``), its train split (and
+  the val split when ``train.eval_every`` > 0) has a safe index, every listed shard present as a regular file and
+  at least one sample, and its tokenizer fits ``model.vocab_size``;
 - checkpoint dir: ``run_dir`` is writable on every node and shared (a file written by rank 0 is seen by every node);
 - free disk: ``run_dir`` has room for ``checkpoint.keep_last + 1`` checkpoints (estimated from the parameter
   count) and at least ``--min-free-gb``;
@@ -40,6 +41,7 @@ import torch
 import torch.distributed as tdist
 
 from data_prep import format as fmt
+from data_prep.safe_files import INDEX_FILENAME, UnsafeDatasetError, index_file_names, read_index, stat_regular
 from model import GCAForCausalLM
 from pipeline import dist
 from pipeline.config import ConfigError, TrainConfig, load_config
@@ -91,8 +93,31 @@ def check_accelerators(gpus_per_node: int | None, local_rank: int) -> list[str]:
     return []
 
 
-def check_data(path: str, train_split: str, vocab_size: int) -> list[str]:
-    """``path`` is a complete prepared dataset whose tokens fit the model's vocabulary."""
+def check_split(path: str, split: str) -> list[str]:
+    """The split's ``index.json`` passes the readers' checks (``data_prep.safe_files``: shard names inside the
+    split, no pickle column), every shard it lists is present as a regular file, and it holds samples. Only
+    ``lstat`` per shard: nothing is opened but the index, nothing is written."""
+    split_dir = Path(path) / split
+    try:
+        index, _ = read_index(split_dir)
+        missing = [i for i, shard in enumerate(index["shards"])
+                   if not any(stat_regular(split_dir, name) is not None for name in index_file_names(shard))]
+    except UnsafeDatasetError as err:
+        return [f"data: {err}"]
+    except OSError as err:
+        return [f"data: cannot read {split_dir / INDEX_FILENAME}: {err.strerror or err}"]
+    if missing:
+        return [f"data: {split_dir}: {len(missing)} shard(s) listed in index.json are missing (first: shard "
+                f"{missing[0]}); re-run data prep"]  # fmt: skip
+    if not sum(shard["samples"] for shard in index["shards"]):
+        return [f"data: {split_dir} holds no samples; re-run data prep on more documents (or a larger val_fraction), "
+                "or point data.path at another dataset"]  # fmt: skip
+    return []
+
+
+def check_data(path: str, train_split: str, vocab_size: int, val_split: str | None = None) -> list[str]:
+    """``path`` is a complete prepared dataset whose train split (and ``val_split`` when given) pass
+    `check_split` and whose tokens fit the model's vocabulary."""
     if is_remote(path):
         log.info("data.path %s is remote: not checked here (the trainer validates shards as it reads them)", path)
         return []
@@ -100,15 +125,11 @@ def check_data(path: str, train_split: str, vocab_size: int) -> list[str]:
         manifest = fmt.read_manifest(path)
     except (fmt.IncompleteDatasetError, ValueError, KeyError, OSError) as err:
         return [f"data: {err}" if path in str(err) else f"data: {path}: {err}"]
-    index = Path(path) / train_split / "index.json"
-    try:
-        index.read_bytes()
-    except OSError as err:
-        return [f"data: cannot read {index}: {err.strerror}"]
+    failures = [line for split in (train_split, val_split) if split is not None for line in check_split(path, split)]
     if manifest.tokenizer.vocab_size > vocab_size:
-        return [f"data: the tokenizer of {path} has {manifest.tokenizer.vocab_size} pieces but "
-                f"model.vocab_size={vocab_size}; set model.vocab_size >= {manifest.tokenizer.vocab_size}"]  # fmt: skip
-    return []
+        failures.append(f"data: the tokenizer of {path} has {manifest.tokenizer.vocab_size} pieces but "
+                        f"model.vocab_size={vocab_size}; set model.vocab_size >= {manifest.tokenizer.vocab_size}")
+    return failures
 
 
 def check_writable(run_dir: Path) -> list[str]:
@@ -239,7 +260,8 @@ def run(cfg: TrainConfig, info: dist.DistInfo, report: Report, gpus_per_node: in
     if info.local_rank == 0:
         run_dir = Path(cfg.run_dir)
         clean_stale_shm()
-        report.failures += check_data(cfg.data.path, cfg.data.train_split, cfg.model.vocab_size)
+        val_split = cfg.data.val_split if cfg.train.eval_every > 0 else None
+        report.failures += check_data(cfg.data.path, cfg.data.train_split, cfg.model.vocab_size, val_split)
         report.failures += check_writable(run_dir)
         need = max(int(min_free_gb * 2**30), checkpoint_bytes(cfg) * (cfg.checkpoint.keep_last + 1))
         report.failures += check_free_disk(run_dir, need)

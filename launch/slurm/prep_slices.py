@@ -16,6 +16,7 @@ from data_prep.config import load_config
 from data_prep.errors import PrepError
 from data_prep.format import IncompleteDatasetError
 from data_prep.merge import merge_slices, prepare_tokenizer, slice_dir, slices_root
+from data_prep.safe_files import UnsafeDatasetError
 from data_prep.shard import main as prep_main
 
 
@@ -44,7 +45,7 @@ def cli(argv: list[str]) -> int:
             prep_main(load_config(args.config, [*args.overrides, *per_slice]))
         else:
             merge_slices(cfg, args.num_slices, keep_slices=args.keep_slices)
-    except (PrepError, IncompleteDatasetError) as exc:
+    except (PrepError, IncompleteDatasetError, UnsafeDatasetError) as exc:  # one line, never a traceback
         print(f"prep_slices {args.step}: error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -12,13 +12,14 @@ Documents are joined with the tokenizer's EOS when it has one.
 from __future__ import annotations
 
 import logging
-import shutil
-import tempfile
+import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
+from data_prep.safe_files import read_regular, stat_regular
 from pipeline.evaluation.tokenizer import ByteTokenizer, SentencePieceTokenizer
 
 log = logging.getLogger(__name__)
@@ -124,10 +125,10 @@ class TokenSource:
         elif (path / "val" / "index.json").is_file():
             yield from _mds_docs(path / "val")
         elif path.is_dir():
-            files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+            files = _directory_files(path)
             if not files:
                 raise FileNotFoundError(f"data={self.data}: the directory holds no files")
-            yield from self._text_docs(files)
+            yield from self._text_docs(files, inside=True)
         else:
             files = [Path(p) for p in self.data.split(",")]
             for p in files:
@@ -136,10 +137,12 @@ class TokenSource:
                                             "'builtin' or 'stdlib'")
             yield from self._text_docs(files)
 
-    def _text_docs(self, files: list[Path]) -> Iterator[np.ndarray]:
+    def _text_docs(self, files: list[Path], inside: bool = False) -> Iterator[np.ndarray]:
+        """Documents of text files; ``inside``: files found in a directory, each read without following a
+        symbolic link (named files are the user's choice and are read as named)."""
         for p in files:
             try:
-                text = p.read_text(encoding="utf-8")
+                text = (read_regular(p.parent, p.name) if inside else p.read_bytes()).decode("utf-8")
             except UnicodeDecodeError:
                 log.warning("data: skipping %s (not UTF-8 text)", p)
                 continue
@@ -147,27 +150,37 @@ class TokenSource:
                 yield np.asarray(self.tokenizer.encode(text), dtype=np.int64)
 
 
+def _directory_files(root: Path) -> list[Path]:
+    """The non-hidden files below ``root``, sorted. A symbolic link (it may lead out of the directory), FIFO
+    (a read that never returns) or device is refused with one line naming it."""
+    files = []
+    for path in sorted(root.rglob("*")):
+        mode = os.lstat(path).st_mode
+        if stat.S_ISDIR(mode) or path.name.startswith("."):
+            continue
+        if not stat.S_ISREG(mode):
+            stat_regular(path.parent, path.name)  # raises UnsafeDatasetError naming the file and what it is
+        files.append(path)
+    return files
+
+
 def _mds_docs(split: Path) -> Iterator[np.ndarray]:
-    """Documents of an MDS split in order (pieces of one ``doc_id`` joined); the source directory is not written."""
-    from data_prep import format as fmt
-    from data_prep.streaming_compat import ensure_streaming_importable
+    """Documents of an MDS split in order (pieces of one ``doc_id`` joined), read the way the trainer reads it:
+    the index checked first, regular files only, through a private cache; the dataset is never written."""
+    from pipeline.data import MDSReader
 
-    ensure_streaming_importable()
-    from streaming import StreamingDataset
-
-    # remote=<split>, local=<temp> keeps the source read-only (a local-only dataset decompresses in place).
-    cache = tempfile.mkdtemp(prefix="gca-eval-mds-")
+    reader = MDSReader(str(split.parent), split.name, cache_dir=None)
     try:
-        ds = StreamingDataset(remote=str(split), local=cache, shuffle=False, batch_size=1)
         doc_id, pieces = None, []
-        for i in range(ds.num_samples):
-            item = ds.get_item(i)
-            if item[fmt.DOC_ID] != doc_id and pieces:
-                yield np.concatenate(pieces)
-                pieces = []
-            doc_id = item[fmt.DOC_ID]
-            pieces.append(np.asarray(item[fmt.TOKENS], dtype=np.int64))
+        for shard in range(reader.num_shards):
+            for i in range(int(reader.samples_per_shard[shard])):
+                tokens, doc = reader.sample(shard, i)
+                if doc != doc_id and pieces:
+                    yield np.concatenate(pieces)
+                    pieces = []
+                doc_id = doc
+                pieces.append(tokens.astype(np.int64))
         if pieces:
             yield np.concatenate(pieces)
     finally:
-        shutil.rmtree(cache, ignore_errors=True)
+        reader.close()
