@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 
 from kernels.gca.limits import MAX_HEAD_DIM, MIN_HEAD_DIM
@@ -98,8 +99,11 @@ class GCAConfig:
             )
         if self.retrieval_scale not in RETRIEVAL_SCALES:
             raise ConfigError(f"model.retrieval_scale={self.retrieval_scale!r} is not one of {RETRIEVAL_SCALES}")
-        if not (self.norm_eps > 0 and self.init_std > 0 and self.rope_theta > 0):
-            raise ConfigError("model.norm_eps, model.init_std and model.rope_theta must be > 0")
+        for name in ("norm_eps", "init_std", "rope_theta"):
+            value = getattr(self, name)
+            # NaN fails every comparison and infinity passes `> 0`: both would surface deep inside the forward.
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ConfigError(f"model.{name} must be a finite number > 0; got {value!r}")
 
     @property
     def head_dim(self) -> int:

@@ -7,6 +7,12 @@ marker are ever resumed from, so a crash at any point of a save leaves the previ
 leftovers of interrupted saves are deleted at the next start. After a commit the oldest committed checkpoints
 beyond ``checkpoint.keep_last`` are deleted (marker first); a deletion that fails is a warning, never an error.
 
+Deletion is limited to what this trainer provably wrote: the first file of every save is ``OWNER.json``
+(written before anything else, naming the run and the step), and only directories holding a matching one (or
+empty ones) are ever removed, whether as a leftover or by ``keep_last``. Anything else under ``checkpoints/``
+is left alone: an uncommitted foreign ``step_*`` entry stops the run before any work (`foreign_leftovers`), a
+foreign committed checkpoint may be resumed from but is never pruned, and symbolic links are never followed.
+
 Loading checks, in order and before any tensor reaches the model: the marker; the integrity manifest (every
 file present, no file added, sha256 equal: ``CheckpointCorruptError`` names the file); the trainer-state format
 and architecture; the parallel layout (engine, ZeRO stage, and whether the world size may change); and that no
@@ -36,11 +42,15 @@ from typing import Any
 
 import torch
 
+from data_prep.redaction import redact
 from pipeline import dist, faults
 
 log = logging.getLogger(__name__)
 
 COMMIT_MARKER = "COMMITTED"
+OWNER_FILE = "OWNER.json"
+OWNER_WRITER = "gca-pretrain trainer"
+"""``OWNER.json``'s ``writer``: with a ``step`` equal to the directory's, proof that a save of this trainer made it."""
 TRAINER_STATE = "trainer_state.json"
 INTEGRITY_FILE = "integrity.json"
 STATE_FORMAT = 2
@@ -271,6 +281,61 @@ def _step_of(path: Path) -> int:
     return int(path.name.split("_")[1].split(".")[0])
 
 
+def _is_owned(path: Path) -> bool:
+    """Whether ``path`` is a real directory whose ``OWNER.json`` says a save of this trainer, for its step, made it."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    try:
+        owner = json.loads((path / OWNER_FILE).read_text())
+        return owner.get("writer") == OWNER_WRITER and owner.get("step") == _step_of(path)
+    except (OSError, ValueError, AttributeError, IndexError):
+        return False
+
+
+def _is_empty_dir(path: Path) -> bool:
+    return not path.is_symlink() and path.is_dir() and not any(path.iterdir())
+
+
+def _step_entries(root: Path) -> list[Path]:
+    """``step_*`` entries of ``root`` with a well-formed name (``step_<int>`` or ``step_<int>.tmp``)."""
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.glob("step_*"):
+        try:
+            _step_of(path)
+        except (IndexError, ValueError):
+            continue
+        found.append(path)
+    return sorted(found)
+
+
+def _is_committed(path: Path) -> bool:
+    return path.is_dir() and not path.name.endswith(".tmp") and (path / COMMIT_MARKER).is_file()
+
+
+def foreign_leftovers(run_dir: str | Path) -> list[Path]:
+    """Uncommitted, non-empty ``checkpoints/step_*`` entries without this trainer's ``OWNER.json`` (or symlinks).
+
+    The trainer never deletes them; it stops before any work instead (a later save of that step would collide).
+    """
+    root = Path(run_dir) / "checkpoints"
+    return [p for p in _step_entries(root)
+            if p.is_symlink() or not (_is_committed(p) or _is_owned(p) or _is_empty_dir(p))]
+
+
+def _remove_own(path: Path, why: str) -> None:
+    """Delete ``path`` if this trainer wrote it (``OWNER.json``) or it is empty; refuse anything else."""
+    if _is_empty_dir(path):
+        path.rmdir()
+    elif _is_owned(path):
+        shutil.rmtree(path)
+    else:
+        raise CheckpointError(f"{path} is in the way of {why} and was not written by this trainer (no {OWNER_FILE} "
+                              "naming its step): it is left alone; move it out of the checkpoints directory and "
+                              "relaunch")
+
+
 class CheckpointManager:
     """Find, save, verify, load and prune the checkpoints of one run directory.
 
@@ -292,11 +357,7 @@ class CheckpointManager:
 
     def committed(self) -> list[Path]:
         """Committed checkpoints, oldest first."""
-        if not self.root.is_dir():
-            return []
-        found = [p for p in self.root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")
-                 and (p / COMMIT_MARKER).is_file()]
-        return sorted(found, key=_step_of)
+        return sorted((p for p in _step_entries(self.root) if _is_committed(p)), key=_step_of)
 
     def candidates(self, resume: str) -> list[Path]:
         """Checkpoints to try, best first: ``auto`` = committed ones newest first, ``none`` = [], else the path."""
@@ -309,19 +370,41 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint.resume={resume}: no {COMMIT_MARKER} marker; the save never finished")
         return [path]
 
-    def resolve_resume(self, resume: str) -> Path | None:
-        """The checkpoint a resume would start from (without verifying it)."""
-        found = self.candidates(resume)
-        return found[0] if found else None
-
     def remove_uncommitted(self) -> None:
-        """Delete leftovers of interrupted saves (rank 0, at start, before any new save can be in progress)."""
-        if self.info.is_main and self.root.is_dir():
-            for p in self.root.glob("step_*"):
-                if p.is_dir() and (p.name.endswith(".tmp") or not (p / COMMIT_MARKER).is_file()):
-                    log.warning("removing uncommitted checkpoint directory %s (an interrupted save)", p)
+        """Delete leftovers of this trainer's interrupted saves (rank 0, at start, before any new save can be in
+        progress). An uncommitted entry it did not write is left alone, with a warning naming it."""
+        if self.info.is_main:
+            for p in _step_entries(self.root):
+                if _is_committed(p) and not p.is_symlink():
+                    continue
+                if p.is_symlink() or not (_is_owned(p) or _is_empty_dir(p)):
+                    log.warning("leaving %s alone: not a committed checkpoint and not written by this trainer (no "
+                                "%s); move it out of %s if it is not needed", p, OWNER_FILE, self.root)
+                    continue
+                log.warning("removing uncommitted checkpoint directory %s (an interrupted save of this run)", p)
+                if _is_owned(p):
                     shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.rmdir()
         dist.barrier()
+
+    def _start_save(self, step: int, final: Path, tmp: Path) -> None:
+        """Rank 0: clear the way (only of this trainer's own directories), create ``tmp`` and write its
+        ``OWNER.json`` before anything else. A foreign directory in the way fails every rank before any write."""
+        problem = None
+        if self.info.is_main:
+            try:
+                for path in (tmp, final):
+                    if path.exists() or path.is_symlink():
+                        _remove_own(path, f"the save of step {step}")
+                tmp.mkdir(parents=True)
+                owner = {"writer": OWNER_WRITER, "step": step, "run_dir": redact(str(self.root.parent.resolve()))}
+                (tmp / OWNER_FILE).write_text(json.dumps(owner, sort_keys=True))
+            except CheckpointError as err:
+                problem = str(err)
+        problem = dist.broadcast_object(problem)
+        if problem is not None:
+            raise CheckpointError(problem)
 
     def save(self, step: int, engine: Any, trainer_state: dict[str, Any],
              export: Callable[[dict[str, torch.Tensor], Path], None] | None) -> Path:
@@ -330,9 +413,7 @@ class CheckpointManager:
         final = self.root / f"step_{step:08d}"
         tmp = final.with_name(final.name + ".tmp")
         rank, plan = self.info.rank, self.fault_plan
-        if self.info.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+        self._start_save(step, final, tmp)
         dist.barrier()
         engine.save(tmp)
         faults.during_save(plan, step, rank, "engine")
@@ -352,9 +433,7 @@ class CheckpointManager:
         faults.during_save(plan, step, rank, "manifest")
         dist.barrier()
         if self.info.is_main:
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+            os.replace(tmp, final)  # _start_save cleared `final`; this save is the only writer of the run
             _fsync_dir(self.root)
             faults.during_save(plan, step, rank, "renamed")
             with open(final / COMMIT_MARKER, "w") as f:
@@ -368,7 +447,10 @@ class CheckpointManager:
         return final
 
     def _prune(self) -> None:
-        for old in self.committed()[: -self.keep_last]:
+        """Delete this trainer's oldest committed checkpoints beyond ``keep_last``; others are never counted or
+        touched."""
+        own = [p for p in self.committed() if _is_owned(p)]
+        for old in own[: -self.keep_last]:
             try:
                 # The marker goes first, so a half-deleted directory is never mistaken for a checkpoint.
                 (old / COMMIT_MARKER).unlink()

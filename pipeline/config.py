@@ -9,15 +9,21 @@ accumulation, tokens per step) are properties, never stored twice.
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, get_type_hints
 
-from omegaconf import MISSING, OmegaConf
+import yaml
+from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException, ValidationError
 
+from data_prep.redaction import raw_env_paths, redact, restore_env_interpolations, track_env_values
 from model.config import ConfigError as ModelConfigError
 from model.config import GCAConfig
+
+_ENV_PATHS = "_env_interpolations"
+"""Attribute of a loaded ``TrainConfig`` (outside its schema) holding `env_interpolations`."""
 
 
 class ConfigError(ValueError):
@@ -41,7 +47,8 @@ class TrainLoopConfig:
     eval_batches: int = 2
     """Global batches of the validation split per evaluation."""
     requeue_exit_code: int = 75
-    """Exit code after a SIGTERM/SIGUSR1-triggered save, so a wrapper can requeue (EX_TEMPFAIL)."""
+    """Exit code after a SIGTERM/SIGUSR1-triggered save, so a wrapper can requeue (EX_TEMPFAIL). A Ctrl-C
+    (SIGINT) also saves first, but exits with 130: the user stopped the run, nothing should requeue it."""
     retain_freed_memory: bool = True
     """Keep freed host memory for reuse instead of returning it to the OS (glibc): ~12% faster CPU steps for
     ~15% more resident memory (``kernels.cpu_math.retain_freed_memory``)."""
@@ -191,10 +198,36 @@ def _explain(err: OmegaConfBaseException, source: str) -> ConfigError:
         return ConfigError(f"unknown config key '{key}' (from {source}){hint} Known keys here: {known}")
     if isinstance(err, MissingMandatoryValue):
         return ConfigError(f"config key '{key}' is required: set it in the YAML or pass {key}=...")
-    first_line = str(getattr(err, "msg", err)).splitlines()[0]
+    # The message may quote a value that came from the environment (``${oc.env:...}``): redacted.
+    first_line = redact((str(getattr(err, "msg", err)).splitlines() or [""])[0])
     if isinstance(err, ValidationError):
         return ConfigError(f"config key '{key}' has a wrong value (from {source}): {first_line}")
-    return ConfigError(f"config key '{key}': {first_line}")
+    return ConfigError(f"config key '{key}' (from {source}): {first_line}")
+
+
+def _load_yaml(path: str | Path) -> DictConfig:
+    """The YAML file as a config mapping; a missing, unparsable or non-mapping file is a one-line error."""
+    if not Path(path).is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        loaded = OmegaConf.load(path)
+    except (yaml.YAMLError, OSError, UnicodeDecodeError, OmegaConfBaseException) as err:
+        reason = redact((str(err).splitlines() or [""])[0])
+        raise ConfigError(f"config file {path} is not a YAML mapping of config keys ({reason}); it must hold "
+                          "sections like 'train:' and 'model:' at its top level") from None
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"config file {path}: its top level is a {type(loaded).__name__.removesuffix('Config')}, "
+                          "not a mapping of config keys; write sections like 'train:' and 'model:' at the top level")
+    return loaded
+
+
+def env_interpolations(cfg: TrainConfig) -> dict[str, str]:
+    """Dotted key -> raw ``${oc.env:...}`` text of every config node whose value came from the environment.
+
+    Kept next to the config (not in its schema) so that everything written from it can store the interpolation
+    instead of the value (see ``data_prep.redaction``).
+    """
+    return getattr(cfg, _ENV_PATHS, {})
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), world_size: int = 1) -> TrainConfig:
@@ -209,34 +242,93 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         ConfigError: unknown key, wrong type, missing value or a broken cross-field rule; the message names the
             full key.
     """
+    track_env_values()  # before anything resolves: every ${oc.env:...} value is then known to `redact`
     merged = OmegaConf.structured(TrainConfig)
     layers: list[tuple[str, Any]] = []
     if path is not None:
-        if not Path(path).is_file():
-            raise ConfigError(f"config file not found: {path}")
-        layers.append((str(path), OmegaConf.load(path)))
+        layers.append((str(path), _load_yaml(path)))
     bad = [o for o in overrides if "=" not in o]
     if bad:
-        raise ConfigError(f"overrides must look like key=value; got {bad}")
-    layers.append(("command-line overrides", OmegaConf.from_dotlist(list(overrides))))
+        raise ConfigError(redact(f"overrides must look like key=value; got {bad}"))
+    try:
+        layers.append(("command-line overrides", OmegaConf.from_dotlist(list(overrides))))
+    except (yaml.YAMLError, OmegaConfBaseException) as err:
+        raise ConfigError(redact(f"command-line overrides are not valid key=value pairs: "
+                                 f"{(str(err).splitlines() or [''])[0]}")) from None
     for source, layer in layers:
         try:
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as err:
             raise _explain(err, source) from None
+    env_paths = raw_env_paths(OmegaConf.to_container(merged, resolve=False))
     try:
         cfg = OmegaConf.to_object(merged)
     except ModelConfigError as err:
-        raise ConfigError(str(err)) from None
+        raise ConfigError(redact(str(err))) from None
     except OmegaConfBaseException as err:
         raise _explain(err, "the merged config") from None
     assert isinstance(cfg, TrainConfig)
-    validate(cfg, world_size)
+    setattr(cfg, _ENV_PATHS, env_paths)
+    try:
+        validate(cfg, world_size)
+    except ConfigError as err:
+        raise ConfigError(redact(str(err))) from None
     return cfg
+
+
+def _numbers(node: Any, path: str = "") -> list[tuple[str, float]]:
+    """Every float of a plain config tree as (dotted key, value); list items as ``key[i]``."""
+    if isinstance(node, dict):
+        return [item for key, value in node.items() for item in _numbers(value, f"{path}.{key}" if path else key)]
+    if isinstance(node, list):
+        return [item for i, value in enumerate(node) for item in _numbers(value, f"{path}[{i}]")]
+    return [(path, node)] if isinstance(node, float) else []
+
+
+def _check_finite(cfg: TrainConfig) -> None:
+    """No NaN or infinity anywhere: every range rule below is a comparison, which NaN would pass or fail silently
+    (``grad_clip=nan`` once turned clipping off)."""
+    for key, value in _numbers(OmegaConf.to_container(OmegaConf.structured(cfg))):
+        if not math.isfinite(value):
+            raise ConfigError(f"{key} must be a finite number; got {value}")
+
+
+def _inside(child: Path, parent: Path) -> bool:
+    child, parent = child.resolve(), parent.resolve()
+    return child == parent or parent in child.parents
+
+
+def _check_outputs_outside_data(cfg: TrainConfig) -> None:
+    """The run writes to run_dir and the shard cache; neither may be inside the dataset, which is only read."""
+    if "://" in cfg.data.path:
+        return
+    data = Path(cfg.data.path)
+    for key, value in (("run_dir", cfg.run_dir), ("data.cache_dir", cfg.data.cache_dir)):
+        if value is not None and _inside(Path(value), data):
+            raise ConfigError(f"{key}={value} is inside data.path={cfg.data.path}; the dataset is only ever read: "
+                              f"put {key} outside it")
+
+
+def _check_ranges(cfg: TrainConfig) -> None:
+    """Per-key ranges of the numeric settings that have no cross-field rule."""
+    t, o = cfg.train, cfg.optim
+    if cfg.seed < 0:
+        raise ConfigError(f"seed must be >= 0; got {cfg.seed}")
+    if not o.eps > 0:
+        raise ConfigError(f"optim.eps must be > 0; got {o.eps}")
+    if t.eval_batches < 1:
+        raise ConfigError(f"train.eval_batches must be >= 1; got {t.eval_batches}")
+    if not 1 <= t.requeue_exit_code <= 255:
+        raise ConfigError(f"train.requeue_exit_code must be an exit code in 1..255; got {t.requeue_exit_code}")
+    if cfg.logging.peak_tflops is not None and not cfg.logging.peak_tflops > 0:
+        raise ConfigError(f"logging.peak_tflops must be > 0 (or null to guess); got {cfg.logging.peak_tflops}")
 
 
 def validate(cfg: TrainConfig, world_size: int) -> None:
     """Cross-field rules; each error states the rule and the values."""
+    _check_finite(cfg)
+    _check_ranges(cfg)
+    _check_outputs_outside_data(cfg)
     t, o, p, c = cfg.train, cfg.optim, cfg.parallel, cfg.checkpoint
     for key, value in (("train.max_steps", t.max_steps), ("train.seq_len", t.seq_len),
                        ("train.micro_batch", t.micro_batch), ("train.global_batch", t.global_batch),
@@ -290,6 +382,14 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
                           f"got {c.resume!r}")
 
 
+def to_plain(cfg: TrainConfig) -> dict[str, Any]:
+    """The resolved config as nested dicts, with every environment-derived value put back as its
+    ``${oc.env:...}`` text (what wandb and every written config get)."""
+    resolved = OmegaConf.to_container(OmegaConf.structured(cfg))
+    return restore_env_interpolations(resolved, env_interpolations(cfg))  # type: ignore[no-any-return]
+
+
 def to_yaml(cfg: TrainConfig) -> str:
-    """The resolved config as YAML (what the run log and every checkpoint record)."""
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    """The config as YAML (what the run log, ``config.yaml`` and every checkpoint record): resolved, except that
+    values from the environment stay ``${oc.env:...}``, so the file holds no such value and re-runs as it is."""
+    return OmegaConf.to_yaml(OmegaConf.create(to_plain(cfg)))

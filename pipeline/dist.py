@@ -20,6 +20,8 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -194,6 +196,19 @@ def seed_all(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+@contextmanager
+def isolated_rng() -> Iterator[None]:
+    """Run the block on a copy of torch's RNG state (CPU and this process's CUDA device) and restore it after.
+
+    The training RNG (Gumbel top-k noise) is checkpointed and restored exactly; a draw outside the training step
+    (building the export model, evaluation) would advance it, so a resumed run, or a run that saves or evaluates
+    at other steps, would draw other noise from then on.
+    """
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        yield
 
 
 def barrier() -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from data_prep.redaction import install_log_redaction, redact_tree
 from model.config import GCAConfig
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,11 @@ class _RankFilter(logging.Filter):
 
 
 def setup_logging(rank: int, level: int = logging.INFO) -> None:
-    """Console logging for this process: rank 0 logs everything, other ranks only errors."""
+    """Console logging for this process: rank 0 logs everything, other ranks only errors.
+
+    Every record, Python warnings and uncaught tracebacks included, passes ``data_prep.redaction``: values that
+    came from the environment and known secret shapes never reach the console.
+    """
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s [%(levelname)s] %(name)s: %(message)s", "%H:%M:%S"))
     handler.addFilter(_RankFilter(rank))
@@ -45,6 +50,8 @@ def setup_logging(rank: int, level: int = logging.INFO) -> None:
     handler._gca_pipeline = True  # type: ignore[attr-defined]
     root.addHandler(handler)
     root.setLevel(level)
+    logging.captureWarnings(True)  # library warnings (paths, URLs) go through the redacting handlers too
+    install_log_redaction()
 
 
 def git_sha() -> str:
@@ -143,7 +150,7 @@ class MetricsLogger:
 
     wandb runs offline unless ``logging.wandb_mode=online`` or (``auto``) ``WANDB_API_KEY`` is set, so a run
     never waits on the network. Only the resolved training config and metrics are sent; the environment
-    (which holds keys and tokens) never is.
+    (which holds keys and tokens) never is, and values that came from the environment stay ``${oc.env:...}``.
     """
 
     def __init__(self, run_dir: Path, cfg: Any, config_dict: dict[str, Any], header: dict[str, Any],
@@ -178,7 +185,7 @@ class MetricsLogger:
                                                   "versions": header["versions"], **header["derived"]})
 
     def _write(self, record: dict[str, Any]) -> None:
-        self.file.write(json.dumps(record) + "\n")
+        self.file.write(json.dumps(redact_tree(record)) + "\n")
         self.file.flush()
 
     def step(self, step: int, metrics: dict[str, Any], console: bool) -> None:

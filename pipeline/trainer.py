@@ -4,17 +4,20 @@
 runs ``Trainer.train()``: resume (``checkpoint.resume``), then ``train_step`` until ``train.max_steps`` with
 periodic ``evaluate``, checkpoints, metrics, NaN/Inf stops and a collective save-and-exit on SIGTERM/SIGUSR1.
 
-Failure handling (tests/reliability, README "Reliability"): a config value that carries a secret from the
-environment is refused before anything starts; resume refuses corrupt checkpoints and changed data; every step
-runs under the hang watchdog, and a failed collective is re-raised naming the step and the phase.
+Failure handling (tests/reliability, README "Reliability"): a config value that carries a secret is refused, and
+the inputs are checked (`check_inputs`: dataset, tokenizer vocabulary, validation split, foreign checkpoint
+directories) before anything starts; values from the environment never reach a log or a written file; resume
+refuses corrupt checkpoints and changed data; every step runs under the hang watchdog, and a failed collective is
+re-raised naming the step and the phase. SIGTERM/SIGUSR1 and a first Ctrl-C save at the next step boundary; a
+failed evaluation saves the step before it stops the run.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
-import re
 import shutil
 import signal
 import time
@@ -23,11 +26,13 @@ from typing import Any
 
 import torch
 
+from data_prep import format as fmt
+from data_prep.redaction import REDACTED, is_secret_name, redact
 from kernels.cpu_math import flush_denormals, retain_freed_memory
 from model import build_model, read_export_config, save_pretrained
 from pipeline import dist, faults
-from pipeline.checkpoint import CheckpointManager
-from pipeline.config import ConfigError, TrainConfig, load_config, to_yaml
+from pipeline.checkpoint import OWNER_FILE, CheckpointManager, foreign_leftovers
+from pipeline.config import ConfigError, TrainConfig, load_config, to_plain, to_yaml
 from pipeline.data import (
     MDSReader,
     PackedSequences,
@@ -53,6 +58,8 @@ from pipeline.parallel import build_engine
 log = logging.getLogger(__name__)
 
 TOKENIZER_FILE = "tokenizer.model"
+EXIT_INTERRUPTED = 130
+"""Exit code after a Ctrl-C (SIGINT): 128 + SIGINT, as a shell reports it; never the requeue code."""
 
 
 class NonFiniteError(RuntimeError):
@@ -60,13 +67,8 @@ class NonFiniteError(RuntimeError):
     step computes the gradient norm, right after it and before anything is saved)."""
 
 
-_SECRET_WORDS = {"key", "apikey", "token", "secret", "password", "passwd", "credential", "credentials"}
-"""Words of an environment variable or config key name (split at ``_``) that mark a secret: WANDB_API_KEY,
-HF_TOKEN, AWS_SECRET_ACCESS_KEY, GITHUB_TOKEN, ... (not TOKENIZERS_PARALLELISM)."""
-
-
-def _secret_name(name: str) -> bool:
-    return bool(set(re.split(r"[_\W]+", name.lower())) & _SECRET_WORDS)
+class EvalError(RuntimeError):
+    """The validation pass failed (on any rank); raised on every rank, after the step was saved."""
 
 
 def check_no_secrets(cfg: TrainConfig) -> None:
@@ -74,15 +76,15 @@ def check_no_secrets(cfg: TrainConfig) -> None:
 
     A value equal to or containing the value of a secret-named environment variable (``WANDB_API_KEY``,
     ``HF_TOKEN``, ``AWS_SECRET_ACCESS_KEY``, ...; e.g. through ``${oc.env:WANDB_API_KEY}``) is refused, and so
-    is any literal value under a key named like a secret. Secrets are read from the environment by the libraries
-    that need them, never through the config. The message names the key and the variable, never the value.
+    is any literal value under a key named like a secret, and any value shaped like a credential (an ``hf_...``
+    or ``ghp_...`` token, an AWS key id, a password in a URL; ``data_prep.redaction``). Secrets are read from
+    the environment by the libraries that need them, never through the config. The message names the key and
+    the variable, never the value.
 
     Raises:
         ConfigError: naming the config key (and the environment variable).
     """
-    from omegaconf import OmegaConf
-
-    secrets = {name: value for name, value in os.environ.items() if _secret_name(name) and len(value) >= 8}
+    secrets = {name: value for name, value in os.environ.items() if is_secret_name(name) and len(value) >= 8}
 
     def walk(node: Any, path: str) -> None:
         if isinstance(node, dict):
@@ -92,7 +94,7 @@ def check_no_secrets(cfg: TrainConfig) -> None:
             for i, value in enumerate(node):
                 walk(value, f"{path}[{i}]")
         elif isinstance(node, str) and node:
-            if _secret_name(path.rsplit(".", 1)[-1]):
+            if is_secret_name(path.rsplit(".", 1)[-1]):
                 raise ConfigError(f"config key '{path}' looks like a secret; secrets must come from the environment "
                                   "(e.g. WANDB_API_KEY), never from the config, which is logged and checkpointed")
             for name, value in secrets.items():
@@ -100,8 +102,82 @@ def check_no_secrets(cfg: TrainConfig) -> None:
                     raise ConfigError(f"config key '{path}' contains the value of the environment variable {name}; "
                                       "secrets must not enter the config (it is logged, checkpointed and sent to "
                                       "wandb): remove the ${oc.env:...} interpolation or literal")
+            if REDACTED in redact(node):  # the marker `redact` puts where it finds a credential's shape
+                raise ConfigError(f"config key '{path}' holds what looks like a credential (an access token, or a "
+                                  "password in a URL); pass credentials through the environment variables the "
+                                  "library in question reads, never through the config")
+
+    from omegaconf import OmegaConf
 
     walk(OmegaConf.to_container(OmegaConf.structured(cfg)), "")
+
+
+def _check_tokenizer(cfg: TrainConfig) -> None:
+    """The tokenizer next to data.path must fit ``model.vocab_size`` (else an IndexError deep in the embedding)."""
+    path = Path(cfg.data.path) / TOKENIZER_FILE
+    if not path.is_file():
+        return  # a hand-written MDS dataset without one; the export says so
+    import sentencepiece as spm
+
+    try:
+        pieces = spm.SentencePieceProcessor(model_file=str(path)).get_piece_size()
+    except (RuntimeError, OSError) as err:
+        raise ConfigError(f"{path} is not a readable SentencePiece model ({str(err).splitlines()[0]}); re-run data "
+                          "prep or point data.path at a prepared dataset") from None
+    if pieces > cfg.model.vocab_size:
+        raise ConfigError(f"the tokenizer {path} has {pieces} pieces but model.vocab_size={cfg.model.vocab_size}: "
+                          f"token ids would fall outside the embedding; set model.vocab_size={pieces} (or larger)")
+
+
+def _split_samples(root: Path, split: str) -> int | None:
+    """Samples of a split: the manifest's token count when data prep wrote one, else the MDS index's sample
+    count; None when the split has no index at all."""
+    if (root / fmt.MANIFEST_FILENAME).is_file() or (root / fmt.COMPLETE_MARKER).is_file():
+        try:
+            stats = fmt.read_manifest(root).splits.get(split)
+        except (fmt.IncompleteDatasetError, ValueError, KeyError, TypeError) as err:
+            raise ConfigError(f"data.path={root}: {str(err).splitlines()[0]}") from None
+        if stats is not None:
+            return stats.tokens
+    index = root / split / "index.json"
+    if not index.is_file():
+        return None
+    try:
+        return sum(int(shard["samples"]) for shard in json.loads(index.read_text())["shards"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"{index} is not a readable MDS index ({err}); re-run data prep") from None
+
+
+def _check_val_split(cfg: TrainConfig) -> None:
+    """``train.eval_every > 0`` needs a non-empty validation split (else the first eval crashes mid-run)."""
+    if not cfg.train.eval_every:
+        return
+    root, split = Path(cfg.data.path), cfg.data.val_split
+    found = _split_samples(root, split)
+    if not found:
+        what = "has no" if found is None else "has an empty"
+        raise ConfigError(f"train.eval_every={cfg.train.eval_every} but data.path={root} {what} validation split "
+                          f"'{split}' (data.val_split): set train.eval_every=0, or prepare the data with a larger "
+                          "val_fraction / more documents")
+
+
+def check_inputs(cfg: TrainConfig) -> None:
+    """Everything about the inputs that can be checked before any work starts (no process group, no output).
+
+    Raises:
+        ConfigError: naming the key, file or value and the fix.
+    """
+    if not is_remote(cfg.data.path):  # a remote dataset is checked as its shards arrive
+        if not Path(cfg.data.path).is_dir():
+            raise ConfigError(f"data.path={cfg.data.path} is not a directory; run make prep (or launch/prep.py) "
+                              "and point data.path at its output")
+        _check_tokenizer(cfg)
+        _check_val_split(cfg)
+    foreign = foreign_leftovers(cfg.run_dir)
+    if foreign:
+        raise ConfigError(f"{foreign[0]} is not a committed checkpoint and was not written by this trainer (no "
+                          f"{OWNER_FILE}), so it is never deleted; move it out of {foreign[0].parent} and relaunch"
+                          + (f" ({len(foreign) - 1} more like it)" if len(foreign) > 1 else ""))
 
 
 def init_weights_from(model: torch.nn.Module, export_dir: str) -> None:
@@ -230,27 +306,60 @@ class Trainer:
                 "mfu": self.flops_per_token * tps / (peak * self.info.world_size) if peak else None,
                 "mem_gb": memory_gb(), "tokens": self.tokens_seen, **telemetry}
 
+    def _val_batches(self) -> tuple[list[torch.Tensor], Exception | None]:
+        """This rank's validation micro-batches, or the error reading them; no collective inside, so a bad split
+        on one rank cannot leave the others waiting in one."""
+        cfg = self.cfg
+        try:
+            if self._val_reader is None:
+                cache = cfg.data.cache_dir or str(self.run_dir / "data_cache")
+                self._val_reader = MDSReader(cfg.data.path, cfg.data.val_split, cache, cfg.data.validate_hash)
+            stream = PackedSequences(self._val_reader, cfg.train.seq_len, cfg.seed, False, cfg.train.global_batch,
+                                     self.eos_id)
+            batches = RankBatches(stream, cfg.train.global_batch, cfg.train.micro_batch, self.info.rank,
+                                  self.info.world_size)
+            return [x for _ in range(cfg.train.eval_batches) for x in batches.next_step()], None
+        except Exception as err:  # whatever the reader raises (missing, corrupt, empty split): reported collectively
+            return [], err
+
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean validation loss over ``train.eval_batches`` global batches (the same sequences every time)."""
-        cfg = self.cfg
-        if self._val_reader is None:
-            cache = cfg.data.cache_dir or str(self.run_dir / "data_cache")
-            self._val_reader = MDSReader(cfg.data.path, cfg.data.val_split, cache, cfg.data.validate_hash)
-        stream = PackedSequences(self._val_reader, cfg.train.seq_len, cfg.seed, False, cfg.train.global_batch,
-                                 self.eos_id)
-        batches = RankBatches(stream, cfg.train.global_batch, cfg.train.micro_batch, self.info.rank,
-                              self.info.world_size)
-        self.engine.train(False)
-        losses = [self.engine.loss(x.to(self.info.device)).float()
-                  for _ in range(cfg.train.eval_batches) for x in batches.next_step()]
-        self.engine.train(True)
+        """Mean validation loss over ``train.eval_batches`` global batches (the same sequences every time).
+
+        Raises:
+            EvalError: on every rank, when reading the validation split failed on any rank.
+        """
+        batches, error = self._val_batches()
+        failed = dist.all_gather_flags(error is not None, self.info.device)
+        if any(failed):
+            ranks = [r for r, f in enumerate(failed) if f]
+            cause = f": {type(error).__name__}: {(str(error).splitlines() or [''])[0]}" if error else ""
+            raise EvalError(f"validation at step {self.step} failed on rank(s) {ranks}{cause}") from error
+        with dist.isolated_rng():  # evaluation must not move the training RNG (Gumbel noise)
+            self.engine.train(False)
+            try:
+                losses = [self.engine.loss(x.to(self.info.device)).float() for x in batches]
+            finally:
+                self.engine.train(True)
         return dist.all_reduce_mean(torch.stack(losses).mean()).item()
+
+    def _evaluate_and_log(self) -> None:
+        """``evaluate`` and record it; on failure the finished step is saved first, so nothing is lost."""
+        try:
+            val = self.evaluate()
+        except EvalError as err:
+            path = self._collective(f"checkpoint save of step {self.step}", self.save)
+            raise EvalError(f"{err}; step {self.step} was saved first ({path}), so a relaunch resumes there: fix "
+                            f"the '{self.cfg.data.val_split}' split of data.path or set train.eval_every=0") from err
+        log.info("step %d | val_loss=%.4f", self.step, val)
+        if self.metrics is not None:
+            self.metrics.event({"event": "eval", "step": self.step, "val_loss": val})
 
     # -- checkpoints and export ---------------------------------------------------------------------------
     def export(self, weights: dict[str, torch.Tensor], directory: Path) -> None:
         """Write an eval export (rank 0): safetensors weights, config.json and the tokenizer."""
-        model = build_model(self.cfg.model)
+        with dist.isolated_rng():  # the model's random init must not advance the training RNG
+            model = build_model(self.cfg.model)
         model.load_state_dict(weights)
         save_pretrained(model, directory, extra={"step": self.step, "seq_len": self.cfg.train.seq_len,
                                                  "tokenizer": TOKENIZER_FILE})
@@ -264,8 +373,10 @@ class Trainer:
         return {"engine": self.cfg.parallel.engine, "zero_stage": self.cfg.parallel.zero_stage}
 
     def save(self) -> Path:
+        # The config text keeps ${oc.env:...} in place of values from the environment; every other field is a
+        # number, a hash or a name from a fixed set, compared verbatim at resume.
         state = {"tokens_seen": self.tokens_seen, "data": self.batches.state_dict(),
-                 "model_config": self.cfg.model.to_dict(), "config_yaml": to_yaml(self.cfg),
+                 "model_config": self.cfg.model.to_dict(), "config_yaml": redact(to_yaml(self.cfg)),
                  "parallel": self._parallel(), "data_fingerprint": self.data_fingerprint}
         return self.ckpt.save(self.step, self.engine, state, self.export if self.cfg.checkpoint.export else None)
 
@@ -284,10 +395,23 @@ class Trainer:
 
     # -- the loop -----------------------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: Any) -> None:
-        # Only a flag: the save happens at the next step boundary, on all ranks, once. A repeated signal (SLURM
-        # and launchers often send two) changes nothing.
+        # Only a flag: the save happens at the next step boundary, on all ranks, once. A repeated SIGTERM/SIGUSR1
+        # (SLURM and launchers often send two) changes nothing; a Ctrl-C while a stop is pending means "now".
+        if signum == signal.SIGINT and self._stop_signal is not None:
+            raise KeyboardInterrupt
         if self._stop_signal is None:
             self._stop_signal = signum
+            if signum == signal.SIGINT:
+                log.warning("Ctrl-C: saving a checkpoint after step %d, then exiting with code %d; press Ctrl-C "
+                            "again to stop at once without saving", self.step + 1, EXIT_INTERRUPTED)
+
+    def _stop_requested(self) -> int:
+        """Collective: 0 = go on, else the exit code after the save (130 if any rank got a Ctrl-C, whose user
+        asked to stop, else the requeue code)."""
+        mine = 0.0 if self._stop_signal is None else 2.0 if self._stop_signal == signal.SIGINT else 1.0
+        flag = torch.tensor([mine], device=self.info.device)
+        worst = self._collective(f"step {self.step}: stop-flag all-reduce", lambda: dist.all_reduce_max(flag).item())
+        return {0.0: 0, 1.0: self.cfg.train.requeue_exit_code}.get(worst, EXIT_INTERRUPTED)
 
     def _derived(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -299,7 +423,7 @@ class Trainer:
         """``<run_dir>/config.yaml``: the resolved config of the latest start (re-runnable with ``--config``)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.run_dir / f"config.yaml.tmp-{os.getpid()}"
-        tmp.write_text(to_yaml(self.cfg))
+        tmp.write_text(redact(to_yaml(self.cfg)))
         os.replace(tmp, self.run_dir / "config.yaml")
 
     def train(self) -> int:
@@ -310,8 +434,8 @@ class Trainer:
         if self.info.is_main:
             self._write_resolved_config()
             header = log_run_header(to_yaml(cfg), self._derived())
-            self.metrics = MetricsLogger(self.run_dir, cfg, _plain(cfg), header, self.step, resumed)
-        handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGUSR1)}
+            self.metrics = MetricsLogger(self.run_dir, cfg, to_plain(cfg), header, self.step, resumed)
+        handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
         self.watchdog = dist.Watchdog(dist.collective_timeout_s(), self.info.rank)
         try:
             while self.step < cfg.train.max_steps:
@@ -321,20 +445,15 @@ class Trainer:
                     self.metrics.step(self.step, metrics, console)
                 faults.after_step(self.fault, self.step, self.info.rank)
                 if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
-                    val = self.evaluate()
-                    log.info("step %d | val_loss=%.4f", self.step, val)
-                    if self.metrics is not None:
-                        self.metrics.event({"event": "eval", "step": self.step, "val_loss": val})
-                flag = torch.tensor([float(self._stop_signal is not None)], device=self.info.device)
-                stop = self._collective(f"step {self.step}: stop-flag all-reduce",
-                                        lambda: dist.all_reduce_max(flag).item() > 0)
+                    self._evaluate_and_log()
+                stop_code = self._stop_requested()
                 periodic = cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0
-                if periodic or stop or self.step == cfg.train.max_steps:
+                if periodic or stop_code or self.step == cfg.train.max_steps:
                     self._collective(f"checkpoint save of step {self.step}", self.save)
-                if stop:
-                    log.warning("stop signal received: saved step %d, exiting with code %d for a requeue",
-                                self.step, cfg.train.requeue_exit_code)
-                    return cfg.train.requeue_exit_code
+                if stop_code:
+                    log.warning("stop signal received: saved step %d, exiting with code %d%s", self.step, stop_code,
+                                "" if stop_code == EXIT_INTERRUPTED else " for a requeue")
+                    return stop_code
             weights = self.engine.full_state_dict()
             if self.info.is_main:
                 self.export(weights, self.run_dir / "export")
@@ -383,12 +502,6 @@ class Trainer:
             self.watchdog.disarm()
 
 
-def _plain(cfg: TrainConfig) -> dict[str, Any]:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(OmegaConf.structured(cfg))  # type: ignore[return-value]
-
-
 def main(config_path: str | None, overrides: list[str]) -> int:
     """Entry point of ``launch/pretrain.py``; returns the exit code (2 for a configuration error)."""
     flush_denormals()  # first, before torch starts its thread pool (see kernels/cpu_math.py)
@@ -396,6 +509,7 @@ def main(config_path: str | None, overrides: list[str]) -> int:
     try:
         cfg = load_config(config_path, overrides, dist.world_size_from_env())
         check_no_secrets(cfg)
+        check_inputs(cfg)
     except ConfigError as err:
         log.error("configuration error: %s", err)
         return 2
@@ -410,5 +524,12 @@ def main(config_path: str | None, overrides: list[str]) -> int:
             log.error("configuration error: %s", err)
             return 2
         return trainer.train()
+    except EvalError as err:
+        log.error("%s", err)
+        return 1
+    except KeyboardInterrupt:
+        log.error("stopped by a second Ctrl-C: nothing saved since the last committed checkpoint in %s (an "
+                  "interrupted save is removed at the next start)", Path(cfg.run_dir) / "checkpoints")
+        return EXIT_INTERRUPTED
     finally:
         dist.destroy()

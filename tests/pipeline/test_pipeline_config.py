@@ -10,7 +10,7 @@ from pipeline.config import ConfigError, load_config
 from pipeline.parallel import build_deepspeed_config
 
 REPO = Path(__file__).resolve().parents[2]
-BASE = ["run_dir=/tmp/unused", "data.path=/tmp/unused"]
+BASE = ["run_dir=/tmp/unused/run", "data.path=/tmp/unused/data"]
 
 
 def fails(overrides, world_size=1, path=None) -> str:

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from model import load_pretrained
 from pipeline import dist
-from pipeline.checkpoint import CheckpointError
+from pipeline.checkpoint import OWNER_FILE, OWNER_WRITER, CheckpointError
 from pipeline.config import load_config, to_yaml
 from pipeline.trainer import NonFiniteError, Trainer, main
 
@@ -97,10 +97,16 @@ def test_keep_last_and_uncommitted_saves_are_ignored(tmp_path, tiny_data, overri
     assert main(None, overrides(run, tiny_data, **{"train.max_steps": 5, "checkpoint.every": 1,
                                                    "checkpoint.keep_last": 2, "checkpoint.export": False})) == 0
     assert ckpts(run) == ["step_00000004", "step_00000005"]
-    torn = run / "checkpoints/step_00000009"
-    torn.mkdir()
-    (torn / "state.pt").write_bytes(b"torn")
-    assert main(None, overrides(run, tiny_data, **{"train.max_steps": 6, "checkpoint.keep_last": 2})) == 0
+    again = overrides(run, tiny_data, **{"train.max_steps": 6, "checkpoint.keep_last": 2})
+    # An uncommitted directory this trainer did not write: the run refuses to start and leaves it as it is.
+    foreign = run / "checkpoints/step_00000009"
+    foreign.mkdir()
+    (foreign / "state.pt").write_bytes(b"not ours")
+    assert main(None, again) == 2
+    assert (foreign / "state.pt").read_bytes() == b"not ours" and ckpts(run)[-1] == "step_00000009"
+    # The same leftover as an interrupted save of this trainer (its OWNER.json names the step): removed.
+    (foreign / OWNER_FILE).write_text(json.dumps({"writer": OWNER_WRITER, "step": 9}))
+    assert main(None, again) == 0
     assert ckpts(run) == ["step_00000005", "step_00000006"]  # resumed from 5, the torn save was removed
 
 
