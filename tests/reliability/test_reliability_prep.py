@@ -20,6 +20,7 @@ from reliability_harness import overrides
 from data_prep.config import load_config
 from data_prep.errors import InputError, OutputExistsError
 from data_prep.format import COMPLETE_MARKER, MANIFEST_FILENAME, IncompleteDatasetError, read_manifest
+from data_prep.shard import _WORK_MARKER
 from data_prep.shard import main as prep
 from data_prep.streaming_compat import ensure_streaming_importable
 from pipeline.trainer import main as train
@@ -123,6 +124,9 @@ def test_t13_trainer_refuses_incomplete_prep_outputs_and_prep_refuses_to_overwri
     shutil.copytree(data, leftover)
     (leftover / COMPLETE_MARKER).unlink()
     (leftover / MANIFEST_FILENAME).unlink()
+    (leftover / _WORK_MARKER).touch()  # every work directory prep creates carries it
+    unmarked = Path(shutil.copytree(leftover, tmp_path / f".out.tmp-{_dead_pid()}"))
+    (unmarked / _WORK_MARKER).unlink()
     with pytest.raises(IncompleteDatasetError, match="interrupted data-prep run"):
         train(None, overrides(tmp_path / "run1", leftover))
     no_marker = Path(shutil.copytree(data, tmp_path / "no_marker"))
@@ -144,6 +148,8 @@ def test_t13_trainer_refuses_incomplete_prep_outputs_and_prep_refuses_to_overwri
     (corpus / "a.txt").write_text(" ".join("".join(rng.choices("abcdefghij", k=5)) for _ in range(3000)))
     _prep(tmp_path / "out", [corpus])
     assert not leftover.exists(), "the rerun removed the dead run's work directory (its pid is gone)"
+    assert unmarked.is_dir(), "a directory merely named like a work directory is not prep's to delete"
+    shutil.rmtree(unmarked)
     before = read_manifest(tmp_path / "out")
     with pytest.raises(OutputExistsError):
         _prep(tmp_path / "out", [corpus], max_piece_tokens=128)
