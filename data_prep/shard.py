@@ -64,7 +64,7 @@ from data_prep.streaming_compat import ensure_streaming_importable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["commit_dataset", "is_val", "main", "make_work_dir", "select_slice"]
+__all__ = ["check_output", "commit_dataset", "is_val", "main", "make_work_dir", "select_slice"]
 
 _BATCH_CHARS = 1 << 21
 """Characters per task sent to a worker: large enough to amortize pickling, small enough to balance."""
@@ -514,8 +514,8 @@ def _check_output_location(out: Path, cfg: PrepConfig, sources: list[Source]) ->
                           "output would delete; copy the model elsewhere first")  # fmt: skip
 
 
-def _check_output(out: Path, cfg: PrepConfig, sources: list[Source]) -> None:
-    """Everything about the output that can be refused before any work."""
+def check_output(out: Path, cfg: PrepConfig, sources: list[Source]) -> None:
+    """Refuse, before any work, an output this run may not write or replace (see `main`'s Raises)."""
     _check_output_location(out, cfg, sources)
     if out.exists():
         if not cfg.overwrite:
@@ -552,7 +552,7 @@ def main(cfg: PrepConfig) -> Manifest:
     """
     out = Path(cfg.output).absolute()
     sources = select_slice(resolve_sources(cfg), cfg)
-    _check_output(out, cfg, sources)
+    check_output(out, cfg, sources)
     ensure_streaming_importable()
     _remove_stale(out)
     tmp = make_work_dir(out)

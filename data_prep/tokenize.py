@@ -19,7 +19,7 @@ import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2
 
 from data_prep.config import TokenizerConfig
-from data_prep.errors import ConfigError
+from data_prep.errors import ConfigError, InputError
 from data_prep.format import TokenizerInfo
 
 logger = logging.getLogger(__name__)
@@ -125,16 +125,20 @@ def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig, num_threads: int
 
     Raises:
         ConfigError: SentencePiece rejected the settings (typically a vocab too large for the sample).
+        InputError: ``texts`` held no text at all.
     """
     assert cfg.vocab_size is not None, "train_tokenizer needs tokenizer.vocab_size"
     writer = io.BytesIO()
     # SentencePiece turns an exception raised by the iterator into a RuntimeError of its own; keep the
     # original (an InputError naming file:line, say) and re-raise it instead.
     reader_errors: list[Exception] = []
+    yielded = [0]
 
     def sentences() -> Iterator[str]:
         try:
-            yield from _training_sentences(texts, cfg.sample_bytes)
+            for sentence in _training_sentences(texts, cfg.sample_bytes):
+                yielded[0] += 1
+                yield sentence
         except Exception as exc:
             reader_errors.append(exc)
             raise
@@ -166,6 +170,9 @@ def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig, num_threads: int
     except RuntimeError as exc:
         if reader_errors:
             raise reader_errors[0] from None
+        if not yielded[0]:  # sentencepiece would only say "[!sentences_.empty()]"
+            raise InputError("no text to train the tokenizer on: every document is empty, skipped or in the val "
+                             "split; add input documents or lower val_fraction") from None  # fmt: skip
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else "training failed"
         raise ConfigError(f"bad value tokenizer.vocab_size={cfg.vocab_size}: sentencepiece: {first} "
                           "(use a smaller vocab or a larger tokenizer.sample_bytes)") from None  # fmt: skip

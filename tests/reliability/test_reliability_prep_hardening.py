@@ -207,6 +207,8 @@ def test_no_train_document_is_an_error_and_writes_nothing(tmp_path, tokenizer):
     (corpus / "only.txt").write_text(text)
     with pytest.raises(InputError, match="no document reached the train split"):
         _prep(tmp_path / "out", corpus, val_fraction=0.9, **{"tokenizer.model": tokenizer})
+    with pytest.raises(InputError, match="no text to train the tokenizer on"):  # not sentencepiece's own words
+        _prep(tmp_path / "out", corpus, val_fraction=0.9, **{"tokenizer.vocab_size": 300})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]
 
 
