@@ -2,10 +2,12 @@
 --out <dir>`` writes ``<dir>/<task>.json`` and ``<dir>/<task>.png``. Keys: ``pipeline/evaluation/config.py``."""
 
 import argparse
+import json
 import logging
 import sys
 
-from pipeline.evaluation.run import run_eval
+from data_prep.redaction import install_log_redaction, redact
+from pipeline.evaluation.run import EvalOutputError, run_eval
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,11 +19,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value, e.g. lengths=[1024,65536] samples=2")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    install_log_redaction()
     try:
         result = run_eval(args.checkpoint, args.task, args.out, args.overrides, args.config)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
+    except (ValueError, FileNotFoundError) as err:  # bad input, found before any evaluation ran
+        print(f"error: {redact(str(err))}", file=sys.stderr)
         return 2
+    except EvalOutputError as err:  # the eval finished; its result is somewhere else
+        print(f"error: {err}", file=sys.stderr)
+        if err.saved_to is None:
+            print(json.dumps(err.result, indent=2))
+        return 1
     for row in result["results"]:
         print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
     print(f"peak RSS {result['peak_rss_mib']} MiB, {result['seconds']} s -> {args.out}/{args.task}.json")

@@ -5,8 +5,37 @@ import argparse
 import sys
 from pathlib import Path
 
-from pipeline.evaluation.generate import generate
-from pipeline.evaluation.runtime import load_checkpoint
+from data_prep.redaction import redact
+from pipeline.evaluation.generate import check_sampling, generate
+from pipeline.evaluation.runtime import check_device, load_checkpoint
+
+
+def check_args(args: argparse.Namespace) -> str:
+    """Every argument checked before the model loads; returns the prompt text.
+
+    Raises:
+        ValueError: naming the option and its value.
+    """
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
+    if args.offload_mb < -1:
+        raise ValueError(f"--offload-mb {args.offload_mb} must be >= 0 (MiB kept in RAM) or -1 (everything in RAM)")
+    if args.seed < 0:
+        raise ValueError(f"--seed {args.seed} must be >= 0")
+    check_sampling(args.temperature, args.top_k, args.top_p)
+    check_device(args.device, "--device")
+    if args.prompt is not None:
+        prompt = args.prompt
+    elif not args.prompt_file.is_file():
+        raise ValueError(f"--prompt-file {args.prompt_file}: not a file")
+    else:
+        try:
+            prompt = args.prompt_file.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"--prompt-file {args.prompt_file}: not UTF-8 text") from None
+    if not prompt:
+        raise ValueError("the prompt is empty; give at least one character")
+    return prompt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,8 +49,12 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(f"--{name}", type=kind, default=default)
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
-    ckpt = load_checkpoint(args.checkpoint, args.device)
-    prompt = args.prompt if args.prompt is not None else args.prompt_file.read_text()
+    try:
+        prompt = check_args(args)
+        ckpt = load_checkpoint(args.checkpoint, args.device)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {redact(str(err))}", file=sys.stderr)
+        return 2
     tok = ckpt.tokenizer
     stop = (tok.eos_id,) if tok.eos_id is not None else ()
     out: list[int] = []

@@ -1,4 +1,8 @@
-"""Model export for downstream jobs: ``model.safetensors`` + ``config.json``; nothing is ever unpickled."""
+"""Model export for downstream jobs: ``model.safetensors`` + ``config.json``; nothing is ever unpickled.
+
+Loading checks both files before any tensor is read, so a damaged or foreign export fails with one line naming the
+file and what is wrong (``ExportError``) instead of a library traceback.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,16 @@ from model.baseline import build_model
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
+
+_HEADER_LEN_BYTES = 8
+"""A safetensors file starts with the byte length of its JSON header (unsigned 64-bit, little-endian)."""
+_MAX_HEADER_BYTES = 100 << 20
+"""The safetensors library refuses larger headers too; a bigger length means the file is something else."""
+_FOREIGN_MAGIC = {b"PK\x03\x04": "a zip archive (torch.save)", b"\x80": "a pickle"}
+
+
+class ExportError(ValueError):
+    """An export file that cannot be loaded; the message names the file, what is wrong and the fix."""
 
 
 def save_pretrained(model: torch.nn.Module, directory: str | os.PathLike, extra: dict | None = None) -> Path:
@@ -35,17 +49,97 @@ def save_pretrained(model: torch.nn.Module, directory: str | os.PathLike, extra:
 
 
 def read_export_config(directory: str | os.PathLike) -> tuple[GCAConfig, dict]:
-    """Return the model config and the ``export`` metadata of an export directory."""
+    """Return the model config and the ``export`` metadata of an export directory.
+
+    Raises:
+        FileNotFoundError: no ``config.json`` file.
+        ExportError: ``config.json`` is not UTF-8 JSON, not an object with a ``model`` object (and optionally an
+            ``export`` object), or its model config breaks a rule.
+    """
     path = Path(directory) / CONFIG_NAME
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no {CONFIG_NAME}; is {directory} a model export directory?")
+        raise FileNotFoundError(f"{path}: no {CONFIG_NAME} file; is {directory} a model export directory?")
     try:
-        payload = json.loads(path.read_text())
+        payload = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ExportError(f"{path}: not UTF-8 text, so not an export's {CONFIG_NAME}") from None
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc})") from exc
-    if not isinstance(payload, dict) or "model" not in payload:
-        raise ValueError(f"{path}: expected an object with a 'model' section")
-    return GCAConfig.from_dict(payload["model"]), payload.get("export", {})
+        raise ExportError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(payload, dict) or not isinstance(payload.get("model"), dict):
+        raise ExportError(f"{path}: expected a JSON object with a 'model' object (written by save_pretrained)")
+    export = payload.get("export", {})
+    if not isinstance(export, dict):
+        raise ExportError(f"{path}: 'export' must be an object; got {type(export).__name__}")
+    try:
+        return GCAConfig.from_dict(payload["model"]), export
+    except (ValueError, TypeError) as exc:  # ConfigError names the key
+        raise ExportError(f"{path}: {exc}") from None
+
+
+def _describe_foreign(head: bytes) -> str:
+    """What a non-safetensors file looks like, for the error message."""
+    for magic, kind in _FOREIGN_MAGIC.items():
+        if head.startswith(magic):
+            return f"; it looks like {kind}, which is never loaded (re-export with model.save_pretrained)"
+    return ""
+
+
+def _read_header(path: Path) -> tuple[dict, int]:
+    """The JSON header of a safetensors file and the size of its data area, checked against the file size."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(_HEADER_LEN_BYTES)
+        length = int.from_bytes(head, "little") if len(head) == _HEADER_LEN_BYTES else -1
+        if not 2 <= length <= min(size - _HEADER_LEN_BYTES, _MAX_HEADER_BYTES):
+            raise ExportError(f"{path}: not a safetensors file ({size} bytes; the header length field does not fit "
+                              f"the file){_describe_foreign(head)}")
+        raw = f.read(length)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        header = None
+    if not isinstance(header, dict):
+        raise ExportError(f"{path}: not a safetensors file (its header is not a JSON object)")
+    return header, size - _HEADER_LEN_BYTES - length
+
+
+def check_safetensors(path: str | os.PathLike) -> dict[str, list[int]]:
+    """Validate a safetensors file's structure without reading any tensor; return ``name -> shape``.
+
+    Raises:
+        ExportError: the file is not safetensors (garbage, a pickle or torch zip renamed), or it is truncated or
+            has bytes its header does not describe.
+    """
+    path = Path(path)
+    header, data_bytes = _read_header(path)
+    shapes, end = {}, 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        shape = info.get("shape") if isinstance(info, dict) else None
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1] or not isinstance(shape, list)):
+            raise ExportError(f"{path}: not a valid safetensors file (bad header entry for tensor {name!r})")
+        shapes[name], end = shape, max(end, offsets[1])
+    if end > data_bytes:
+        raise ExportError(f"{path}: truncated: its tensors need {end} data bytes but the file holds {data_bytes} "
+                          "(copy the export again)")
+    if end < data_bytes:
+        raise ExportError(f"{path}: {data_bytes - end} bytes after the last tensor; the file is damaged or not "
+                          "written by save_pretrained")
+    return shapes
+
+
+def _check_shapes(weights: Path, file_shapes: dict[str, list[int]], model: torch.nn.Module) -> None:
+    """Refuse tensors whose shape in the file differs from the model that ``config.json`` describes."""
+    wanted = {name: list(t.shape) for name, t in model.state_dict().items()}
+    wrong = [n for n, shape in file_shapes.items() if n in wanted and shape != wanted[n]]
+    if wrong:
+        name = wrong[0]
+        raise ExportError(f"{weights}: tensor {name} has shape {file_shapes[name]} but {CONFIG_NAME} describes a "
+                          f"model needing {wanted[name]} ({len(wrong)} tensor(s) differ); the two files come from "
+                          "different exports")
 
 
 def load_pretrained(
@@ -53,7 +147,13 @@ def load_pretrained(
 ) -> torch.nn.Module:
     """Build the model (``GCAForCausalLM``, or the baseline for ``arch=swa``) from ``config.json`` (``overrides``
     replace config fields, e.g. ``attn_backend``) and load ``model.safetensors`` strictly: a missing, unexpected
-    or mis-shaped tensor is an error naming it."""
+    or mis-shaped tensor is an error naming it.
+
+    Raises:
+        FileNotFoundError: ``config.json`` or ``model.safetensors`` is missing.
+        ExportError: either file is malformed (see ``read_export_config`` and ``check_safetensors``).
+    """
+    from safetensors import SafetensorError
     from safetensors.torch import load_model
 
     cfg, _ = read_export_config(directory)
@@ -62,8 +162,13 @@ def load_pretrained(
     weights = Path(directory) / WEIGHTS_NAME
     if not weights.is_file():
         raise FileNotFoundError(f"{weights}: missing model weights")
+    file_shapes = check_safetensors(weights)
     model = build_model(cfg)
-    missing, unexpected = load_model(model, str(weights), strict=False, device=str(device))
+    _check_shapes(weights, file_shapes, model)
+    try:
+        missing, unexpected = load_model(model, str(weights), strict=False, device=str(device))
+    except (SafetensorError, RuntimeError) as exc:  # what the structural checks above cannot see, e.g. a dtype
+        raise ExportError(f"{weights}: cannot be loaded ({str(exc).splitlines()[0]})") from None
     if missing or unexpected:
-        raise ValueError(f"{weights}: missing tensors {sorted(missing)}, unexpected tensors {sorted(unexpected)}")
+        raise ExportError(f"{weights}: missing tensors {sorted(missing)}, unexpected tensors {sorted(unexpected)}")
     return model.to(device).eval()

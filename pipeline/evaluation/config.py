@@ -6,10 +6,13 @@ import difflib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from omegaconf import OmegaConf
+import yaml
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from pipeline.evaluation.passkey import VARIANTS
+from data_prep.redaction import raw_env_paths, redact, track_env_values
+from pipeline.evaluation.passkey import VARIANTS, NeedleSpec, check_templates
+from pipeline.evaluation.runtime import check_device
 
 TASKS = ("ppl", "passkey")
 
@@ -53,38 +56,75 @@ class EvalConfig:
 
 
 class EvalConfigError(ValueError):
-    """A bad ``launch/eval.py`` key or value; the message names it."""
+    """A bad ``launch/eval.py`` key, value or file; the message names it. Values that came from the environment
+    (``${oc.env:...}``) and secret shapes are redacted from the message."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(redact(message))
 
 
-def load_eval_config(path: str | None, overrides: list[str]) -> EvalConfig:
-    """YAML (optional) + ``key=value`` overrides -> a validated ``EvalConfig``; unknown keys are errors."""
+KNOWN_KEYS = tuple(f.name for f in fields(EvalConfig))
+MAX_KEY_DIGITS = 18
+"""Keys are drawn as int64: 10**19 no longer fits."""
+
+
+def load_eval_config(path: str | None, overrides: list[str]) -> tuple[EvalConfig, dict[str, str]]:
+    """YAML (optional) + ``key=value`` overrides -> ``(validated EvalConfig, env_paths)``; unknown keys are errors.
+
+    ``env_paths`` maps every key whose text reads the environment (``${oc.env:NAME}``) to that text, for
+    ``restore_env_interpolations`` when the config is written out.
+    """
+    track_env_values()  # before anything resolves, so every environment value is known to redact()
     merged = OmegaConf.structured(EvalConfig)
-    if path and not Path(path).is_file():
-        raise EvalConfigError(f"config file not found: {path}")
-    layers = [OmegaConf.load(path)] if path else []
+    layers = [_read_yaml(path)] if path else []
     for item in overrides:
         if "=" not in item:
             raise EvalConfigError(f"override {item!r} must look like key=value")
-        key = item.split("=", 1)[0]
-        known = [f.name for f in fields(EvalConfig)]
-        if key not in known:
-            hint = difflib.get_close_matches(key, known, n=1)
-            raise EvalConfigError(f"unknown key {key!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
-                                  + f"; known keys: {', '.join(known)}")
+        _check_key(item.split("=", 1)[0], "")
     layers.append(OmegaConf.from_dotlist(overrides))
     try:
         for layer in layers:
             merged = OmegaConf.merge(merged, layer)
+        env_paths = raw_env_paths(OmegaConf.to_container(merged, resolve=False))
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise EvalConfigError(f"{err.full_key or 'config'}: {err.msg.splitlines()[0]}") from None
     assert isinstance(cfg, EvalConfig)
     validate(cfg)
-    return cfg
+    return cfg, env_paths
+
+
+def _check_key(key: str, where: str) -> None:
+    if key not in KNOWN_KEYS:
+        hint = difflib.get_close_matches(key, KNOWN_KEYS, n=1)
+        raise EvalConfigError(f"{where}unknown key {key!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                              + f"; known keys: {', '.join(KNOWN_KEYS)}")
+
+
+def _read_yaml(path: str) -> DictConfig:
+    """The ``--config`` file as a mapping of known eval keys, or one line naming the file and what is wrong."""
+    if not Path(path).is_file():
+        raise EvalConfigError(f"config file not found: {path} (--config takes a YAML file of eval keys)")
+    try:
+        node = OmegaConf.load(path)
+    except UnicodeDecodeError:
+        raise EvalConfigError(f"config file {path}: not UTF-8 text; --config takes a YAML file") from None
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise EvalConfigError(f"config file {path}: not valid YAML ({err.problem}{where})") from None
+    except (yaml.YAMLError, OSError):  # OmegaConf raises OSError for a scalar top level
+        node = None
+    if not isinstance(node, DictConfig):
+        raise EvalConfigError(f"config file {path}: the top level must be a mapping of eval keys (e.g. "
+                              "'lengths: [1024, 4096]'), not a list or a single value")
+    for key in node:
+        _check_key(str(key), f"config file {path}: ")
+    return node
 
 
 def validate(cfg: EvalConfig, chunk_size: int | None = None) -> None:
-    """Value rules; with ``chunk_size`` also "every length holds at least one chunk"."""
+    """Value rules, each naming the key and value; with ``chunk_size`` also "every length holds a chunk"."""
     if not cfg.lengths or any(n < 2 for n in cfg.lengths):
         raise EvalConfigError(f"lengths={cfg.lengths}: need at least one length, each >= 2")
     if chunk_size is not None and min(cfg.lengths) < chunk_size:
@@ -93,9 +133,30 @@ def validate(cfg: EvalConfig, chunk_size: int | None = None) -> None:
     for key in ("samples", "segment", "key_digits", "needles"):
         if getattr(cfg, key) < 1:
             raise EvalConfigError(f"{key}={getattr(cfg, key)} must be >= 1")
+    if cfg.key_digits > MAX_KEY_DIGITS:
+        raise EvalConfigError(f"key_digits={cfg.key_digits} must be <= {MAX_KEY_DIGITS}")
+    if cfg.seed < 0:
+        raise EvalConfigError(f"seed={cfg.seed} must be >= 0")
+    if cfg.offload_mb < -1:
+        raise EvalConfigError(f"offload_mb={cfg.offload_mb} must be >= 0 (MiB of chunk K/V kept in RAM) or -1 "
+                              "(everything in RAM)")
+    if cfg.offload_dir is not None and not Path(cfg.offload_dir).is_dir():
+        raise EvalConfigError(f"offload_dir={cfg.offload_dir!r} is not an existing directory; create it or leave "
+                              "it unset (the system temp dir)")
     if cfg.variant not in VARIANTS:
         raise EvalConfigError(f"variant={cfg.variant!r} is not one of {VARIANTS}")
     if cfg.variant == "multihop" and cfg.needles < 2:
         raise EvalConfigError(f"needles={cfg.needles}: multihop needs >= 2 (a link and a key needle)")
+    # NaN fails both comparisons, so it is refused here too.
     if not cfg.depths or any(not 0.0 <= d <= 1.0 for d in cfg.depths):
         raise EvalConfigError(f"depths={cfg.depths}: need at least one depth, each in [0, 1]")
+    for check in (lambda: check_device(cfg.device), lambda: check_templates(needle_spec(cfg))):
+        try:
+            check()
+        except ValueError as err:
+            raise EvalConfigError(str(err)) from None
+
+
+def needle_spec(cfg: EvalConfig) -> NeedleSpec:
+    """The passkey keys of ``cfg`` as the ``NeedleSpec`` the passkey task runs."""
+    return NeedleSpec(cfg.variant, cfg.needle, cfg.question, cfg.answer, cfg.link, cfg.needles, cfg.key_digits)

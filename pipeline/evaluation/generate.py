@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import torch
@@ -10,17 +11,30 @@ from model import GCAForCausalLM
 from pipeline.evaluation.runtime import stream_segments, stream_state
 
 
+def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    """Refuse sampling settings that would fail (or silently misbehave) inside torch.
+
+    Raises:
+        ValueError: a negative or non-finite temperature, top_k < 0, or top_p outside (0, 1] (NaN included).
+    """
+    # NaN fails every comparison: written as "not in range" so it is refused, not waved through.
+    if not 0 <= temperature < math.inf:
+        raise ValueError(f"temperature={temperature} must be a finite number >= 0 (0 = greedy)")
+    if top_k < 0:
+        raise ValueError(f"top_k={top_k} must be >= 0 (0 = off)")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p} must be in (0, 1] (1 = off)")
+
+
 def sample_token(
     logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None
 ) -> int:
     """One token from ``logits [V]``: greedy at temperature 0, else temperature + top-k (0: off) + top-p (1: off).
 
     Raises:
-        ValueError: a negative temperature, top_k < 0, or top_p outside (0, 1].
+        ValueError: see ``check_sampling``.
     """
-    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"need temperature >= 0, top_k >= 0, 0 < top_p <= 1; got temperature={temperature}, "
-                         f"top_k={top_k}, top_p={top_p}")
+    check_sampling(temperature, top_k, top_p)
     logits = logits.float()
     if temperature == 0:
         return int(logits.argmax())
@@ -53,10 +67,11 @@ def generate(
     """Yield sampled token ids one by one (stops after ``max_new_tokens`` or a token in ``stop_ids``).
 
     Raises:
-        ValueError: an empty prompt.
+        ValueError: an empty prompt, or bad sampling settings (``check_sampling``), before any token is computed.
     """
     if not prompt:
         raise ValueError("the prompt must hold at least one token")
+    check_sampling(temperature, top_k, top_p)
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
     with stream_state(model, offload_mb, offload_dir) as state:

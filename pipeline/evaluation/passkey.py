@@ -24,6 +24,8 @@ Variants (templates overridable with ``needle``, ``question``, ``answer``, ``lin
 from __future__ import annotations
 
 import logging
+import re
+import string
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,6 +56,14 @@ TEMPLATES = {
         "link": " {name} leads to {next}. ",
     },
 }
+PLACEHOLDERS = {
+    "single": {"needle": {"key"}, "question": set(), "answer": {"key"}},
+    "multi": {"needle": {"name", "key"}, "question": {"name"}, "answer": {"key"}},
+    "multihop": {"needle": {"name", "key"}, "question": {"name"}, "answer": {"key"}, "link": {"name", "next"}},
+}
+"""Per variant, the templates it uses and the placeholders each must hold (exactly these): a needle without
+``{key}`` hides nothing, an answer without it scores a constant, a question or link without ``{name}`` points
+nowhere -- each would give a meaningless score, so they are refused before any work."""
 _SYLLABLES = ("ka", "lo", "mi", "ru", "te", "zo", "ven", "dar", "qui", "sol", "mer", "tav", "xen", "bri", "gol")
 
 
@@ -88,6 +98,50 @@ class NeedleSpec:
     def template(self, part: str) -> str:
         value = getattr(self, part)
         return TEMPLATES[self.variant][part] if value is None else value
+
+
+def _fields(part: str, text: str) -> set[str]:
+    """The placeholder names of a ``str.format`` template (``{key}``, ``{key:>6}`` -> ``key``)."""
+    try:
+        parsed = list(string.Formatter().parse(text))
+    except ValueError as err:  # unbalanced braces
+        raise ValueError(f"{part}={text!r}: {err} (write a literal brace as {{{{ or }}}})") from None
+    names = set()
+    for _, name, _, _ in parsed:
+        if name is not None:
+            names.add(re.split(r"[.\[]", name, maxsplit=1)[0])
+    return names
+
+
+def check_templates(spec: NeedleSpec) -> None:
+    """Refuse templates that would score nothing: a missing or unknown placeholder, an empty text, or a template
+    the variant does not use.
+
+    Raises:
+        ValueError: naming the key, its text and the placeholders it needs.
+    """
+    if spec.variant not in PLACEHOLDERS:
+        raise ValueError(f"variant={spec.variant!r} is not one of {VARIANTS}")
+    used = PLACEHOLDERS[spec.variant]
+    if spec.link is not None and "link" not in used:
+        raise ValueError(f"link={spec.link!r}: only variant=multihop uses a link template (variant={spec.variant})")
+    for part, needed in used.items():
+        text = spec.template(part)
+        if not text.strip():
+            raise ValueError(f"{part}={text!r} is empty; give it some text" + (
+                f" with {_braced(needed)}" if needed else ""))
+        found = _fields(part, text)
+        if found - needed:
+            raise ValueError(f"{part}={text!r}: unknown placeholder(s) {_braced(found - needed)} for "
+                             f"variant={spec.variant} (available: {_braced(needed) or 'none'})")
+        if needed - found:
+            raise ValueError(f"{part}={text!r} lacks the placeholder(s) {_braced(needed - found)} that "
+                             f"variant={spec.variant} needs: without it the passkey cannot be hidden, asked for or "
+                             "checked, so the score would mean nothing; add it")
+
+
+def _braced(names: set[str]) -> str:
+    return ", ".join("{" + n + "}" for n in sorted(names))
 
 
 def _render(spec: NeedleSpec, part: str, **values: str) -> str:

@@ -25,7 +25,7 @@ def plot_ppl(rows: list[dict], train_seq_len: int | None, title: str, path: Path
     ax.set_title(title)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")  # the path may be a temp name
     plt.close(fig)
 
 
@@ -49,7 +49,7 @@ def plot_passkey(rows: list[dict], train_seq_len: int | None, title: str, path: 
     ax.set_title(title)
     fig.colorbar(image, ax=ax, label="accuracy")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")  # the path may be a temp name
     plt.close(fig)
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import os
 import resource
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -12,10 +15,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from data_prep.redaction import redact_tree, restore_env_interpolations
 from kernels.cpu_math import flush_denormals
-from pipeline.evaluation.config import TASKS, EvalConfig, EvalConfigError, load_eval_config, validate
+from pipeline.evaluation.config import TASKS, EvalConfig, EvalConfigError, load_eval_config, needle_spec, validate
 from pipeline.evaluation.haystack import TokenSource
-from pipeline.evaluation.passkey import NeedleSpec, evaluate_passkey
+from pipeline.evaluation.passkey import evaluate_passkey
 from pipeline.evaluation.plots import plot_passkey, plot_ppl
 from pipeline.evaluation.ppl import evaluate_ppl
 from pipeline.evaluation.runtime import load_checkpoint
@@ -40,12 +44,57 @@ class _Progress:
             self.bar = None
 
 
+class EvalOutputError(RuntimeError):
+    """The eval finished but a result file could not be written where asked; the message says where the result
+    went instead (``saved_to``; None: nowhere writable, ``result`` is all there is)."""
+
+    def __init__(self, message: str, result: dict, saved_to: Path | None) -> None:
+        super().__init__(message)
+        self.result, self.saved_to = result, saved_to
+
+
 def run_eval(checkpoint: str, task: str, out: str | Path, overrides: list[str], config: str | None = None) -> dict:
-    """Evaluate ``checkpoint`` on ``task``; returns the JSON written to ``<out>/<task>.json``."""
+    """Evaluate ``checkpoint`` on ``task``; returns the JSON written to ``<out>/<task>.json``.
+
+    Every input (keys, ``--config``, ``--out``, the export) is checked before any evaluation runs.
+
+    Raises:
+        EvalConfigError: a bad key, value, config file or output location.
+        FileNotFoundError / ValueError: the export is missing or malformed (named).
+        EvalOutputError: the result could not be written to ``out`` (it was saved elsewhere, named).
+    """
     flush_denormals()  # before torch starts its thread pool (see kernels/cpu_math.py)
     if task not in TASKS:
         raise EvalConfigError(f"--task {task!r} is not one of {TASKS}")
-    cfg = load_eval_config(config, overrides)
+    cfg, env_paths = load_eval_config(config, overrides)
+    out = Path(out)
+    created = prepare_out(out, task)
+    try:
+        result = _evaluate(checkpoint, task, cfg)
+    except BaseException:
+        _remove_empty(created)  # a failed run leaves no empty directories behind
+        raise
+    result["config"] = restore_env_interpolations(result["config"], env_paths)
+    result = redact_tree(result)
+    json_path = write_result(result, out, task)
+    title = f"{Path(checkpoint).resolve().parent.name}/{Path(checkpoint).name}"
+    rows, train_seq_len = result["results"], result["train_seq_len"]
+    if task == "ppl":
+        plot = functools.partial(plot_ppl, rows, train_seq_len, f"perplexity: {title}")
+    else:
+        plot = functools.partial(plot_passkey, rows, train_seq_len, f"passkey ({cfg.variant}): {title}")
+    png = out / f"{task}.png"
+    try:
+        _replace_atomically(png, plot)
+    except OSError as err:
+        raise EvalOutputError(f"the result is in {json_path}, but {png} could not be written "
+                              f"({err.strerror or err})", result, json_path) from None
+    log.info("wrote %s and %s", json_path, png)
+    return result
+
+
+def _evaluate(checkpoint: str, task: str, cfg: EvalConfig) -> dict:
+    """Load the export, run the task, return the result (config still resolved)."""
     ckpt = load_checkpoint(checkpoint, cfg.device, cfg.attn_backend)
     validate(cfg, ckpt.model.cfg.chunk_size)
     source = TokenSource(cfg.data, ckpt.tokenizer, cfg.seed)
@@ -56,13 +105,12 @@ def run_eval(checkpoint: str, task: str, out: str | Path, overrides: list[str], 
         rows = evaluate_ppl(ckpt.model, tokens, cfg.lengths, cfg.samples, cfg.segment, cfg.offload_mb,
                             cfg.offload_dir, progress)
     else:
-        spec = NeedleSpec(cfg.variant, cfg.needle, cfg.question, cfg.answer, cfg.link, cfg.needles, cfg.key_digits)
-        rows = evaluate_passkey(ckpt.model, ckpt.tokenizer, source, spec, cfg.lengths, cfg.depths, cfg.samples,
-                                cfg.seed, cfg.segment, ckpt.model.cfg.chunk_size, cfg.offload_mb, cfg.offload_dir,
-                                progress)
+        rows = evaluate_passkey(ckpt.model, ckpt.tokenizer, source, needle_spec(cfg), cfg.lengths, cfg.depths,
+                                cfg.samples, cfg.seed, cfg.segment, ckpt.model.cfg.chunk_size, cfg.offload_mb,
+                                cfg.offload_dir, progress)
     if progress:
         progress.close()
-    result = {
+    return {
         "task": task,
         "checkpoint": str(checkpoint),
         "train_seq_len": ckpt.train_seq_len,
@@ -72,13 +120,74 @@ def run_eval(checkpoint: str, task: str, out: str | Path, overrides: list[str], 
         # ru_maxrss is KiB on Linux: the whole process's peak, model and Python included.
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{task}.json").write_text(json.dumps(result, indent=2) + "\n")
-    title = f"{Path(checkpoint).resolve().parent.name}/{Path(checkpoint).name}"
-    if task == "ppl":
-        plot_ppl(rows, ckpt.train_seq_len, f"perplexity: {title}", out / "ppl.png")
-    else:
-        plot_passkey(rows, ckpt.train_seq_len, f"passkey ({cfg.variant}): {title}", out / "passkey.png")
-    log.info("wrote %s and %s", out / f"{task}.json", out / f"{task}.png")
-    return result
+
+
+def prepare_out(out: Path, task: str) -> list[Path]:
+    """Make sure ``out`` can take ``<task>.json`` and ``<task>.png`` before any work: create it and write a probe
+    file. Returns the directories created (deepest last), to remove again if the run fails.
+
+    Raises:
+        EvalConfigError: ``out`` is a file, sits under a file, or cannot be created or written; a result path
+            inside it is a directory.
+    """
+    if out.exists() and not out.is_dir():
+        raise EvalConfigError(f"--out {out}: exists and is not a directory; pass a directory (created if missing)")
+    for name in (f"{task}.json", f"{task}.png"):
+        if (out / name).is_dir():
+            raise EvalConfigError(f"--out {out}: {out / name} is a directory, so the result cannot be written "
+                                  "there; move it away or choose another --out")
+    created = [p for p in (out, *out.parents) if not p.exists()][::-1]
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=f".{task}.probe-", dir=out)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        _remove_empty(created)
+        raise EvalConfigError(f"--out {out}: cannot write there ({err.strerror or err}); choose a writable "
+                              "directory") from None
+    return created
+
+
+def _remove_empty(created: list[Path]) -> None:
+    """Remove the directories ``prepare_out`` created, deepest first, as long as they are still empty."""
+    for directory in reversed(created):
+        try:
+            directory.rmdir()
+        except OSError:  # not empty (or already gone): it is no longer only ours
+            return
+
+
+def _replace_atomically(path: Path, write: Callable[[Path], None]) -> None:
+    """``write`` a hidden temp file next to ``path``, then rename it over ``path``: never a half-written result."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_result(result: dict, out: Path, task: str) -> Path:
+    """Write ``<out>/<task>.json``; if that fails, save it in the system temp dir and say where.
+
+    Raises:
+        EvalOutputError: ``out`` could not be written (the message names the file that holds the result).
+    """
+    text = json.dumps(result, indent=2) + "\n"
+    path = out / f"{task}.json"
+    try:
+        out.mkdir(parents=True, exist_ok=True)  # it may have been removed while the eval ran
+        _replace_atomically(path, lambda tmp: tmp.write_text(text))
+        return path
+    except OSError as err:
+        problem = f"could not write {path} ({err.strerror or err})"
+    try:
+        fd, rescue = tempfile.mkstemp(prefix=f"gca-eval-{task}-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+    except OSError:
+        raise EvalOutputError(f"{problem}, nor a file in the temp dir; the result is printed below",
+                              result, None) from None
+    raise EvalOutputError(f"{problem}; the finished result was saved to {rescue}", result, Path(rescue))
+

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from model import GCAForCausalLM, StreamState, load_pretrained, read_export_config
+from model.io import ExportError
 from model.offload import MemmapChunkMemory
 from pipeline.evaluation.tokenizer import ByteTokenizer, SentencePieceTokenizer, load_tokenizer
 
@@ -31,6 +32,7 @@ def load_checkpoint(path: str | Path, device: str = "cpu", attn_backend: str | N
 
     Raises:
         FileNotFoundError: ``path`` is not an export directory.
+        ValueError: a file of the export is malformed (``model.io.ExportError``, the tokenizer); the message names it.
     """
     root = Path(path)
     missing = [n for n in ("config.json", "model.safetensors") if not (root / n).is_file()]
@@ -40,11 +42,40 @@ def load_checkpoint(path: str | Path, device: str = "cpu", attn_backend: str | N
     cfg, export = read_export_config(root)
     overrides = {"attn_backend": attn_backend} if attn_backend else {}
     model = load_pretrained(root, device=device, **overrides)
-    train_seq_len = export.get("train_seq_len", export.get("seq_len"))
+    train_seq_len = _train_seq_len(root, export)
     tokenizer = load_tokenizer(root, export, cfg.vocab_size)
     log.info("loaded %s: %.2fM parameters, chunk %d, window %d, trained at %s tokens, tokenizer %s",
              path, model.num_parameters() / 1e6, cfg.chunk_size, cfg.window, train_seq_len, tokenizer.name)
-    return Checkpoint(str(path), model, tokenizer, int(train_seq_len) if train_seq_len else None)
+    return Checkpoint(str(path), model, tokenizer, train_seq_len)
+
+
+def _train_seq_len(root: Path, export: dict) -> int | None:
+    """The training length recorded in the export metadata (optional; only plots and reports use it)."""
+    key = "train_seq_len" if "train_seq_len" in export else "seq_len"
+    value = export.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ExportError(f"{root / 'config.json'}: export.{key}={value!r} must be a positive integer or absent")
+    return value
+
+
+def check_device(device: str, key: str = "device") -> None:
+    """Refuse a device string torch cannot parse, or a CUDA device on a machine without one, before any work.
+
+    Raises:
+        ValueError: naming ``key`` and the value.
+    """
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{key}={device!r} is not a torch device; use cpu, cuda or cuda:<index>") from None
+    if parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"{key}={device!r}: evaluation runs on cpu or cuda only")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{key}={device!r} but CUDA is not available here; use {key}=cpu")
+    if parsed.type == "cuda" and (parsed.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"{key}={device!r} but only {torch.cuda.device_count()} CUDA device(s) are visible")
 
 
 @contextlib.contextmanager

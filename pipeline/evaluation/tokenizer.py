@@ -56,14 +56,21 @@ def load_tokenizer(checkpoint: str | Path, export: dict, vocab_size: int) -> Sen
 
     Raises:
         FileNotFoundError: the export names a tokenizer file that is not there.
-        ValueError: the tokenizer's vocabulary does not fit the model's ``vocab_size``.
+        ValueError: ``export.tokenizer`` is not a file name, the file is not a SentencePiece model, or its
+            vocabulary does not fit the model's ``vocab_size``.
     """
     name = export.get("tokenizer")
+    if name is not None and not isinstance(name, str):
+        raise ValueError(f"{checkpoint}/config.json: export.tokenizer={name!r} must be a file name")
     if name:
         path = Path(checkpoint) / name if not Path(name).is_absolute() else Path(name)
         if not path.is_file():
             raise FileNotFoundError(f"{checkpoint}/config.json: export.tokenizer={name!r} but {path} does not exist")
-        tok: SentencePieceTokenizer | ByteTokenizer = SentencePieceTokenizer(path)
+        try:
+            tok: SentencePieceTokenizer | ByteTokenizer = SentencePieceTokenizer(path)
+        except (RuntimeError, OSError) as err:  # sentencepiece's parse error is a bare RuntimeError
+            raise ValueError(f"{path}: not a SentencePiece model ({str(err).splitlines()[0]}); copy the dataset's "
+                             "tokenizer.model into the export again") from None
     else:
         tok = ByteTokenizer()
     if tok.vocab_size > vocab_size:
