@@ -183,8 +183,9 @@ class MDSReader:
         self.shard_offsets = np.cumsum(self.samples_per_shard) - self.samples_per_shard
         if int(self.samples_per_shard.sum()) == 0:
             raise EmptySplitError(f"data split {self.split_dir} holds no samples ({len(self.shards)} shards listed "
-                                  f"in {self.index_path}); prepare it from more documents (for val: a larger "
-                                  "val_fraction), or point data.path / the split key at a non-empty split")
+                                  f"in {self.index_path}); re-run data prep on more documents (or a larger "
+                                  "val_fraction), point data.path (eval: data=) at another dataset, or for an empty "
+                                  "val split set train.eval_every=0")
         self._cached: OrderedDict[int, None] = OrderedDict()
 
     def _local_index(self, split: str) -> tuple[dict[str, Any], bytes]:
