@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 import runpy
 import shutil
 from pathlib import Path
@@ -119,3 +120,33 @@ def test_more_slices_than_files(run_prep, corpus, tmp_path):
     with pytest.raises(ConfigError, match="num_slices=17 is more than the 16 input files"):
         prepare_tokenizer(_config(tmp_path / "o", corpus[0]), num_slices=17)
     assert not (tmp_path / "o.slices").exists()
+
+
+@pytest.mark.parametrize("hostile", ["../../x.mds", "/tmp/gca-merge-abs.mds", "symlink", "fifo"])
+def test_merge_refuses_a_hostile_slice_in_one_line(hostile, sliced, tmp_path, capsys):
+    """A slice whose index names a file outside its split, or whose shard is a link or a FIFO: the merge CLI
+    prints one line naming the file, creates no output, and leaves the link's target and the slice unchanged."""
+    split = slice_dir(sliced, 1) / "train"
+    index = json.loads((split / "index.json").read_text())
+    shard = index["shards"][0]
+    victim = tmp_path / "victim.mds"
+    victim.write_bytes(content := (split / shard["zip_data"]["basename"]).read_bytes())
+    if hostile in ("symlink", "fifo"):
+        for key in ("raw_data", "zip_data"):
+            (split / shard[key]["basename"]).unlink(missing_ok=True)
+        path = split / shard["zip_data"]["basename"]
+        path.symlink_to(victim) if hostile == "symlink" else os.mkfifo(path)
+        expected = f"{path} is {'a symbolic link' if hostile == 'symlink' else 'a FIFO'}, not a regular file"
+    else:
+        shard["zip_data"]["basename"] = hostile + ".zstd"
+        (split / "index.json").write_text(json.dumps(index))
+        expected = f"shard 0 zip_data: shard file name '{hostile}.zstd' is not a plain relative path"
+    before = sorted((p.name, p.lstat().st_size) for p in split.iterdir())
+    cli = runpy.run_path(str(REPO / "launch/slurm/prep_slices.py"))["cli"]
+    assert cli(["merge", "--num-slices", str(SLICES), f"output={sliced.output}",
+                f"input={json.dumps(list(sliced.input))}", "tokenizer.vocab_size=400", "val_fraction=0.2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("prep_slices merge: error: ") and expected in err and err.count("\n") == 1, err
+    assert not Path(sliced.output).exists() and not any(Path(sliced.output).parent.glob(".merged.tmp-*"))
+    assert sorted((p.name, p.lstat().st_size) for p in split.iterdir()) == before
+    assert victim.read_bytes() == content and not Path("/tmp/gca-merge-abs.mds.zstd").exists()
