@@ -44,6 +44,12 @@ def test_data_check(tmp_path, tiny_data):
     assert line == (f"data: the tokenizer of {root} has 64 pieces but model.vocab_size=32; set model.vocab_size >= 64")
     [line] = preflight.check_data(str(root), "nosplit", 64)
     assert line.startswith(f"data: cannot read {root}/nosplit/index.json: No such file")
+    assert preflight.check_data(str(root), "train", 64, val_split="val") == []
+    for shard in (root / "val").glob("shard.00001.*"):
+        shard.unlink()
+    [line] = preflight.check_data(str(root), "train", 64, val_split="val")
+    assert line == (f"data: {root}/val: 1 shard(s) listed in index.json are missing (first: shard 1); "
+                    "re-run data prep")
     (root / fmt.MANIFEST_FILENAME).write_text("{}")
     [line] = preflight.check_data(str(root), "train", 64)
     assert line.startswith(f"data: {root}/manifest.json does not match {root}/_COMPLETE")
