@@ -387,7 +387,10 @@ def _delete_dataset(root: Path) -> None:
     now the new dataset is in place. Anything prep did not write is left where it is."""
     try:
         for path in _dataset_paths(root):
-            path.rmdir() if _is_dir(path) else path.unlink()
+            if _is_dir(path):
+                path.rmdir()
+            else:
+                path.unlink()
         root.rmdir()
     except (PrepError, OSError) as exc:
         logger.warning("could not fully remove the previous dataset at %s (%s); remove it by hand", root, exc)
@@ -408,7 +411,11 @@ def _remove_stale(out: Path) -> None:
         kind, _, pid = stale.name.rpartition("-")
         if not (kind in (f".{out.name}.tmp", f".{out.name}.old") and pid.isdigit()) or _pid_alive(int(pid)):
             continue
-        if kind.endswith(".old"):
+        if kind.endswith(".old") and not out.exists():
+            # killed between moving the old dataset aside and moving the new one in: this is the only copy
+            logger.warning("leaving %s: the previous dataset of an interrupted replacement, and %s does not exist; "
+                           "rename it back to keep it", stale, out)  # fmt: skip
+        elif kind.endswith(".old"):
             logger.warning("removing %s, the previous dataset of an interrupted replacement", stale)
             _delete_dataset(stale)
         elif _is_work_dir(stale):

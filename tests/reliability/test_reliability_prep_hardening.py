@@ -312,3 +312,20 @@ def test_environment_values_never_reach_output_files_or_errors(tmp_path, tokeniz
         for where, text in (("stdout", ok.stdout + failed.out), ("stderr", ok.stderr + failed.err),
                             ("files", written.decode("latin-1")), ("file names", names)):  # fmt: skip
             assert sentinel not in text, f"{sentinel} leaked into {where}"
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_replaced_dataset_left_by_a_killed_run_is_kept_while_it_is_the_only_copy(dataset, tmp_path, tokenizer):
+    """A run killed between moving the old dataset aside and moving the new one in leaves only ``.out.old-<pid>``."""
+    aside = tmp_path / f".out.old-{_dead_pid()}"
+    dataset.rename(aside)
+    kept = _snapshot(aside)
+    _prep(dataset, tmp_path / "corpus", **{"tokenizer.model": tokenizer})
+    assert _snapshot(aside) == kept, "the only copy of the previous dataset is not deleted"
+    _prep(dataset, tmp_path / "corpus", overwrite="true", val_fraction=0.3, **{"tokenizer.model": tokenizer})
+    assert not aside.exists(), "once a complete output exists, the aside copy is a leftover and goes"
