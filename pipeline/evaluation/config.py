@@ -64,6 +64,9 @@ class EvalConfigError(ValueError):
 
 
 KNOWN_KEYS = tuple(f.name for f in fields(EvalConfig))
+TEMPLATE_KEYS = ("needle", "question", "answer", "link")
+QUOTE_HINT = ("values are read as YAML, so quote text with spaces, braces or colons: "
+              "'answer=\" {key}\"' on the command line, answer: \" {key}\" in a --config file")
 MAX_KEY_DIGITS = 18
 """Keys are drawn as int64: 10**19 no longer fits."""
 
@@ -77,21 +80,38 @@ def load_eval_config(path: str | None, overrides: list[str]) -> tuple[EvalConfig
     track_env_values()  # before anything resolves, so every environment value is known to redact()
     merged = OmegaConf.structured(EvalConfig)
     layers = [_read_yaml(path)] if path else []
-    for item in overrides:
-        if "=" not in item:
-            raise EvalConfigError(f"override {item!r} must look like key=value")
-        _check_key(item.split("=", 1)[0], "")
-    layers.append(OmegaConf.from_dotlist(overrides))
+    layers += [_parse_override(item) for item in overrides]
     try:
         for layer in layers:
             merged = OmegaConf.merge(merged, layer)
         env_paths = raw_env_paths(OmegaConf.to_container(merged, resolve=False))
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
-        raise EvalConfigError(f"{err.full_key or 'config'}: {err.msg.splitlines()[0]}") from None
+        hint = f"; {QUOTE_HINT}" if err.full_key in TEMPLATE_KEYS else ""
+        raise EvalConfigError(f"{err.full_key or 'config'}: {err.msg.splitlines()[0]}{hint}") from None
     assert isinstance(cfg, EvalConfig)
     validate(cfg)
     return cfg, env_paths
+
+
+def _parse_override(item: str) -> DictConfig:
+    """One ``key=value`` (the value read as YAML, like OmegaConf's dotlist) for a known key."""
+    if "=" not in item:
+        raise EvalConfigError(f"override {item!r} must look like key=value")
+    key, value = item.split("=", 1)
+    _check_key(key, "")
+    try:
+        return OmegaConf.from_dotlist([item])
+    except yaml.YAMLError as err:
+        raise EvalConfigError(f"{key}={value!r}: not a valid value ({_yaml_problem(err)}); {QUOTE_HINT}") from None
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """A YAML error in one line: the problem and where."""
+    if isinstance(err, yaml.MarkedYAMLError):
+        mark = err.problem_mark
+        return f"{err.problem}" + (f" at line {mark.line + 1}, column {mark.column + 1}" if mark else "")
+    return str(err).splitlines()[0]
 
 
 def _check_key(key: str, where: str) -> None:
@@ -109,11 +129,9 @@ def _read_yaml(path: str) -> DictConfig:
         node = OmegaConf.load(path)
     except UnicodeDecodeError:
         raise EvalConfigError(f"config file {path}: not UTF-8 text; --config takes a YAML file") from None
-    except yaml.MarkedYAMLError as err:
-        mark = err.problem_mark
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise EvalConfigError(f"config file {path}: not valid YAML ({err.problem}{where})") from None
-    except (yaml.YAMLError, OSError):  # OmegaConf raises OSError for a scalar top level
+    except yaml.YAMLError as err:
+        raise EvalConfigError(f"config file {path}: not valid YAML ({_yaml_problem(err)})") from None
+    except OSError:  # OmegaConf raises it for a scalar top level
         node = None
     if not isinstance(node, DictConfig):
         raise EvalConfigError(f"config file {path}: the top level must be a mapping of eval keys (e.g. "
