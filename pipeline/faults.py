@@ -9,8 +9,9 @@
 - ``hang:step=6:rank=1[:secs=3600]``: sleep at the start of the step, a stuck rank.
 - ``kill:step=7:rank=1``: SIGKILL itself after finishing the step.
 - ``sigusr1:step=5:rank=1``: send itself SIGUSR1 after finishing the step (a preemption warning).
+- ``sigint:step=5``: send itself SIGINT after finishing the step (a Ctrl-C).
 - ``exit_during_save:step=8[:at=engine]``: ``os._exit(1)`` inside the save of that step, at one of `SAVE_POINTS`.
-- ``signal_during_save:step=5[:at=engine][:sig=usr1|term]``: send itself a signal inside that save.
+- ``signal_during_save:step=5[:at=engine][:sig=usr1|term|int]``: send itself a signal inside that save.
 
 Off by default: with ``PIPE_FAULT`` unset, ``from_env`` returns ``None`` and every hook is one ``is None`` test.
 A malformed value is an error, so a typo never silently disables a test.
@@ -38,12 +39,13 @@ _OPTIONS: dict[str, dict[str, str | None]] = {
     "hang": {"secs": "3600"},
     "kill": {},
     "sigusr1": {},
+    "sigint": {},
     "exit_during_save": {"at": "engine"},
     "signal_during_save": {"at": "engine", "sig": "usr1"},
 }
 KINDS = tuple(_OPTIONS)
 _OPTION_HELP = "; ".join(f"{kind}: {', '.join(opts)}" for kind, opts in _OPTIONS.items() if opts)
-_SIGNALS = {"usr1": signal.SIGUSR1, "term": signal.SIGTERM}
+_SIGNALS = {"usr1": signal.SIGUSR1, "term": signal.SIGTERM, "int": signal.SIGINT}
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,8 @@ def after_step(plan: FaultPlan | None, step: int, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if plan.hits("sigusr1", step, rank):
         os.kill(os.getpid(), signal.SIGUSR1)
+    if plan.hits("sigint", step, rank):
+        os.kill(os.getpid(), signal.SIGINT)
 
 
 def during_save(plan: FaultPlan | None, step: int, rank: int, point: str) -> None:
