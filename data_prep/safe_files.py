@@ -28,7 +28,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 __all__ = ["INDEX_FILENAME", "UnsafeColumnError", "UnsafeDatasetError", "UnsafeShardPathError", "check_index",
-           "check_shard_path", "index_file_names", "open_regular", "read_index", "read_regular", "stat_regular"]
+           "check_shard_path", "index_file_names", "open_regular", "parse_index", "read_index", "read_regular",
+           "stat_regular"]
 
 INDEX_FILENAME = "index.json"
 
@@ -215,10 +216,18 @@ def read_index(split_dir: Path) -> tuple[dict[str, Any], bytes]:
         UnsafeDatasetError: it is not a regular file, not JSON, or not a safe MDS index.
     """
     raw = read_regular(split_dir, INDEX_FILENAME)
-    where = str(split_dir / INDEX_FILENAME)
+    return parse_index(raw, str(split_dir / INDEX_FILENAME)), raw
+
+
+def parse_index(raw: bytes, where: str) -> dict[str, Any]:
+    """The checked (`check_index`) MDS index in ``raw``, the bytes of ``where``.
+
+    Raises:
+        UnsafeDatasetError: not JSON, or not a safe MDS index.
+    """
     try:
         index = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as err:
         raise UnsafeDatasetError(f"{where}: not valid JSON ({err}); re-run data prep for this split") from None
     check_index(index, where)
-    return index, raw
+    return index

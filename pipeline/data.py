@@ -22,7 +22,6 @@ shard's hash) and the tokenizer; the trainer stores it in each checkpoint and re
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import re
@@ -48,6 +47,7 @@ from data_prep.safe_files import (
     check_index,
     check_shard_path,
     open_regular,
+    parse_index,
     read_index,
     read_regular,
     stat_regular,
@@ -111,7 +111,10 @@ def _remove_stale_caches(parent: Path, host: str) -> None:
         match = pattern.fullmatch(entry.name)
         if match is None or _pid_alive(int(match.group(1))):
             continue
-        st = os.lstat(entry)
+        try:
+            st = os.lstat(entry)
+        except FileNotFoundError:  # its owner's cleanup, or another reader's, got there first
+            continue
         if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and (entry / _CACHE_MARKER).is_file():
             log.info("removing the data cache of a killed reader: %s", entry)
             shutil.rmtree(entry, ignore_errors=True)
@@ -173,19 +176,17 @@ class MDSReader:
         if self.remote is not None:
             self.index_path = f"{self.remote}/{INDEX_FILENAME}"
             self.index_bytes = self._download(INDEX_FILENAME)
-            index = json.loads(self.index_bytes)
-            check_index(index, self.index_path)
+            index = parse_index(self.index_bytes, self.index_path)
         self.hash_algo = self._pick_hash(index["shards"], validate_hash)
         self.shards = [reader_from_json(str(self.cache), None, shard) for shard in index["shards"]]
         for shard in self.shards:
             shard.validate(allow_unsafe_types=False)  # streaming's own pickle check, behind check_index
         self.samples_per_shard = np.asarray([s.samples for s in self.shards], dtype=np.int64)
-        self.shard_offsets = np.cumsum(self.samples_per_shard) - self.samples_per_shard
         if int(self.samples_per_shard.sum()) == 0:
-            raise EmptySplitError(f"data split {self.split_dir} holds no samples ({len(self.shards)} shards listed "
-                                  f"in {self.index_path}); re-run data prep on more documents (or a larger "
-                                  "val_fraction), point data.path (eval: data=) at another dataset, or for an empty "
-                                  "val split set train.eval_every=0")
+            raise EmptySplitError(f"data split {self.remote or self.split_dir} holds no samples ({len(self.shards)} "
+                                  f"shards listed in {self.index_path}); re-run data prep on more documents (or a "
+                                  "larger val_fraction), point data.path (eval: data=) at another dataset, or for an "
+                                  "empty val split set train.eval_every=0")
         self._cached: OrderedDict[int, None] = OrderedDict()
 
     def _local_index(self, split: str) -> tuple[dict[str, Any], bytes]:
