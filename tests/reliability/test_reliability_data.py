@@ -165,6 +165,20 @@ def test_t10_corrupt_extracted_shard_is_caught_by_the_trainer(data_copy, tmp_pat
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def _other_tokenizer() -> bytes:
+    """A SentencePiece model as valid as the dataset's (same size and EOS id) but trained on other text."""
+    import io
+
+    import sentencepiece as spm
+
+    out = io.BytesIO()
+    lines = [f"other words for model {i} and more text {i * 7}" for i in range(300)]
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=out, vocab_size=64, model_type="bpe",
+                                   eos_id=1, bos_id=-1, pad_id=-1, unk_id=0, num_threads=1, minloglevel=2,
+                                   hard_vocab_limit=False)
+    return out.getvalue()
+
+
 @pytest.mark.parametrize("change", ["tokenizer", "more_documents"])
 def test_t10_dataset_fingerprint_mismatch_on_resume(change, data_copy, tmp_path):
     from reliability_harness import write_split
@@ -174,8 +188,7 @@ def test_t10_dataset_fingerprint_mismatch_on_resume(change, data_copy, tmp_path)
     state = json.loads((run / "checkpoints/step_00000004/trainer_state.json").read_text())
     old = state["data_fingerprint"]
     if change == "tokenizer":
-        path = data_copy / "tokenizer.model"
-        path.write_bytes(path.read_bytes() + b"\n")
+        (data_copy / "tokenizer.model").write_bytes(_other_tokenizer())  # a valid model, other pieces
         key = "tokenizer_sha256"
     else:
         import shutil
