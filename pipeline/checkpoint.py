@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import shutil
 import time
 import zipfile
@@ -49,6 +50,7 @@ log = logging.getLogger(__name__)
 
 COMMIT_MARKER = "COMMITTED"
 OWNER_FILE = "OWNER.json"
+_STEP_NAME = re.compile(r"step_\d+(\.tmp)?")
 OWNER_WRITER = "gca-pretrain trainer"
 """``OWNER.json``'s ``writer``: with a ``step`` equal to the directory's, proof that a save of this trainer made it."""
 TRAINER_STATE = "trainer_state.json"
@@ -297,17 +299,10 @@ def _is_empty_dir(path: Path) -> bool:
 
 
 def _step_entries(root: Path) -> list[Path]:
-    """``step_*`` entries of ``root`` with a well-formed name (``step_<int>`` or ``step_<int>.tmp``)."""
+    """Entries of ``root`` named like a save of this trainer: ``step_<digits>`` or ``step_<digits>.tmp``."""
     if not root.is_dir():
         return []
-    found = []
-    for path in root.glob("step_*"):
-        try:
-            _step_of(path)
-        except (IndexError, ValueError):
-            continue
-        found.append(path)
-    return sorted(found)
+    return sorted(p for p in root.iterdir() if _STEP_NAME.fullmatch(p.name))
 
 
 def _is_committed(path: Path) -> bool:
@@ -324,6 +319,11 @@ def foreign_leftovers(run_dir: str | Path) -> list[Path]:
             if p.is_symlink() or not (_is_committed(p) or _is_owned(p) or _is_empty_dir(p))]
 
 
+def _not_ours(path: Path, why: str) -> CheckpointError:
+    return CheckpointError(f"{path} is in the way of {why} and was not written by this trainer (no {OWNER_FILE} "
+                           "naming its step): it is left alone; move it out of the checkpoints directory and relaunch")
+
+
 def _remove_own(path: Path, why: str) -> None:
     """Delete ``path`` if this trainer wrote it (``OWNER.json``) or it is empty; refuse anything else."""
     if _is_empty_dir(path):
@@ -331,9 +331,7 @@ def _remove_own(path: Path, why: str) -> None:
     elif _is_owned(path):
         shutil.rmtree(path)
     else:
-        raise CheckpointError(f"{path} is in the way of {why} and was not written by this trainer (no {OWNER_FILE} "
-                              "naming its step): it is left alone; move it out of the checkpoints directory and "
-                              "relaunch")
+        raise _not_ours(path, why)
 
 
 class CheckpointManager:
@@ -389,14 +387,16 @@ class CheckpointManager:
         dist.barrier()
 
     def _start_save(self, step: int, final: Path, tmp: Path) -> None:
-        """Rank 0: clear the way (only of this trainer's own directories), create ``tmp`` and write its
-        ``OWNER.json`` before anything else. A foreign directory in the way fails every rank before any write."""
+        """Rank 0: remove an old ``tmp`` of this trainer, create ``tmp`` and write its ``OWNER.json`` before
+        anything else. A foreign directory at ``tmp`` or ``final`` fails every rank before any write; an own
+        ``final`` (a re-run with ``checkpoint.resume=none``) stays until the new save replaces it."""
         problem = None
         if self.info.is_main:
             try:
-                for path in (tmp, final):
-                    if path.exists() or path.is_symlink():
-                        _remove_own(path, f"the save of step {step}")
+                if tmp.exists() or tmp.is_symlink():
+                    _remove_own(tmp, f"the save of step {step}")
+                if (final.exists() or final.is_symlink()) and not (_is_owned(final) or _is_empty_dir(final)):
+                    raise _not_ours(final, f"the save of step {step}")
                 tmp.mkdir(parents=True)
                 owner = {"writer": OWNER_WRITER, "step": step, "run_dir": redact(str(self.root.parent.resolve()))}
                 (tmp / OWNER_FILE).write_text(json.dumps(owner, sort_keys=True))
@@ -433,7 +433,9 @@ class CheckpointManager:
         faults.during_save(plan, step, rank, "manifest")
         dist.barrier()
         if self.info.is_main:
-            os.replace(tmp, final)  # _start_save cleared `final`; this save is the only writer of the run
+            if final.exists():
+                _remove_own(final, f"the save of step {step}")  # checked by _start_save: this trainer's own
+            os.replace(tmp, final)
             _fsync_dir(self.root)
             faults.during_save(plan, step, rank, "renamed")
             with open(final / COMMIT_MARKER, "w") as f:

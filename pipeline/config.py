@@ -230,7 +230,8 @@ def env_interpolations(cfg: TrainConfig) -> dict[str, str]:
     return getattr(cfg, _ENV_PATHS, {})
 
 
-def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), world_size: int = 1) -> TrainConfig:
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (),
+                world_size: int = 1) -> TrainConfig:
     """Load YAML + dotlist overrides into a validated ``TrainConfig``.
 
     Args:

@@ -84,6 +84,8 @@ def check_no_secrets(cfg: TrainConfig) -> None:
     Raises:
         ConfigError: naming the config key (and the environment variable).
     """
+    from omegaconf import OmegaConf
+
     secrets = {name: value for name, value in os.environ.items() if is_secret_name(name) and len(value) >= 8}
 
     def walk(node: Any, path: str) -> None:
@@ -107,8 +109,6 @@ def check_no_secrets(cfg: TrainConfig) -> None:
                                   "password in a URL); pass credentials through the environment variables the "
                                   "library in question reads, never through the config")
 
-    from omegaconf import OmegaConf
-
     walk(OmegaConf.to_container(OmegaConf.structured(cfg)), "")
 
 
@@ -129,9 +129,9 @@ def _check_tokenizer(cfg: TrainConfig) -> None:
                           f"token ids would fall outside the embedding; set model.vocab_size={pieces} (or larger)")
 
 
-def _split_samples(root: Path, split: str) -> int | None:
-    """Samples of a split: the manifest's token count when data prep wrote one, else the MDS index's sample
-    count; None when the split has no index at all."""
+def _split_size(root: Path, split: str) -> int | None:
+    """Size of a split: the manifest's token count when data prep wrote one, else the MDS index's sample count;
+    None when the split has no index at all."""
     if (root / fmt.MANIFEST_FILENAME).is_file() or (root / fmt.COMPLETE_MARKER).is_file():
         try:
             stats = fmt.read_manifest(root).splits.get(split)
@@ -153,7 +153,7 @@ def _check_val_split(cfg: TrainConfig) -> None:
     if not cfg.train.eval_every:
         return
     root, split = Path(cfg.data.path), cfg.data.val_split
-    found = _split_samples(root, split)
+    found = _split_size(root, split)
     if not found:
         what = "has no" if found is None else "has an empty"
         raise ConfigError(f"train.eval_every={cfg.train.eval_every} but data.path={root} {what} validation split "
@@ -528,8 +528,9 @@ def main(config_path: str | None, overrides: list[str]) -> int:
         log.error("%s", err)
         return 1
     except KeyboardInterrupt:
-        log.error("stopped by a second Ctrl-C: nothing saved since the last committed checkpoint in %s (an "
-                  "interrupted save is removed at the next start)", Path(cfg.run_dir) / "checkpoints")
+        log.error("stopped at once by Ctrl-C (a second one, or one before training began): nothing saved since the "
+                  "last committed checkpoint in %s (an interrupted save is removed at the next start)",
+                  Path(cfg.run_dir) / "checkpoints")
         return EXIT_INTERRUPTED
     finally:
         dist.destroy()

@@ -107,3 +107,21 @@ def test_t17_preemption_signal_on_one_rank_arriving_twice(straight, data, tmp_pa
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000004", "step_00000005"]
     verify_integrity(run / "checkpoints/step_00000005", ONE_RANK)
     _relaunch_and_compare(run, data, straight, resumed_from=5)
+
+
+def test_t02_default_export_sigkill_between_checkpoints(data, tmp_path):
+    """With the eval export on (the default; rank 0 builds an export model inside every save), a run saving every
+    2 steps and a run saving every 5 whose rank 1 is SIGKILLed at step 7 (not a checkpoint step) and relaunched
+    give hex-identical losses and equal final states: nothing outside the training step draws from the RNG."""
+    common = {"train.max_steps": 10, "checkpoint.export": True}
+    every2, killed = tmp_path / "every2", tmp_path / "killed"
+    straight = train_ranks(2, overrides(every2, data, **common, **{"checkpoint.every": 2}))
+    assert straight.returncode == 0, straight.output[-4000:]
+    command = overrides(killed, data, **common, **{"checkpoint.every": 5})
+    assert train_ranks(2, command, fault="kill:step=7:rank=1").returncode != 0
+    assert committed(killed) == ["step_00000005"]
+    again = train_ranks(2, command)
+    assert again.returncode == 0, again.output[-4000:]
+    assert [start for start, _ in _launches(killed)] == [0, 5]
+    assert_same_steps(every2, killed, range(1, 11))
+    assert_same_checkpoint(every2 / "checkpoints/step_00000010", killed / "checkpoints/step_00000010")

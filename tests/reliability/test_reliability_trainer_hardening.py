@@ -275,7 +275,8 @@ def test_second_ctrl_c_stops_at_once_and_its_torn_save_is_removed_later(data, tm
     monkeypatch.setenv("PIPE_FAULT", "sigint:step=3,signal_during_save:step=3:at=engine:sig=int")
     with caplog.at_level(logging.ERROR):
         assert main(None, args(run, data)) == 130
-    assert "stopped by a second Ctrl-C: nothing saved" in " ".join(errors(caplog))
+    assert "stopped at once by Ctrl-C (a second one" in " ".join(errors(caplog))
+    assert "nothing saved since the last committed checkpoint" in " ".join(errors(caplog))
     assert committed(run) == []
     torn = run / "checkpoints/step_00000003.tmp"
     assert json.loads((torn / OWNER_FILE).read_text())["step"] == 3
