@@ -41,6 +41,11 @@ class GCALM(LM):
         max_batch_size: int | None = None,
     ) -> None:
         super().__init__()
+        # lm_eval passes model_args as text; refuse bad numbers before the model loads, naming the argument.
+        for name, value, low in (("segment", segment, 1), ("max_gen_toks", max_gen_toks, 1),
+                                 ("offload_mb", offload_mb, -1)):
+            if int(value) < low:
+                raise ValueError(f"--model_args {name}={value} must be >= {low}")
         device = device or "cpu"
         if device.startswith("cuda") and not torch.cuda.is_available():
             # The lm_eval CLI passes cuda:0 whenever --device is not given; say so rather than crash on a CPU box.

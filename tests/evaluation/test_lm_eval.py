@@ -17,6 +17,12 @@ def lm(tiny_export):
     return GCALM(checkpoint=str(tiny_export), segment=7)  # tiny segments: scoring crosses segment borders
 
 
+@pytest.mark.parametrize(("arg", "value"), [("segment", 0), ("max_gen_toks", -1), ("offload_mb", -2)])
+def test_bad_model_args_are_refused_before_loading(tmp_path, arg, value):
+    with pytest.raises(ValueError, match=rf"--model_args {arg}={value} must be >= "):
+        GCALM(checkpoint=str(tmp_path / "no_export_here"), **{arg: value})  # loading it would fail differently
+
+
 def _hand_logprob(model, ids, first):
     with torch.no_grad():
         logp = F.log_softmax(model(torch.tensor([ids])).logits[0, :-1].double(), -1)
