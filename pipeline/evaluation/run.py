@@ -15,6 +15,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from data_prep.format import COMPLETE_MARKER, MANIFEST_FILENAME
 from data_prep.redaction import redact_tree, restore_env_interpolations
 from kernels.cpu_math import flush_denormals
 from pipeline.evaluation.config import TASKS, EvalConfig, EvalConfigError, load_eval_config, needle_spec, validate
@@ -68,7 +69,7 @@ def run_eval(checkpoint: str, task: str, out: str | Path, overrides: list[str], 
         raise EvalConfigError(f"--task {task!r} is not one of {TASKS}")
     cfg, env_paths = load_eval_config(config, overrides)
     out = Path(out)
-    created = prepare_out(out, task)
+    created = prepare_out(out, task, cfg.data)
     try:
         result = _evaluate(checkpoint, task, cfg)
     except BaseException:
@@ -122,14 +123,33 @@ def _evaluate(checkpoint: str, task: str, cfg: EvalConfig) -> dict:
     }
 
 
-def prepare_out(out: Path, task: str) -> list[Path]:
+def _inside_data(out: Path, data: str) -> Path | None:
+    """The dataset or ``data`` directory that ``out`` lies in, if any: results never go into input data (a text
+    directory would even read them back as documents next time)."""
+    where = out.resolve()
+    for directory in (where, *where.parents):  # a prepared dataset holds both of its markers
+        if (directory / COMPLETE_MARKER).exists() and (directory / MANIFEST_FILENAME).exists():
+            return directory
+    if data in ("builtin", "stdlib"):
+        return None
+    for source in (Path(p).resolve() for p in data.split(",")):
+        if source.is_dir() and where.is_relative_to(source):
+            return source
+    return None
+
+
+def prepare_out(out: Path, task: str, data: str) -> list[Path]:
     """Make sure ``out`` can take ``<task>.json`` and ``<task>.png`` before any work: create it and write a probe
     file. Returns the directories created (deepest last), to remove again if the run fails.
 
     Raises:
-        EvalConfigError: ``out`` is a file, sits under a file, or cannot be created or written; a result path
-            inside it is a directory.
+        EvalConfigError: ``out`` is a file, sits under a file, lies in a dataset or in ``data``, or cannot be
+            created or written; a result path inside it is a directory.
     """
+    inside = _inside_data(out, data)
+    if inside is not None:
+        raise EvalConfigError(f"--out {out}: lies inside the dataset or data directory {inside}; results are never "
+                              "written into input data, choose another --out")
     if out.exists() and not out.is_dir():
         raise EvalConfigError(f"--out {out}: exists and is not a directory; pass a directory (created if missing)")
     for name in (f"{task}.json", f"{task}.png"):

@@ -107,6 +107,26 @@ def test_out_that_cannot_take_the_result_is_refused_before_any_work(case, export
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing created, nothing removed
 
 
+@pytest.mark.parametrize("case", ["prepared_dataset", "text_data_dir"])
+def test_out_inside_input_data_is_refused(case, export, tmp_path, capsys, no_load):
+    """Results never go into a dataset (marked by _COMPLETE + manifest.json) or into the ``data`` directory, which
+    would read them back as documents on the next run."""
+    data = tmp_path / "data"
+    data.mkdir()
+    if case == "prepared_dataset":
+        (data / "_COMPLETE").write_text("0" * 64)
+        (data / "manifest.json").write_text("{}")
+        source = "data=builtin"
+    else:
+        (data / "story.txt").write_text("A quiet river ran under the old bridge. " * 10)
+        source = f"data={data}"
+    before = {p.name: p.read_bytes() for p in data.iterdir()}
+    assert _eval(export, data / "results", "lengths=[64]", source) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"--out {data / 'results'}: lies inside the dataset or data directory {data}" in line
+    assert {p.name: p.read_bytes() for p in data.iterdir()} == before
+
+
 def test_a_failed_eval_keeps_the_previous_result_and_leaves_no_directory(export, tmp_path, monkeypatch, capsys):
     """A result is replaced only by a finished one (temp file + rename); a directory the run created is removed
     again when the run fails."""
