@@ -168,11 +168,11 @@ def validate(cfg: EvalConfig, chunk_size: int | None = None) -> None:
     # NaN fails both comparisons, so it is refused here too.
     if not cfg.depths or any(not 0.0 <= d <= 1.0 for d in cfg.depths):
         raise EvalConfigError(f"depths={cfg.depths}: need at least one depth, each in [0, 1]")
-    for check in (lambda: check_device(cfg.device), lambda: check_templates(needle_spec(cfg))):
-        try:
-            check()
-        except ValueError as err:
-            raise EvalConfigError(str(err)) from None
+    try:
+        check_device(cfg.device)
+        check_templates(needle_spec(cfg))
+    except ValueError as err:
+        raise EvalConfigError(str(err)) from None
 
 
 def needle_spec(cfg: EvalConfig) -> NeedleSpec:
