@@ -87,7 +87,10 @@ def _reveal_env() -> bool:
 
 
 def _bounded(value: str) -> str:
-    """A pattern for ``value`` that does not match inside a longer word ("test" in "pytest")."""
+    """A pattern for ``value``; a short one must not match inside a longer word ("test" in "pytest"), a long one
+    (``_MIN_SECRET_LEN`` and up) matches anywhere, also joined to other text (``${oc.env:DIR}x``)."""
+    if len(value) >= _MIN_SECRET_LEN:
+        return re.escape(value)
     left = r"(?<![A-Za-z0-9])" if value[0].isalnum() else ""
     right = r"(?![A-Za-z0-9])" if value[-1].isalnum() else ""
     return left + re.escape(value) + right

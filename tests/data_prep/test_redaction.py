@@ -43,6 +43,12 @@ def test_short_and_embedded_values_are_left_alone(fresh, monkeypatch):
     assert redaction.redact("a test, test.") == "a ${oc.env:WORD}, ${oc.env:WORD}."
 
 
+def test_long_values_are_found_even_joined_to_other_text(fresh, monkeypatch):
+    monkeypatch.setenv("DATA_DIR", "corpus2026")
+    OmegaConf.to_container(OmegaConf.create({"a": "${oc.env:DATA_DIR}x"}), resolve=True)
+    assert redaction.redact("no file corpus2026x") == "no file ${oc.env:DATA_DIR}x"
+
+
 def test_show_env_values_reveals_env_values_but_never_secrets(fresh, monkeypatch):
     monkeypatch.setenv("MY_NAME", "visible-run-name")
     monkeypatch.setenv("WANDB_API_KEY", "0123456789abcdef-key")
