@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from data_prep.safe_files import read_regular
+
 __all__ = [
     "COMPLETE_MARKER",
     "DOC_ID",
@@ -191,6 +193,10 @@ def manifest_from_dict(obj: dict[str, Any]) -> Manifest:
 def read_manifest(path: str | Path) -> Manifest:
     """Read and validate the manifest of a prepared dataset.
 
+    Both files are read with `data_prep.safe_files.read_regular`: a dataset may come from someone else, and a
+    ``manifest.json`` that is a symbolic link (to any file of the reader) or a FIFO (a read that never returns) is
+    refused, naming the file, before anything is read from it.
+
     Args:
         path: the dataset directory (the ``output`` of ``make prep``).
 
@@ -200,22 +206,27 @@ def read_manifest(path: str | Path) -> Manifest:
     Raises:
         IncompleteDatasetError: the directory has no `COMPLETE_MARKER`, or the marker's hash does not match
             manifest.json (an interrupted or tampered-with run).
-        ValueError: the manifest has an unsupported format version.
+        UnsafeDatasetError: manifest.json or the marker is a symbolic link, FIFO, device or directory.
+        ValueError: the manifest has an unsupported format version or is not JSON.
     """
     root = Path(path)
-    marker = root / COMPLETE_MARKER
-    manifest_path = root / MANIFEST_FILENAME
-    if not marker.is_file() or not manifest_path.is_file():
+    try:
+        data = read_regular(root, MANIFEST_FILENAME)
+        expected = read_regular(root, COMPLETE_MARKER).decode("ascii", errors="replace").strip()
+    except (FileNotFoundError, NotADirectoryError):
         raise IncompleteDatasetError(
             f"{root} is not a completed prepared dataset (no {COMPLETE_MARKER} or {MANIFEST_FILENAME}); "
             "run make prep / launch/prep.py to (re)create it"
-        )
-    data = manifest_path.read_bytes()
-    expected = marker.read_text().strip()
+        ) from None
+    manifest_path = root / MANIFEST_FILENAME
     actual = hashlib.sha256(data).hexdigest()
     if expected != actual:
         raise IncompleteDatasetError(
-            f"{manifest_path} does not match {marker} (sha256 {actual} != {expected}); "
+            f"{manifest_path} does not match {root / COMPLETE_MARKER} (sha256 {actual} != {expected[:64]}); "
             "the dataset was modified after it was written; re-run prep"
         )
-    return manifest_from_dict(json.loads(data))
+    try:
+        obj = json.loads(data)
+    except ValueError as err:  # also UnicodeDecodeError: one line, never a traceback from the JSON parser
+        raise ValueError(f"{manifest_path}: not valid JSON ({err}); re-run prep") from None
+    return manifest_from_dict(obj)
