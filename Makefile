@@ -9,7 +9,7 @@ PYTEST := $(PY) -m pytest -q
 # The default CPU tier: everything not behind a heavier marker.
 DEFAULT_MARKERS := not slow and not gpu and not dist and not slurm
 
-.PHONY: install test test-slow test-dist test-gpu test-kernels test-reliability test-slurm preflight demo demo-smoke prep bench bench-train bench-kernels test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv
+.PHONY: install test test-slow test-dist test-gpu test-kernels test-reliability test-slurm preflight demo demo-smoke prep bench bench-train bench-kernels test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv gpu-wheels gpu-check test-gpu-wheels test-gpu-check
 
 install: $(STAMP)
 
@@ -108,3 +108,26 @@ demo-smoke: install ds-warmup
 
 clean-venv:
 	rm -rf $(VENV)
+
+# GPU readiness (README "GPU check"). The wheels a bare GPU image lacks (configs/gpu/wheels.txt), for CPython 3.12
+# manylinux x86-64, into the git-ignored .whl/ that the device tool carries (~10 MiB; first run ~4 min: it builds
+# deepspeed and zstd from their pinned sdists, zstd with python3.12).
+GPU_WHEELS ?= .whl
+gpu-wheels: install
+	$(PY) -m pipeline.gpucheck.wheels --python-version 3.12 --dest $(GPU_WHEELS)
+
+# The one-command GPU check: make gpu-check OUT=<dir> [ARGS="--budget-s 450 --export <dir>"]. No install step: on
+# a GPU machine it runs under the image's python3 and installs .whl itself; without CUDA it is the CPU dry run.
+OUT ?= gpu-check
+GPU_CHECK_PY := $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	$(GPU_CHECK_PY) launch/gpu_check.py --out $(OUT) $(ARGS)
+
+# The wheel set installed into a clean venv that sees only the GPU image's packages; imports and a tiny
+# prep/train/eval there (~3 min, plus ~4 min and network the first time for the wheels).
+test-gpu-wheels: install
+	OMP_NUM_THREADS=1 timeout 1800 $(PYTEST) -m gpuwheels tests/gpu_check
+
+# The CPU dry run of make gpu-check: every stage at tiny shapes must finish ok (~6 min on 2 cores).
+test-gpu-check: install ds-warmup
+	OMP_NUM_THREADS=1 timeout 1800 $(PYTEST) -m gpucheck tests/gpu_check

@@ -1,0 +1,40 @@
+"""The passkey eval of ``launch/eval.py`` plus the accelerator's peak memory (a stage of ``launch/gpu_check.py``).
+
+``python -m pipeline.gpucheck.passkey_probe --checkpoint <export> --out <dir> [key=value ...]`` runs the same
+``run_eval`` as ``launch/eval.py --task passkey`` and adds ``peak_gpu_mib`` (``torch.cuda.max_memory_allocated``,
+null on CPU) to ``<dir>/probe.json``; the eval's own result stays in ``<dir>/passkey.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from pipeline.evaluation.run import run_eval
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", required=True, help="export directory")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("overrides", nargs="*", help="eval keys, e.g. lengths=[1048576] device=cuda")
+    args = parser.parse_args(argv)
+    try:
+        result = run_eval(args.checkpoint, "passkey", args.out, args.overrides)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"passkey_probe: error: {err}", file=sys.stderr)
+        return 2
+    peak = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
+    probe = {"rows": result["results"], "peak_rss_mib": result.get("peak_rss_mib"), "peak_gpu_mib": peak,
+             "seconds": result.get("seconds")}
+    Path(args.out, "probe.json").write_text(json.dumps(probe, indent=2) + "\n")
+    print(json.dumps(probe))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Run the stages of ``make gpu-check`` under one time budget and write ``gpu-check.json`` + ``gpu-check.log``.
+
+Each stage is a subprocess in its own process group with a timeout of ``min(its box, what the budget has
+left)``; on timeout the whole group is killed (DeepSpeed and pytest start children). A stage whose
+prerequisite did not finish ok is ``skipped`` with the reason, so is one that the budget can no longer fit.
+The JSON is rewritten after every stage: a run cut short still leaves every finished stage's numbers.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from data_prep.redaction import redact, redact_tree
+from pipeline.gpucheck.stages import ROOT, Plan, Stage, StageError, build, summary
+
+SCHEMA = 1
+MIN_STAGE_S = 20.0
+TAIL_LINES = 40
+STATUSES = ("ok", "failed", "timeout", "skipped")
+
+
+def machine() -> dict:
+    """What ran the check: interpreter, torch/triton/CUDA versions and the device (read by a subprocess, so this
+    process never initializes CUDA before its stages do)."""
+    probe = ("import json, torch, triton; c = torch.cuda.is_available(); print(json.dumps({'torch': "
+             "torch.__version__, 'triton': triton.__version__, 'cuda': torch.version.cuda, 'cuda_available': c, "
+             "'device': torch.cuda.get_device_name() if c else None, 'device_count': torch.cuda.device_count()}))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        return {"python": platform.python_version(), "probe_error": redact(done.stderr[-500:])}
+    info = json.loads(done.stdout.strip().splitlines()[-1])
+    return {"python": platform.python_version(), "host": platform.node(), "cpus": os.cpu_count(), **info}
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _tail(path: Path) -> list[str]:
+    lines = path.read_text(errors="replace").splitlines()[-TAIL_LINES:]
+    return [redact(line) for line in lines]
+
+
+class Runner:
+    def __init__(self, plan: Plan, out: Path, budget_s: float) -> None:
+        self.plan, self.out, self.budget_s = plan, out, budget_s
+        out.mkdir(parents=True, exist_ok=True)
+        self.start = time.monotonic()
+        self.results: dict[str, dict] = {}
+        self.log_path = out / "gpu-check.log"
+        self.report = {"schema": SCHEMA, "mode": "cuda" if plan.cuda else "cpu-dry-run",
+                       "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                       "budget_s": budget_s, "work_dir": str(plan.work), "machine": machine(), "stages": self.results}
+
+    def left_s(self) -> float:
+        return self.budget_s - (time.monotonic() - self.start)
+
+    def log(self, text: str) -> None:
+        line = redact(text.rstrip("\n")) + "\n"
+        sys.stdout.write(line)
+        sys.stdout.flush()
+        with self.log_path.open("a") as log:
+            log.write(line)
+
+    def write(self) -> None:
+        self.report["seconds"] = round(time.monotonic() - self.start, 1)
+        self.report["summary"] = summary(self.results)
+        path = self.out / "gpu-check.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(redact_tree(self.report), indent=2) + "\n")
+        tmp.replace(path)
+
+    def skip_reason(self, stage: Stage) -> str | None:
+        missing = [n for n in stage.needs if self.results.get(n, {}).get("status") != "ok"]
+        if missing:
+            return f"needs {', '.join(missing)}, which did not finish ok"
+        if self.left_s() < MIN_STAGE_S:
+            return f"time budget: {max(self.left_s(), 0):.0f} s of {self.budget_s:.0f} s left"
+        return None
+
+    @staticmethod
+    def stage_env(stage: Stage) -> dict[str, str]:
+        """The repository on PYTHONPATH: a GPU image has no editable install, and launch/*.py import it."""
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **stage.env}
+
+    def run_stage(self, stage: Stage) -> dict:
+        """Run one stage; every failure becomes a status with the log's last lines, never an exception."""
+        result: dict = {"what": stage.what, "command": " ".join(stage.cmd)}
+        reason = self.skip_reason(stage)
+        if reason:
+            return {**result, "status": "skipped", "reason": reason, "seconds": 0.0}
+        timeout = min(stage.box_s, self.left_s())
+        stage_log = self.plan.work / "logs" / f"{stage.name}.log"
+        stage_log.parent.mkdir(parents=True, exist_ok=True)
+        begin = time.monotonic()
+        with stage_log.open("w") as sink:
+            proc = subprocess.Popen(stage.cmd, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT,
+                                    env=self.stage_env(stage), start_new_session=True)
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                rc = None
+        result.update(seconds=round(time.monotonic() - begin, 1), timeout_s=round(timeout, 1))
+        self.log(stage_log.read_text(errors="replace"))
+        if rc is None:
+            return {**result, "status": "timeout", "log_tail": _tail(stage_log)}
+        if rc != 0:
+            return {**result, "status": "failed", "exit_code": rc, "log_tail": _tail(stage_log)}
+        try:
+            return {**result, "status": "ok", "numbers": stage.parse()}
+        except (StageError, OSError, ValueError, KeyError, IndexError) as err:
+            return {**result, "status": "failed", "reason": f"{type(err).__name__}: {err}",
+                    "log_tail": _tail(stage_log)}
+
+    def run(self, stages: list[Stage]) -> dict:
+        self.log_path.write_text("")
+        self.log(f"== gpu-check ({self.report['mode']}), budget {self.budget_s:.0f} s, work dir {self.plan.work}")
+        self.log(f"== machine: {json.dumps(self.report['machine'])}")
+        self.write()
+        for stage in stages:
+            self.log(f"== stage {stage.name}: {stage.what}\n$ {' '.join(stage.cmd)}")
+            self.results[stage.name] = self.run_stage(stage)
+            res = self.results[stage.name]
+            self.log(f"== stage {stage.name}: {res['status']} in {res['seconds']} s"
+                     + (f" ({res['reason']})" if "reason" in res else ""))
+            self.write()
+        self.log(f"== gpu-check done in {self.report['seconds']} s: {json.dumps(self.report['summary'])}")
+        return self.report
+
+
+def run_check(plan: Plan, out: Path, budget_s: float) -> dict:
+    """Run every stage of ``plan``; returns the report also written to ``out/gpu-check.json``."""
+    return Runner(plan, out, budget_s).run(build(plan))

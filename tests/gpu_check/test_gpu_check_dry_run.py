@@ -1,0 +1,88 @@
+"""``make gpu-check`` on CPU: the same stages at tiny shapes, each checked against an independent reference
+(the trainer's ``metrics.jsonl``, the eval's ``passkey.json``, data prep's manifest, pytest's own collection)."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.gpucheck.stages import gpu_test_files
+
+pytestmark = [pytest.mark.gpucheck, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+STAGES = ["prep", "kernel_bench", "gpu_tests", "train_gca_zero1", "train_gca_fsdp2", "train_swa_zero1", "passkey",
+          "train_full_zero1"]
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory) -> dict:
+    base = tmp_path_factory.mktemp("gpu-check")
+    out, work = base / "out", base / "work"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "launch/gpu_check.py", "--cpu", "--out", str(out), "--work", str(work)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    report = json.loads((out / "gpu-check.json").read_text())
+    return {"rc": done.returncode, "stderr": done.stderr, "report": report, "out": out, "work": work}
+
+
+def test_every_stage_runs_ok_on_cpu(dry_run):
+    report = dry_run["report"]
+    not_ok = {n: {k: r.get(k) for k in ("status", "reason", "log_tail")} for n, r in report["stages"].items()
+              if r["status"] != "ok"}
+    assert not not_ok, json.dumps(not_ok, indent=1)[-6000:]
+    assert dry_run["rc"] == 0, dry_run["stderr"][-2000:]
+    assert list(report["stages"]) == STAGES
+    assert report["mode"] == "cpu-dry-run" and report["machine"]["cuda_available"] is False
+    for name, stage in report["stages"].items():
+        assert stage["seconds"] > 0 and stage["timeout_s"] > 0 and stage["command"], name
+    assert report["summary"]["stages_ok"] == sorted(STAGES) and report["summary"]["stages_not_ok"] == []
+    log = (dry_run["out"] / "gpu-check.log").read_text()
+    assert all(f"== stage {name}: ok in" in log for name in STAGES)
+
+
+def test_training_numbers_match_the_trainers_metrics(dry_run):
+    for name in STAGES[3:]:
+        if not name.startswith("train_"):
+            continue
+        numbers = dry_run["report"]["stages"][name]["numbers"]
+        rows = [json.loads(ln) for ln in (dry_run["work"] / "train" / name / "metrics.jsonl").read_text().splitlines()]
+        rows = [r for r in rows if "loss" in r and "step" in r]
+        assert numbers["steps"] == len(rows) == 4
+        assert numbers["loss_first"] == rows[0]["loss"] and numbers["loss_last"] == rows[-1]["loss"]
+        assert numbers["tokens_per_s"] == statistics.median(r["tokens_per_s"] for r in rows[2:])
+        assert numbers["loss_finite"] is True and numbers["peak_mem_gb"] > 0
+    summary = dry_run["report"]["summary"]
+    swa = dry_run["report"]["stages"]["train_swa_zero1"]["numbers"]["step_time_s"]
+    gca = dry_run["report"]["stages"]["train_gca_zero1"]["numbers"]["step_time_s"]
+    assert summary["gca_vs_swa_step_time"] == pytest.approx(gca / swa)
+
+
+def test_kernel_passkey_prep_and_test_tier_numbers(dry_run):
+    stages = dry_run["report"]["stages"]
+    kernel = stages["kernel_bench"]["numbers"]
+    assert kernel["max_abs_err_vs_naive"] < 1e-4  # fp32 Triton (interpreter) vs the reference: same maths
+    assert kernel["speedup_vs_naive"]["fwd_bwd"] > 0 and kernel["time_vs_flash"]["fwd_bwd"] > 0
+    assert set(kernel["impls"]) >= {"triton_gca", "naive_gca", "sdpa_flash_flattened"}
+    assert kernel["targets"]["judged"] is False
+
+    passkey = stages["passkey"]["numbers"]
+    written = json.loads((dry_run["work"] / "passkey" / "passkey.json").read_text())["results"][0]
+    assert passkey["length"] == written["length"] == 65536 and passkey["tokens_per_s"] == written["tokens_per_s"]
+    assert passkey["peak_gpu_mib"] is None and passkey["accuracy_meaningful"] is False
+
+    manifest = json.loads((dry_run["work"] / "data" / "manifest.json").read_text())
+    assert stages["prep"]["numbers"]["train_tokens"] == manifest["splits"]["train"]["tokens"] > 1_000_000
+
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                                "-m", "gpu", *gpu_test_files()], cwd=ROOT, capture_output=True, text=True,
+                               timeout=300)
+    n_gpu = sum(1 for ln in collected.stdout.splitlines() if "::" in ln)
+    tier = stages["gpu_tests"]["numbers"]
+    assert n_gpu > 0 and tier["tests"] == tier["skipped"] == n_gpu and tier["passed"] == 0
