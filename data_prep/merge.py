@@ -13,8 +13,14 @@ slice order with the new basenames. As slices are contiguous runs of the input f
 ``ordinal * N + i`` (see `PrepConfig.slice_index`), the merged splits hold the same samples in the same order
 as a single prep run with the same tokenizer; only the document ids and the shard boundaries differ.
 
-Like `data_prep.shard.main`, the merge builds a hidden temporary sibling, writes ``manifest.json`` and then
-``_COMPLETE`` last, and renames the directory into place; the slices are deleted only after that.
+A split that no document of a slice reached is not written in that slice (see `data_prep.format`); the merge
+skips it there, and a split empty in every slice is absent from the merged dataset too, as in a single run.
+
+Like `data_prep.shard.main`, the merge checks the output before any work, builds a hidden, marked temporary
+sibling, writes ``manifest.json`` and then ``_COMPLETE`` last, and renames the directory into place; the slices
+are deleted only after that. Deleting is limited to what provably is prep's: ``<output>.slices`` carries a marker
+from the tokenizer step that created it, and inside it only the shared tokenizer, complete slice datasets and
+marked work directories are removed; anything else is left where it is, naming the path.
 """
 
 import dataclasses
@@ -29,8 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from data_prep.config import PrepConfig, to_container
-from data_prep.errors import ConfigError, InputError, OutputExistsError
+from data_prep.errors import ConfigError, InputError, OutputExistsError, OutputWriteError, PrepError
 from data_prep.format import (
+    EMPTY_SPLIT_SHA256,
     FORMAT_VERSION,
     SPLITS,
     TOKENIZER_FILENAME,
@@ -40,7 +47,19 @@ from data_prep.format import (
     read_manifest,
 )
 from data_prep.safe_files import INDEX_FILENAME, open_regular, read_index, read_regular, stat_regular
-from data_prep.shard import _fsync_write, _tokenizer_model, commit_dataset, select_slice
+from data_prep.shard import (
+    _dataset_paths,
+    _delete_dataset,
+    _fsync_write,
+    _is_file,
+    _is_work_dir,
+    _remove_stale,
+    _tokenizer_model,
+    check_output,
+    commit_dataset,
+    make_work_dir,
+    select_slice,
+)
 from data_prep.sources import resolve_sources
 
 logger = logging.getLogger(__name__)
@@ -52,6 +71,16 @@ _SHARD_NAME = re.compile(r"shard\.\d+(\.mds(?:\.[A-Za-z0-9]+)?)")
 _CONTENT_KEYS = ("format", "text_field", "hf", "val_fraction", "split_seed", "max_piece_tokens", "min_tokens", "strict")
 """Config keys that change what a slice holds; every slice must agree with the merge's config on them (the input
 files are compared separately, as resolved paths)."""
+_SLICES_MARKER = ".prep-slices"
+"""Empty file the tokenizer step creates in ``<output>.slices`` right after the directory: proof that the directory
+is prep's, so ``overwrite=true`` and the merge may delete what a sliced run writes in it."""
+_SLICE_NAME = re.compile(r"slice-\d{5,}")
+_SLICE_OLD = re.compile(r"\.slice-\d{5,}\.old-\d+")
+"""A slice dataset moved aside while a rerun of its task replaced it (``overwrite=true``)."""
+_SLICE_WORK = re.compile(r"\.slice-\d{5,}\.tmp-\d+")
+"""The work directory of a slice task that was killed; prep marks every work directory it creates."""
+_TOKENIZER_WORK = re.compile(r"\.tokenizer\.model\.tmp-\d+")
+"""The shared tokenizer of a tokenizer step killed while writing it."""
 
 
 def slices_root(cfg: PrepConfig) -> Path:
@@ -65,11 +94,91 @@ def slice_dir(cfg: PrepConfig, index: int) -> Path:
     return slices_root(cfg) / f"slice-{index:05d}"
 
 
+def _is_prep_dataset(path: Path) -> bool:
+    """Whether ``path`` is a complete dataset prep wrote, holding nothing else (what `_delete_dataset` deletes)."""
+    try:
+        _dataset_paths(path)
+    except OutputExistsError:
+        return False
+    return True
+
+
+def _written_by_slicing(entry: Path) -> bool:
+    """Whether ``entry`` of a marked slices directory is something the steps of a sliced run write there."""
+    name = entry.name
+    if name in (_SLICES_MARKER, TOKENIZER_FILENAME) or _TOKENIZER_WORK.fullmatch(name):
+        return _is_file(entry)
+    if _SLICE_NAME.fullmatch(name) or _SLICE_OLD.fullmatch(name):
+        return _is_prep_dataset(entry)
+    return _SLICE_WORK.fullmatch(name) is not None and _is_work_dir(entry)
+
+
+def _slices_contents(root: Path) -> tuple[list[Path], list[Path]]:
+    """(entries of the slices directory ``root`` a sliced run wrote, all other entries).
+
+    Raises:
+        OutputExistsError: ``root`` is a link or a file, or it lacks the marker of the tokenizer step that
+            creates it (so it is not provably prep's).
+    """
+    if root.is_symlink() or not root.is_dir():
+        raise OutputExistsError(f"{root} is not a directory (a file or a symbolic link) but is named like the "
+                                "slices of this output; nothing was deleted: remove or move it yourself")  # fmt: skip
+    marker = root / _SLICES_MARKER
+    if not os.path.lexists(marker) or not _is_file(marker):
+        raise OutputExistsError(f"{root} has no {_SLICES_MARKER} marker, so the tokenizer step of a sliced run did not "
+                                "create it; nothing was deleted: remove or move it yourself, or choose another "
+                                "output")  # fmt: skip
+    ours: list[Path] = []
+    other: list[Path] = []
+    for entry in sorted(root.iterdir()):
+        (ours if _written_by_slicing(entry) else other).append(entry)
+    return ours, other
+
+
+def _names(paths: list[Path]) -> str:
+    return ", ".join(p.name for p in paths[:5]) + (" ..." if len(paths) > 5 else "")
+
+
+def _delete_slices(root: Path, ours: list[Path], other: list[Path]) -> None:
+    """Delete the entries ``ours`` of the slices directory ``root``, then the marker and ``root`` itself unless
+    ``other`` entries (not prep's) remain: those are left in place, and so is the marker that recognises ``root``."""
+    for entry in ours:
+        if entry.name == _SLICES_MARKER:
+            continue
+        if _SLICE_WORK.fullmatch(entry.name):
+            shutil.rmtree(entry)  # a marked work directory: all of it is prep's
+        elif _is_file(entry):
+            entry.unlink()
+        else:
+            _delete_dataset(entry)  # checked again and deleted file by file, never through a link
+    if other:
+        logger.warning("left %s in %s: not written by the sliced run; remove them yourself", _names(other), root)
+        return
+    left = [p for p in root.iterdir() if p.name != _SLICES_MARKER]
+    if left:  # a slice that `_delete_dataset` could not remove (it warned): keep the marker that recognises it
+        logger.warning("could not fully remove %s (%s remain); remove it by hand", root, _names(left))
+        return
+    (root / _SLICES_MARKER).unlink()
+    root.rmdir()
+
+
+def _make_slices_root(root: Path) -> None:
+    """Create ``root`` and its marker (see `_SLICES_MARKER`) right after it."""
+    try:
+        root.mkdir(parents=True)
+        (root / _SLICES_MARKER).touch()
+    except OSError as exc:
+        raise OutputWriteError(f"cannot create {exc.filename or root} ({exc.strerror or exc}): the slices need a "
+                               "writable directory next to the output; fix its permissions or choose another "
+                               "output") from None  # fmt: skip
+
+
 def prepare_tokenizer(cfg: PrepConfig, num_slices: int = 1) -> Path:
     """Write the tokenizer every slice will use to ``<output>.slices/tokenizer.model`` and return its path.
 
     With ``tokenizer.vocab_size`` a model is trained on a sample of all inputs, exactly as a single prep run
-    would train it; with ``tokenizer.model`` that model is checked and copied.
+    would train it; with ``tokenizer.model`` that model is checked and copied. Every check (output, earlier
+    slices, slice count) runs before the tokenizer is trained; earlier slices are deleted only after that.
 
     Args:
         cfg: the config of the sliced run as the user wrote it.
@@ -77,25 +186,31 @@ def prepare_tokenizer(cfg: PrepConfig, num_slices: int = 1) -> Path:
 
     Raises:
         OutputExistsError: the output exists, or an earlier sliced run left ``<output>.slices`` (unless
-            ``overwrite=true``, which removes those slices).
+            ``overwrite=true``, which removes those slices); ``<output>.slices`` or the output is not provably
+            prep's, or holds something prep did not write (nothing is deleted then).
         ConfigError: more slices than input files, or as in `data_prep.shard.main`.
         InputError: as in `data_prep.shard.main`.
     """
     out, root = Path(cfg.output).absolute(), slices_root(cfg)
-    if out.exists() and not cfg.overwrite:
-        raise OutputExistsError(f"output {out} already exists; pass overwrite=true to replace it")
-    if root.exists():
+    sources = resolve_sources(cfg)
+    check_output(out, cfg, sources)
+    earlier: tuple[list[Path], list[Path]] | None = None
+    if root.exists() or root.is_symlink():
         if not cfg.overwrite:
             raise OutputExistsError(
                 f"{root} holds slices of an earlier run: rerun only the failed array tasks and the merge, or pass "
                 "overwrite=true to start over"
             )
-        logger.warning("overwrite=true: removing the slices of an earlier run in %s", root)
-        shutil.rmtree(root)
-    sources = resolve_sources(cfg)
+        earlier = _slices_contents(root)
+        if earlier[1]:
+            raise OutputExistsError(f"{root} holds files a sliced run did not write ({_names(earlier[1])}); nothing "
+                                    "was deleted: remove or move them yourself, or choose another output")  # fmt: skip
     select_slice(sources, dataclasses.replace(cfg, num_slices=num_slices))  # fail now, not in every array task
     model_proto, trained = _tokenizer_model(sources, cfg)
-    root.mkdir(parents=True)
+    if earlier is not None:
+        logger.warning("overwrite=true: removing the slices of an earlier run in %s", root)
+        _delete_slices(root, *earlier)
+    _make_slices_root(root)
     path = root / TOKENIZER_FILENAME
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     _fsync_write(tmp, model_proto)
@@ -135,12 +250,18 @@ def _link(src_dir: Path, name: str, dst: Path) -> None:
 
 
 def _merge_split(sources: list[Path], dst: Path) -> int:
-    """Link every shard of ``sources`` (split directories, in order) into ``dst``; return the shard count."""
+    """Link every shard of ``sources`` (split directories with samples, in order) into ``dst``; return the shard
+    count."""
     dst.mkdir()
     entries: list[dict[str, Any]] = []
     layout: tuple[Any, ...] | None = None
     for src in sources:
-        for entry in read_index(src)[0]["shards"]:  # checked: plain names inside src, MDS, no pickle
+        try:
+            index = read_index(src)[0]  # checked: plain names inside src, MDS, no pickle
+        except FileNotFoundError:
+            raise InputError(f"{src / INDEX_FILENAME} is missing, but the slice's manifest records samples in that "
+                             "split; rerun that slice") from None  # fmt: skip
+        for entry in index["shards"]:
             this = (entry["column_names"], entry["column_encodings"], entry["format"])
             if layout is not None and this != layout:
                 raise InputError(f"{src} has columns {this}, earlier slices have {layout}")
@@ -168,6 +289,101 @@ def _merge_split(sources: list[Path], dst: Path) -> int:
     return len(entries)
 
 
+def _merge_splits(cfg: PrepConfig, manifests: dict[int, Manifest], tmp: Path) -> dict[str, SplitStats]:
+    """Every split of the slices merged into ``tmp``. Slices where a split is empty have no directory for it and
+    are skipped; a split empty in all of them gets no directory either, only empty `SplitStats`."""
+    splits: dict[str, SplitStats] = {}
+    for split in SPLITS:
+        stats = [m.splits[split] for m in manifests.values()]
+        present = [slice_dir(cfg, i) / split for i, m in manifests.items() if m.has_split(split)]
+        index_sha = EMPTY_SPLIT_SHA256
+        if present:
+            shards = _merge_split(present, tmp / split)
+            index_sha = hashlib.sha256((tmp / split / INDEX_FILENAME).read_bytes()).hexdigest()
+            logger.info("%s: %d shards from %d of %d slices", split, shards, len(present), len(manifests))
+        splits[split] = SplitStats(documents=sum(s.documents for s in stats), pieces=sum(s.pieces for s in stats),
+                                   tokens=sum(s.tokens for s in stats), index_sha256=index_sha)  # fmt: skip
+    return splits
+
+
+def _read_slices(cfg: PrepConfig, num_slices: int) -> dict[int, Manifest]:
+    """The manifest of every slice, in slice order.
+
+    Raises:
+        IncompleteDatasetError: naming every slice that is missing or unfinished.
+        InputError: a slice's manifest is a link, a FIFO, not JSON or of another format version.
+    """
+    manifests: dict[int, Manifest] = {}
+    for index in range(num_slices):
+        try:
+            manifests[index] = read_manifest(slice_dir(cfg, index))
+        except IncompleteDatasetError:
+            pass
+        except (ValueError, KeyError, TypeError) as err:  # UnsafeDatasetError is a ValueError and names the file
+            raise InputError(f"{slice_dir(cfg, index).name}: {str(err).splitlines()[0]}; rerun that slice") from None
+    missing = [i for i in range(num_slices) if i not in manifests]
+    if missing:
+        raise IncompleteDatasetError(
+            f"slices {','.join(map(str, missing))} of {num_slices} in {slices_root(cfg)} are missing or unfinished: "
+            "their array tasks failed or have not run; rerun those tasks, then the merge")  # fmt: skip
+    return manifests
+
+
+def _check_slices(cfg: PrepConfig, manifests: dict[int, Manifest], tokenizer_sha: str) -> None:
+    """Every slice was made from its share of the current inputs with these settings, and together they hold
+    training documents (a single run refuses a dataset without any)."""
+    num_slices = len(manifests)
+    all_sources = resolve_sources(cfg)
+    for index, manifest in manifests.items():
+        _check_slice(cfg, index, num_slices, manifest, tokenizer_sha)
+        sliced = dataclasses.replace(cfg, num_slices=num_slices, slice_index=index)
+        expected = [s.fingerprint(content=False).path for s in select_slice(all_sources, sliced)]
+        if [i.path for i in manifest.inputs] != expected:
+            raise InputError(f"{slice_dir(cfg, index).name} covers other input files than the current input list; "
+                             "rerun that slice")  # fmt: skip
+    dtypes = {m.token_dtype for m in manifests.values()}
+    if len(dtypes) != 1:
+        raise InputError(f"slices disagree on the token dtype: {sorted(dtypes)}")
+    train, val = (sum(m.splits[split].documents for m in manifests.values()) for split in SPLITS)
+    if train == 0:
+        raise InputError(f"no document of the {num_slices} slices reached the train split ({val} went to val with "
+                         f"val_fraction={cfg.val_fraction}); nothing was written: add input documents or lower "
+                         "val_fraction / min_tokens")  # fmt: skip
+    if cfg.val_fraction > 0 and val == 0:
+        logger.warning("val split is empty: no document hashed into val_fraction=%s, so %s has no val/ directory "
+                       "(manifest: 0 val tokens); raise val_fraction or change split_seed, or train with eval off",
+                       cfg.val_fraction, cfg.output)  # fmt: skip
+
+
+def _merged_manifest(cfg: PrepConfig, manifests: dict[int, Manifest], splits: dict[str, SplitStats]) -> Manifest:
+    skipped: Counter[str] = Counter()
+    for m in manifests.values():
+        skipped.update(m.skipped)
+    if any(m.software != manifests[0].software for m in manifests.values()):
+        logger.warning("slices were written with different software versions: %s",
+                       sorted({json.dumps(m.software, sort_keys=True) for m in manifests.values()}))  # fmt: skip
+    return Manifest(
+        format_version=FORMAT_VERSION,
+        token_dtype=manifests[0].token_dtype,
+        tokenizer=dataclasses.replace(manifests[0].tokenizer, trained=cfg.tokenizer.model is None),
+        splits=splits,
+        skipped=dict(sorted(skipped.items())),
+        inputs=[i for m in manifests.values() for i in m.inputs],
+        config=to_container(dataclasses.replace(cfg, num_slices=len(manifests))),
+        software=manifests[0].software,
+    )
+
+
+def _remove_slices_after_merge(root: Path) -> None:
+    """Delete the merged slices; warn (the dataset is in place by now) about anything not provably prep's."""
+    try:
+        _delete_slices(root, *_slices_contents(root))
+    except OutputExistsError as exc:
+        logger.warning("the slices were kept: %s", exc)
+    except OSError as exc:
+        logger.warning("could not fully remove the slices in %s (%s); remove them by hand", root, exc)
+
+
 def merge_slices(cfg: PrepConfig, num_slices: int, keep_slices: bool = False) -> Manifest:
     """Merge ``<output>.slices/slice-*`` into ``cfg.output`` (see the module docstring).
 
@@ -182,76 +398,40 @@ def merge_slices(cfg: PrepConfig, num_slices: int, keep_slices: bool = False) ->
 
     Raises:
         IncompleteDatasetError: a slice is missing or unfinished (its array task failed or is still running).
-        InputError: a slice was prepared with other settings, another tokenizer or other input files.
-        OutputExistsError: the output exists and ``overwrite`` is false.
+        InputError: a slice was prepared with other settings, another tokenizer or other input files; no slice
+            holds a training document.
+        OutputExistsError: the output exists and ``overwrite`` is false, or it is not a dataset prep wrote.
+        ConfigError: an output that holds an input, the working directory or the repository, or is a link.
+        OutputWriteError: writing the merged dataset failed; its work directory is removed, the output unchanged.
     """
     out, root = Path(cfg.output).absolute(), slices_root(cfg)
-    if out.exists() and not cfg.overwrite:
-        raise OutputExistsError(f"output {out} already exists; pass overwrite=true to replace it")
     if num_slices < 1:
         raise ConfigError(f"num_slices must be at least 1, got {num_slices}")
+    check_output(out, cfg, resolve_sources(cfg))
     if stat_regular(root, TOKENIZER_FILENAME) is None:
         raise IncompleteDatasetError(f"{root / TOKENIZER_FILENAME} is missing: run the tokenizer step first")
     tokenizer = read_regular(root, TOKENIZER_FILENAME)
-    tokenizer_sha = hashlib.sha256(tokenizer).hexdigest()
-    all_sources = resolve_sources(cfg)
-    manifests: dict[int, Manifest] = {}
-    for index in range(num_slices):
-        try:
-            manifests[index] = read_manifest(slice_dir(cfg, index))
-        except IncompleteDatasetError:
-            pass
-    missing = [i for i in range(num_slices) if i not in manifests]
-    if missing:
-        raise IncompleteDatasetError(
-            f"slices {','.join(map(str, missing))} of {num_slices} in {root} are missing or unfinished: their array "
-            "tasks failed or have not run; rerun those tasks, then the merge")  # fmt: skip
-    for index, manifest in manifests.items():
-        _check_slice(cfg, index, num_slices, manifest, tokenizer_sha)
-        sliced = dataclasses.replace(cfg, num_slices=num_slices, slice_index=index)
-        expected = [s.fingerprint(content=False).path for s in select_slice(all_sources, sliced)]
-        if [i.path for i in manifest.inputs] != expected:
-            raise InputError(f"{slice_dir(cfg, index).name} covers other input files than the current input list; "
-                             "rerun that slice")  # fmt: skip
-    dtypes = {m.token_dtype for m in manifests.values()}
-    if len(dtypes) != 1:
-        raise InputError(f"slices disagree on the token dtype: {sorted(dtypes)}")
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp.mkdir()
+    manifests = _read_slices(cfg, num_slices)
+    _check_slices(cfg, manifests, hashlib.sha256(tokenizer).hexdigest())
+    _remove_stale(out)  # a killed merge's marked work directory
+    tmp = make_work_dir(out)
     try:
         _fsync_write(tmp / TOKENIZER_FILENAME, tokenizer)
-        splits: dict[str, SplitStats] = {}
-        for split in SPLITS:
-            shards = _merge_split([slice_dir(cfg, i) / split for i in range(num_slices)], tmp / split)
-            stats = [m.splits[split] for m in manifests.values()]
-            index_sha = hashlib.sha256((tmp / split / INDEX_FILENAME).read_bytes()).hexdigest()
-            splits[split] = SplitStats(documents=sum(s.documents for s in stats), pieces=sum(s.pieces for s in stats),
-                                       tokens=sum(s.tokens for s in stats), index_sha256=index_sha)  # fmt: skip
-            logger.info("%s: %d shards from %d slices", split, shards, num_slices)
-        skipped: Counter[str] = Counter()
-        for m in manifests.values():
-            skipped.update(m.skipped)
-        if any(m.software != manifests[0].software for m in manifests.values()):
-            logger.warning("slices were written with different software versions: %s",
-                           sorted({json.dumps(m.software, sort_keys=True) for m in manifests.values()}))  # fmt: skip
-        manifest = Manifest(
-            format_version=FORMAT_VERSION,
-            token_dtype=manifests[0].token_dtype,
-            tokenizer=dataclasses.replace(manifests[0].tokenizer, trained=cfg.tokenizer.model is None),
-            splits=splits,
-            skipped=dict(sorted(skipped.items())),
-            inputs=[i for m in manifests.values() for i in m.inputs],
-            config=to_container(dataclasses.replace(cfg, num_slices=num_slices)),
-            software=manifests[0].software,
-        )
+        splits = _merge_splits(cfg, manifests, tmp)
+        manifest = _merged_manifest(cfg, manifests, splits)
         commit_dataset(tmp, out, manifest, cfg.overwrite)
+    except PrepError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OutputWriteError(f"merging into {tmp} failed at {exc.filename or tmp}: {exc.strerror or exc}; the "
+                               f"unfinished {tmp.name} was removed and {out} is as it was before the merge") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if not keep_slices:
-        shutil.rmtree(root)
+        _remove_slices_after_merge(root)
     logger.info("merged %d slices into %s: train %d docs / %d tokens, val %d docs / %d tokens", num_slices, out,
                 splits["train"].documents, splits["train"].tokens, splits["val"].documents,
                 splits["val"].tokens)  # fmt: skip

@@ -16,6 +16,7 @@ from data_prep.config import load_config
 from data_prep.errors import PrepError
 from data_prep.format import IncompleteDatasetError
 from data_prep.merge import merge_slices, prepare_tokenizer, slice_dir, slices_root
+from data_prep.redaction import install_log_redaction, redact
 from data_prep.safe_files import UnsafeDatasetError
 from data_prep.shard import main as prep_main
 
@@ -34,6 +35,7 @@ def cli(argv: list[str]) -> int:
     if args.step == "slice" and args.index is None:
         parser.error("slice needs --index")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    install_log_redaction()  # log lines name paths and values that may come from the environment
     try:
         cfg = load_config(args.config, args.overrides)
         if args.step == "tokenizer":
@@ -46,8 +48,11 @@ def cli(argv: list[str]) -> int:
         else:
             merge_slices(cfg, args.num_slices, keep_slices=args.keep_slices)
     except (PrepError, IncompleteDatasetError, UnsafeDatasetError) as exc:  # one line, never a traceback
-        print(f"prep_slices {args.step}: error: {exc}", file=sys.stderr)
+        print(f"prep_slices {args.step}: error: {redact(str(exc))}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"prep_slices {args.step}: interrupted; rerun this step", file=sys.stderr)
+        return 130
     return 0
 
 

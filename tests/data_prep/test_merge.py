@@ -2,16 +2,19 @@
 
 import dataclasses
 import json
+import logging
 import os
 import runpy
 import shutil
+import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from data_prep.config import PrepConfig, load_config
 from data_prep.errors import ConfigError, InputError, OutputExistsError
-from data_prep.format import IncompleteDatasetError, read_manifest
+from data_prep.format import EMPTY_SPLIT_SHA256, IncompleteDatasetError, read_manifest
 from data_prep.merge import merge_slices, prepare_tokenizer, slice_dir, slices_root
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,36 +29,62 @@ def _config(out: Path, corpus_dir: Path, **extra: object) -> PrepConfig:
                        + [f"{k}={v}" for k, v in settings.items()])
 
 
-@pytest.fixture
-def sliced(corpus, tmp_path) -> PrepConfig:
+def _cli() -> Callable[[list[str]], int]:
+    return runpy.run_path(str(REPO / "launch/slurm/prep_slices.py"))["cli"]
+
+
+def _make_slices(corpus_dir: Path, out: Path, val_fraction: float = 0.2, **extra: object) -> PrepConfig:
     """The tokenizer step and all slices of a 3-slice run, through the CLI the SLURM array runs."""
-    cli = runpy.run_path(str(REPO / "launch/slurm/prep_slices.py"))["cli"]
-    cfg = _config(tmp_path / "merged", corpus[0])
-    args = [f"output={cfg.output}", f"input={json.dumps([str(corpus[0])])}", "tokenizer.vocab_size=400",
-            "val_fraction=0.2", "progress=false", "shard_size_bytes=16384"]
+    cli = _cli()
+    cfg = _config(out, corpus_dir, val_fraction=val_fraction, **extra)
+    args = [f"output={cfg.output}", f"input={json.dumps([str(corpus_dir)])}", "tokenizer.vocab_size=400",
+            f"val_fraction={val_fraction}", "progress=false", "shard_size_bytes=16384"]
+    args += [f"{k}={v}" for k, v in extra.items()]
     assert cli(["tokenizer", *args]) == 0
     for i in range(SLICES):
         assert cli(["slice", "--index", str(i), "--num-slices", str(SLICES), *args]) == 0
     return cfg
 
 
-def test_merge_equals_a_single_run(sliced, run_prep, read_split, join_documents, tmp_path):
+@pytest.fixture
+def sliced(corpus, tmp_path) -> PrepConfig:
+    return _make_slices(corpus[0], tmp_path / "merged")
+
+
+def _slice_has_val(cfg: PrepConfig, index: int) -> bool:
+    """Whether a slice wrote a val split, by its manifest and by the file system (both must agree)."""
+    has = read_manifest(slice_dir(cfg, index)).has_split("val")
+    assert has == (slice_dir(cfg, index) / "val").exists()
+    return has
+
+
+# val_fraction 0.05: slice 1 (five books) gets no val document, so it has no val/ directory; 0: no slice has one.
+@pytest.mark.parametrize(("val_fraction", "val_slices"), [(0.2, [0, 1, 2]), (0.05, [0, 2]), (0.0, [])],
+                         ids=["val-in-every-slice", "one-slice-without-val", "no-val-anywhere"])  # fmt: skip
+def test_merge_equals_a_single_run(val_fraction, val_slices, corpus, run_prep, read_split, join_documents, tmp_path):
+    sliced = _make_slices(corpus[0], tmp_path / "merged", val_fraction)
+    assert [i for i in range(SLICES) if _slice_has_val(sliced, i)] == val_slices
     out = Path(sliced.output)
     shutil.copyfile(slices_root(sliced) / "tokenizer.model", tmp_path / "tok.model")  # the merge deletes the slices
     slice_shards = sum(len(json.loads((slice_dir(sliced, i) / "train/index.json").read_text())["shards"])
                        for i in range(SLICES))
     merged = merge_slices(sliced, SLICES)
     assert not slices_root(sliced).exists()
-    single = run_prep(output=tmp_path / "single", tokenizer__model=tmp_path / "tok.model")
+    single = run_prep(output=tmp_path / "single", tokenizer__model=tmp_path / "tok.model", val_fraction=val_fraction)
 
     assert read_manifest(out) == merged
     assert merged.tokenizer.trained and merged.tokenizer.sha256 == single.tokenizer.sha256
     assert merged.config["num_slices"] == SLICES and merged.config["tokenizer"]["vocab_size"] == 400
     assert merged.inputs == single.inputs and merged.skipped == single.skipped
     assert len(json.loads((out / "train/index.json").read_text())["shards"]) == slice_shards
+    assert merged.has_split("val") == bool(val_slices) == single.has_split("val")
     for split in ("train", "val"):
         a, b = merged.splits[split], single.splits[split]
         assert (a.documents, a.pieces, a.tokens) == (b.documents, b.pieces, b.tokens), split
+        if not single.has_split(split):  # written exactly like a single run writes an empty split: not at all
+            assert a == b and a.index_sha256 == EMPTY_SPLIT_SHA256 and a.pieces == 0, a
+            assert not (out / split).exists() and not (tmp_path / "single" / split).exists()
+            continue
         got, want = read_split(out / split), read_split(tmp_path / "single" / split)
         # The same samples in the same order; only document ids (ordinal * slices + slice) and shard cuts differ.
         assert [s["tokens"].tolist() for s in got] == [s["tokens"].tolist() for s in want], split
@@ -73,6 +102,23 @@ def test_merge_names_the_missing_slice(sliced):
     with pytest.raises(IncompleteDatasetError, match="slices 1,3,4 of 5"):
         merge_slices(sliced, 5)
     assert not Path(sliced.output).exists()
+
+
+def test_merge_refuses_a_split_the_manifest_promises_but_that_is_gone(sliced):
+    shutil.rmtree(slice_dir(sliced, 2) / "val")
+    with pytest.raises(InputError, match=r"slice-00002/val/index.json is missing, but the slice's manifest records "
+                                         "samples in that split; rerun that slice"):  # fmt: skip
+        merge_slices(sliced, SLICES)
+    assert not Path(sliced.output).exists() and not any(Path(sliced.output).parent.glob(".merged.tmp-*"))
+
+
+def test_merge_refuses_slices_without_a_training_document(corpus, tmp_path):
+    """As a single run refuses a dataset with an empty train split, so does the merge, before writing anything."""
+    sliced = _make_slices(corpus[0], tmp_path / "merged", min_tokens=100000)
+    assert all(read_manifest(slice_dir(sliced, i)).splits["train"].documents == 0 for i in range(SLICES))
+    with pytest.raises(InputError, match="no document of the 3 slices reached the train split .* nothing was written"):
+        merge_slices(sliced, SLICES)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["merged.slices"]
 
 
 def test_merge_cli_reports_one_line(sliced, capsys):
@@ -99,7 +145,8 @@ def test_tokenizer_step_refuses_leftover_slices(sliced):
     with pytest.raises(OutputExistsError, match="holds slices of an earlier run"):
         prepare_tokenizer(sliced)
     prepare_tokenizer(dataclasses.replace(sliced, overwrite=True))
-    assert sorted(p.name for p in slices_root(sliced).iterdir()) == ["tokenizer.model"]
+    # the marker the tokenizer step creates with the directory: what lets a later overwrite or merge delete it
+    assert sorted(p.name for p in slices_root(sliced).iterdir()) == [".prep-slices", "tokenizer.model"]
 
 
 def test_slicing_needs_a_shared_tokenizer(tmp_path):
@@ -150,3 +197,157 @@ def test_merge_refuses_a_hostile_slice_in_one_line(hostile, sliced, tmp_path, ca
     assert not Path(sliced.output).exists() and not any(Path(sliced.output).parent.glob(".merged.tmp-*"))
     assert sorted((p.name, p.lstat().st_size) for p in split.iterdir()) == before
     assert victim.read_bytes() == content and not Path("/tmp/gca-merge-abs.mds.zstd").exists()
+
+
+def _tree(root: Path) -> list[tuple[str, int]]:
+    """Every path under ``root`` with its size (links not followed): the file system state a refusal must keep."""
+    return sorted((str(p.relative_to(root)), p.lstat().st_size) for p in root.rglob("*"))
+
+
+def test_overwrite_never_deletes_an_unmarked_slices_directory(corpus, tmp_path):
+    """``<output>.slices`` that the tokenizer step did not create (no marker): overwrite=true refuses it in one line
+    naming it, before training, and deletes nothing."""
+    root = tmp_path / "merged.slices"
+    (root / "slice-00000").mkdir(parents=True)
+    (root / "slice-00000" / "notes.txt").write_text("someone's work")
+    (root / "tokenizer.model").write_text("someone's model")
+    before = _tree(root)
+    cfg = _config(tmp_path / "merged", corpus[0], overwrite="true")
+    with pytest.raises(OutputExistsError, match=f"^{root} has no .prep-slices marker, so the tokenizer step of a "
+                                                "sliced run did not create it; nothing was deleted"):  # fmt: skip
+        prepare_tokenizer(cfg, SLICES)
+    assert _tree(root) == before
+
+
+def test_overwrite_keeps_slices_holding_foreign_files(sliced):
+    """A marked slices directory with a file the run did not write: overwrite=true refuses, nothing is deleted."""
+    root = slices_root(sliced)
+    (root / "slice-00001" / "train" / "mine.txt").write_text("inside a slice")  # the slice is no longer all prep's
+    before = _tree(root)
+    with pytest.raises(OutputExistsError, match=rf"^{root} holds files a sliced run did not write \(slice-00001\); "
+                                                "nothing was deleted"):  # fmt: skip
+        prepare_tokenizer(dataclasses.replace(sliced, overwrite=True), SLICES)
+    assert _tree(root) == before
+
+
+def test_merge_deletes_only_what_the_run_wrote(sliced, caplog):
+    """After the merge the slices, the shared tokenizer and a killed slice task's marked work directory are gone;
+    a file someone put there is left with a warning naming it, and so is the marker that recognises the directory."""
+    root = slices_root(sliced)
+    (root / "notes.txt").write_text("mine")
+    killed = root / ".slice-00001.tmp-999999"
+    killed.mkdir()
+    (killed / ".prep-work").touch()  # as shard.make_work_dir marks it
+    (killed / "tokenizer.model").write_text("half written")
+    unmarked = root / ".slice-00002.tmp-999998"
+    unmarked.mkdir()
+    with caplog.at_level(logging.WARNING, logger="data_prep.merge"):
+        merge_slices(sliced, SLICES)
+    assert read_manifest(sliced.output).config["num_slices"] == SLICES
+    assert sorted(p.name for p in root.iterdir()) == [".prep-slices", ".slice-00002.tmp-999998", "notes.txt"]
+    assert (root / "notes.txt").read_text() == "mine"
+    assert f"left .slice-00002.tmp-999998, notes.txt in {root}: not written by the sliced run" in caplog.text
+
+
+def test_merge_keeps_an_unmarked_slices_directory(sliced, caplog):
+    """Slices whose directory lost its marker are merged but not deleted: nothing proves the directory is prep's."""
+    root = slices_root(sliced)
+    (root / ".prep-slices").unlink()
+    before = _tree(root)
+    with caplog.at_level(logging.WARNING, logger="data_prep.merge"):
+        merge_slices(sliced, SLICES)
+    assert read_manifest(sliced.output).config["num_slices"] == SLICES
+    assert _tree(root) == before
+    assert f"the slices were kept: {root} has no .prep-slices marker" in caplog.text
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+def test_merge_work_directories_are_marked_and_only_marked_ones_are_removed(sliced):
+    """A killed merge's marked work directory is removed by the next merge; an unmarked directory with a work
+    directory's name (this process's own, or a dead one's) is never deleted."""
+    out = Path(sliced.output)
+    stale = out.with_name(f".merged.tmp-{_dead_pid()}")
+    stale.mkdir()
+    (stale / ".prep-work").touch()
+    foreign = out.with_name(f".merged.tmp-{_dead_pid()}")
+    foreign.mkdir()
+    (foreign / "mine.txt").write_text("not prep's")
+    own = out.with_name(f".merged.tmp-{os.getpid()}")
+    own.mkdir()
+    (own / "mine.txt").write_text("not prep's")
+    with pytest.raises(OutputExistsError, match=f"^output {own} is named like this run's work directory but was not "
+                                                "made by prep; nothing was deleted"):  # fmt: skip
+        merge_slices(sliced, SLICES)
+    assert (own / "mine.txt").read_text() == "not prep's" and (foreign / "mine.txt").read_text() == "not prep's"
+    assert not out.exists() and all(slice_dir(sliced, i).is_dir() for i in range(SLICES))
+    shutil.rmtree(own)
+    merge_slices(sliced, SLICES, keep_slices=True)
+    assert not stale.exists() and (foreign / "mine.txt").read_text() == "not prep's"
+    assert not (out / ".prep-work").exists()  # the work marker is not left in the dataset
+
+
+def test_merge_checks_the_output_before_any_work(sliced):
+    """overwrite=true over a directory prep did not write: one line naming it, before the slices are even read;
+    over a merged dataset: replaced, with the same result."""
+    out = Path(sliced.output)
+    out.mkdir()
+    (out / "mine.txt").write_text("precious")
+    (slice_dir(sliced, 1) / "_COMPLETE").unlink()  # would fail the merge later, if the output were not checked first
+    with pytest.raises(OutputExistsError, match=f"^output {out} exists but is not a complete dataset written by prep"):
+        merge_slices(dataclasses.replace(sliced, overwrite=True), SLICES)
+    assert _tree(out) == [("mine.txt", 8)] and not any(out.parent.glob(".merged.tmp-*"))
+    with pytest.raises(ConfigError, match="contains the input"):
+        merge_slices(dataclasses.replace(sliced, output=str(Path(sliced.input[0]).parent), overwrite=True), SLICES)
+
+
+def test_merge_replaces_a_merged_dataset_with_overwrite(sliced):
+    first = merge_slices(sliced, SLICES, keep_slices=True)
+    with pytest.raises(OutputExistsError, match="already exists; pass overwrite=true"):
+        merge_slices(sliced, SLICES, keep_slices=True)
+    again = merge_slices(dataclasses.replace(sliced, overwrite=True), SLICES)
+    assert again.splits == first.splits and read_manifest(sliced.output) == again
+    assert not slices_root(sliced).exists()
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo"])
+def test_merge_refuses_a_slice_manifest_that_is_a_link_or_fifo(kind, sliced, tmp_path, capsys):
+    manifest = slice_dir(sliced, 1) / "manifest.json"
+    copy = tmp_path / "copy.json"
+    shutil.copyfile(manifest, copy)
+    manifest.unlink()
+    manifest.symlink_to(copy) if kind == "symlink" else os.mkfifo(manifest)
+    assert _cli()(["merge", "--num-slices", str(SLICES), f"output={sliced.output}",
+                   f"input={json.dumps(list(sliced.input))}", "tokenizer.vocab_size=400", "val_fraction=0.2"]) == 2
+    err = capsys.readouterr().err
+    what = "a symbolic link" if kind == "symlink" else "a FIFO"
+    assert err.startswith(f"prep_slices merge: error: slice-00001: {manifest} is {what}, not a regular file"), err
+    assert err.count("\n") == 1 and not Path(sliced.output).exists()
+
+
+def test_prep_array_steps_by_hand(corpus, read_split, run_prep, tmp_path):
+    """What launch/slurm/prep.sbatch runs (and tests/slurm checks on a cluster): the three CLI steps with one
+    --config file, val_fraction=0.1, the vocabulary size as an override; then the merged dataset reads back the
+    tokens of a single run with its tokenizer, and the slices are gone."""
+    out = tmp_path / "merged"
+    config = tmp_path / "prep.yaml"
+    config.write_text(f"output: {out}\ninput: {corpus[0]}\nval_fraction: 0.1\nprogress: false\n"
+                      "shard_size_bytes: 16384\n")
+    cli, common = _cli(), ["--config", str(config), "tokenizer.vocab_size=320"]
+    assert cli(["tokenizer", "--num-slices", str(SLICES), *common]) == 0
+    for i in range(SLICES):
+        assert cli(["slice", "--index", str(i), "--num-slices", str(SLICES), *common]) == 0
+    assert cli(["merge", "--num-slices", str(SLICES), *common]) == 0
+    manifest = read_manifest(out)
+    assert manifest.config["num_slices"] == SLICES and manifest.tokenizer.trained
+    assert not out.with_name("merged.slices").exists()
+    run_prep(output=tmp_path / "single", tokenizer__model=out / "tokenizer.model", val_fraction=0.1)
+    for split in ("train", "val"):
+        tokens = [[t for s in read_split(root / split) for t in s["tokens"].tolist()]
+                  for root in (out, tmp_path / "single")]  # fmt: skip
+        assert len(tokens[0]) == manifest.splits[split].tokens > 0
+        assert tokens[0] == tokens[1], split
