@@ -351,3 +351,13 @@ def test_prep_array_steps_by_hand(corpus, read_split, run_prep, tmp_path):
                   for root in (out, tmp_path / "single")]  # fmt: skip
         assert len(tokens[0]) == manifest.splits[split].tokens > 0
         assert tokens[0] == tokens[1], split
+
+
+def test_merge_cli_error_keeps_environment_values_out(sliced, capsys, monkeypatch):
+    """An output taken from the environment may be a secret place: the one error line shows its interpolation."""
+    monkeypatch.setenv("GCA_TEST_MERGE_OUT", sliced.output)
+    assert _cli()(["merge", "--num-slices", "4", "output=${oc.env:GCA_TEST_MERGE_OUT}",
+                   f"input={json.dumps(list(sliced.input))}", "tokenizer.vocab_size=400"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("prep_slices merge: error: slices 3 of 4 in ${oc.env:GCA_TEST_MERGE_OUT}.slices are "), err
+    assert sliced.output not in err
