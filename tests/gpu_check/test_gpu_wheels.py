@@ -14,9 +14,12 @@ Network: the first run downloads ~20 MiB of wheels and builds deepspeed and zstd
 from __future__ import annotations
 
 import importlib.metadata as md
+import importlib.util
 import json
 import os
+import random
 import shutil
+import string
 import subprocess
 import sys
 import textwrap
@@ -144,16 +147,18 @@ def test_carried_wheels_run_prep_training_and_eval(gpu_env, tmp_path):
     omegaconf) and a passkey eval in the simulated image."""
     corpus = tmp_path / "corpus"
     corpus.mkdir()
+    rng = random.Random(0)
     for i in range(40):
-        (corpus / f"doc{i:02d}.txt").write_text(" ".join(f"word{(i * 7 + j) % 97} value {j}" for j in range(300)))
+        words = ("".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 7))) for _ in range(400))
+        (corpus / f"doc{i:02d}.txt").write_text(" ".join(words))
     data, run = tmp_path / "data", tmp_path / "run"
     python, env = gpu_env["python"], gpu_env["env"]
     steps = [
-        [python, "launch/prep.py", f"input={corpus}", f"output={data}", "tokenizer.vocab_size=300",
+        [python, "launch/prep.py", f"input={corpus}", f"output={data}", "tokenizer.vocab_size=320",
          "val_fraction=0.1", "num_proc=1", "progress=false"],
         [python, "launch/pretrain.py", "--config", "configs/train/debug.yaml", f"run_dir={run}",
-         f"data.path={data}", "model.vocab_size=300", "train.max_steps=2", "train.eval_every=0",
-         "logging.progress=false", "checkpoint.every=0"],
+         f"data.path={data}", "model.vocab_size=320", "train.max_steps=2", "schedule.warmup_steps=1",
+         "train.eval_every=0", "logging.progress=false", "checkpoint.every=0"],
         [python, "launch/eval.py", "--checkpoint", str(run / "export"), "--task", "passkey", "--out",
          str(tmp_path / "eval"), "lengths=[512]", "samples=1", "depths=[0.5]", "data=builtin", "progress=false"],
     ]
@@ -187,7 +192,8 @@ def test_cp312_set_matches_the_local_set_and_the_list():
 @pytest.mark.skipif(shutil.which("python3.12") is None, reason="no CPython 3.12 on PATH")
 def test_cp312_binary_wheels_load_in_cpython_312(tmp_path):
     """The GPU install command with a real CPython 3.12: every carried module that needs no torch imports and
-    works; deepspeed's and streaming's sources compile under 3.12 (torch 2.13 for 3.12 is not on this machine)."""
+    works (with the image's pure-Python typing_extensions and PyYAML linked from the project venv); the sources of
+    deepspeed and streaming compile under 3.12 (they import torch, and torch 2.13 for 3.12 is not on this machine)."""
     _collect("3.12", GPU_WHEELS)
     python = shutil.which("python3.12")
     env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), "PYENV_VERSION": "3.12"}
@@ -206,7 +212,13 @@ def test_cp312_binary_wheels_load_in_cpython_312(tmp_path):
         assert omegaconf.OmegaConf.create({"a": "${b}", "b": 3}).a == 3 and hjson.loads("{a: 1}")["a"] == 1
         print("ok")
     """)
-    done = _run([python, "-c", probe], {**env, "PYTHONPATH": str(site)}, cwd=tmp_path)
+    image = tmp_path / "image"
+    image.mkdir()
+    for module in ("typing_extensions", "yaml"):
+        spec = importlib.util.find_spec(module)
+        source = Path(spec.origin).parent if spec.submodule_search_locations else Path(spec.origin)
+        (image / source.name).symlink_to(source)
+    done = _run([python, "-c", probe], {**env, "PYTHONPATH": f"{site}:{image}"}, cwd=tmp_path)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
     done = _run([python, "-m", "compileall", "-q", str(site / "deepspeed"), str(site / "streaming")], env)
     assert done.returncode == 0, done.stdout[-3000:]
