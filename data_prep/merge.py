@@ -48,17 +48,17 @@ from data_prep.format import (
 )
 from data_prep.safe_files import INDEX_FILENAME, open_regular, read_index, read_regular, stat_regular
 from data_prep.shard import (
-    _dataset_paths,
-    _delete_dataset,
-    _fsync_write,
-    _is_file,
-    _is_work_dir,
-    _remove_stale,
-    _tokenizer_model,
     check_output,
     commit_dataset,
+    dataset_paths,
+    delete_dataset,
+    fsync_write,
+    is_plain_file,
+    is_work_dir,
     make_work_dir,
+    remove_stale_work_dirs,
     select_slice,
+    tokenizer_model_bytes,
 )
 from data_prep.sources import resolve_sources
 
@@ -95,9 +95,9 @@ def slice_dir(cfg: PrepConfig, index: int) -> Path:
 
 
 def _is_prep_dataset(path: Path) -> bool:
-    """Whether ``path`` is a complete dataset prep wrote, holding nothing else (what `_delete_dataset` deletes)."""
+    """Whether ``path`` is a complete dataset prep wrote, holding nothing else (what `delete_dataset` deletes)."""
     try:
-        _dataset_paths(path)
+        dataset_paths(path)
     except OutputExistsError:
         return False
     return True
@@ -107,10 +107,10 @@ def _written_by_slicing(entry: Path) -> bool:
     """Whether ``entry`` of a marked slices directory is something the steps of a sliced run write there."""
     name = entry.name
     if name in (_SLICES_MARKER, TOKENIZER_FILENAME) or _TOKENIZER_WORK.fullmatch(name):
-        return _is_file(entry)
+        return is_plain_file(entry)
     if _SLICE_NAME.fullmatch(name) or _SLICE_OLD.fullmatch(name):
         return _is_prep_dataset(entry)
-    return _SLICE_WORK.fullmatch(name) is not None and _is_work_dir(entry)
+    return _SLICE_WORK.fullmatch(name) is not None and is_work_dir(entry)
 
 
 def _slices_contents(root: Path) -> tuple[list[Path], list[Path]]:
@@ -124,7 +124,7 @@ def _slices_contents(root: Path) -> tuple[list[Path], list[Path]]:
         raise OutputExistsError(f"{root} is not a directory (a file or a symbolic link) but is named like the "
                                 "slices of this output; nothing was deleted: remove or move it yourself")  # fmt: skip
     marker = root / _SLICES_MARKER
-    if not os.path.lexists(marker) or not _is_file(marker):
+    if not os.path.lexists(marker) or not is_plain_file(marker):
         raise OutputExistsError(f"{root} has no {_SLICES_MARKER} marker, so the tokenizer step of a sliced run did not "
                                 "create it; nothing was deleted: remove or move it yourself, or choose another "
                                 "output")  # fmt: skip
@@ -147,15 +147,15 @@ def _delete_slices(root: Path, ours: list[Path], other: list[Path]) -> None:
             continue
         if _SLICE_WORK.fullmatch(entry.name):
             shutil.rmtree(entry)  # a marked work directory: all of it is prep's
-        elif _is_file(entry):
+        elif is_plain_file(entry):
             entry.unlink()
         else:
-            _delete_dataset(entry)  # checked again and deleted file by file, never through a link
+            delete_dataset(entry)  # checked again and deleted file by file, never through a link
     if other:
         logger.warning("left %s in %s: not written by the sliced run; remove them yourself", _names(other), root)
         return
     left = [p for p in root.iterdir() if p.name != _SLICES_MARKER]
-    if left:  # a slice that `_delete_dataset` could not remove (it warned): keep the marker that recognises it
+    if left:  # a slice that `delete_dataset` could not remove (it warned): keep the marker that recognises it
         logger.warning("could not fully remove %s (%s remain); remove it by hand", root, _names(left))
         return
     (root / _SLICES_MARKER).unlink()
@@ -206,14 +206,14 @@ def prepare_tokenizer(cfg: PrepConfig, num_slices: int = 1) -> Path:
             raise OutputExistsError(f"{root} holds files a sliced run did not write ({_names(earlier[1])}); nothing "
                                     "was deleted: remove or move them yourself, or choose another output")  # fmt: skip
     select_slice(sources, dataclasses.replace(cfg, num_slices=num_slices))  # fail now, not in every array task
-    model_proto, trained = _tokenizer_model(sources, cfg)
+    model_proto, trained = tokenizer_model_bytes(sources, cfg)
     if earlier is not None:
         logger.warning("overwrite=true: removing the slices of an earlier run in %s", root)
         _delete_slices(root, *earlier)
     _make_slices_root(root)
     path = root / TOKENIZER_FILENAME
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    _fsync_write(tmp, model_proto)
+    fsync_write(tmp, model_proto)
     tmp.rename(path)
     logger.info("%s shared tokenizer %s (sha256 %s)", "trained" if trained else "copied", path,
                 hashlib.sha256(model_proto).hexdigest()[:16])  # fmt: skip
@@ -244,7 +244,7 @@ def _link(src_dir: Path, name: str, dst: Path) -> None:
         os.link(src_dir / name, dst, follow_symlinks=False)
     except OSError:  # another file system, or one without hard links
         with os.fdopen(open_regular(src_dir, name), "rb") as f:
-            _fsync_write(dst, f.read())
+            fsync_write(dst, f.read())
         return
     stat_regular(dst.parent, dst.name)
 
@@ -285,7 +285,7 @@ def _merge_split(sources: list[Path], dst: Path) -> int:
                 raise InputError(f"{src}: shard {entry['raw_data']['basename']} is listed in index.json but missing")
             entries.append(entry)
     # Written like MDSWriter writes it; the trainer and StreamingDataset read only this file.
-    _fsync_write(dst / INDEX_FILENAME, json.dumps({"version": 2, "shards": entries}, sort_keys=True).encode())
+    fsync_write(dst / INDEX_FILENAME, json.dumps({"version": 2, "shards": entries}, sort_keys=True).encode())
     return len(entries)
 
 
@@ -413,10 +413,10 @@ def merge_slices(cfg: PrepConfig, num_slices: int, keep_slices: bool = False) ->
     tokenizer = read_regular(root, TOKENIZER_FILENAME)
     manifests = _read_slices(cfg, num_slices)
     _check_slices(cfg, manifests, hashlib.sha256(tokenizer).hexdigest())
-    _remove_stale(out)  # a killed merge's marked work directory
+    remove_stale_work_dirs(out)  # a killed merge's marked work directory
     tmp = make_work_dir(out)
     try:
-        _fsync_write(tmp / TOKENIZER_FILENAME, tokenizer)
+        fsync_write(tmp / TOKENIZER_FILENAME, tokenizer)
         splits = _merge_splits(cfg, manifests, tmp)
         manifest = _merged_manifest(cfg, manifests, splits)
         commit_dataset(tmp, out, manifest, cfg.overwrite)

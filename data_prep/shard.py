@@ -243,7 +243,7 @@ def _in_train_sample(doc: Document, cfg: PrepConfig, rate: float) -> bool:
     return xxhash.xxh64_intdigest(doc.text.encode("utf-8"), seed=cfg.split_seed + 1) < rate * 2.0**64
 
 
-def _tokenizer_model(sources: list[Source], cfg: PrepConfig) -> tuple[bytes, bool]:
+def tokenizer_model_bytes(sources: list[Source], cfg: PrepConfig) -> tuple[bytes, bool]:
     if cfg.tokenizer.model is not None:
         model = Path(cfg.tokenizer.model).read_bytes()
         try:
@@ -308,7 +308,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _is_file(path: Path) -> bool:
+def is_plain_file(path: Path) -> bool:
     """A regular file itself, not a symbolic link to one (prep never writes links)."""
     return stat.S_ISREG(path.lstat().st_mode)
 
@@ -340,7 +340,7 @@ def _split_paths(split_dir: Path) -> tuple[list[Path], list[Path]]:
         return [], [split_dir]
     ours, other = [], []
     for entry in sorted(split_dir.iterdir()):
-        (ours if entry.name in names and _is_file(entry) else other).append(entry)
+        (ours if entry.name in names and is_plain_file(entry) else other).append(entry)
     return ours, other
 
 
@@ -349,7 +349,7 @@ def _refuse(root: Path, why: str) -> OutputExistsError:
                              "another output")  # fmt: skip
 
 
-def _dataset_paths(root: Path) -> list[Path]:
+def dataset_paths(root: Path) -> list[Path]:
     """Every path of the complete dataset at ``root``, each file before the directory holding it.
 
     Raises:
@@ -367,7 +367,7 @@ def _dataset_paths(root: Path) -> list[Path]:
     dirs: list[Path] = []
     other: list[Path] = []
     for entry in sorted(root.iterdir()):
-        if entry.name in (MANIFEST_FILENAME, COMPLETE_MARKER, TOKENIZER_FILENAME, _WORK_MARKER) and _is_file(entry):
+        if entry.name in (MANIFEST_FILENAME, COMPLETE_MARKER, TOKENIZER_FILENAME, _WORK_MARKER) and is_plain_file(entry):
             files.append(entry)
         elif entry.name in SPLITS and _is_dir(entry):
             ours, theirs = _split_paths(entry)
@@ -382,11 +382,11 @@ def _dataset_paths(root: Path) -> list[Path]:
     return files + dirs
 
 
-def _delete_dataset(root: Path) -> None:
+def delete_dataset(root: Path) -> None:
     """Delete the dataset at ``root`` path by path (never through a link); warn instead of failing, since by
     now the new dataset is in place. Anything prep did not write is left where it is."""
     try:
-        for path in _dataset_paths(root):
+        for path in dataset_paths(root):
             if _is_dir(path):
                 path.rmdir()
             else:
@@ -396,13 +396,13 @@ def _delete_dataset(root: Path) -> None:
         logger.warning("could not fully remove the previous dataset at %s (%s); remove it by hand", root, exc)
 
 
-def _is_work_dir(path: Path) -> bool:
+def is_work_dir(path: Path) -> bool:
     """Whether ``path`` is a work directory prep created (a real directory holding the work marker)."""
     marker = path / _WORK_MARKER
-    return _is_dir(path) and marker.exists() and _is_file(marker)
+    return _is_dir(path) and marker.exists() and is_plain_file(marker)
 
 
-def _remove_stale(out: Path) -> None:
+def remove_stale_work_dirs(out: Path) -> None:
     """Remove work directories (``.tmp-``) and replaced datasets (``.old-``) of crashed runs on the same output
     (their pid is gone), each only when it provably is prep's."""
     if not out.parent.is_dir():
@@ -417,8 +417,8 @@ def _remove_stale(out: Path) -> None:
                            "rename it back to keep it", stale, out)  # fmt: skip
         elif kind.endswith(".old"):
             logger.warning("removing %s, the previous dataset of an interrupted replacement", stale)
-            _delete_dataset(stale)
-        elif _is_work_dir(stale):
+            delete_dataset(stale)
+        elif is_work_dir(stale):
             logger.warning("removing %s left by an interrupted run", stale)
             shutil.rmtree(stale, ignore_errors=True)
         else:
@@ -434,7 +434,7 @@ def make_work_dir(out: Path) -> Path:
     """
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     if tmp.is_symlink() or tmp.exists():
-        if not _is_work_dir(tmp):
+        if not is_work_dir(tmp):
             raise _refuse(tmp, "is named like this run's work directory but was not made by prep")
         shutil.rmtree(tmp)  # a previous run in this very process (tests) left it
     try:
@@ -448,7 +448,7 @@ def make_work_dir(out: Path) -> Path:
     return tmp
 
 
-def _fsync_write(path: Path, data: bytes) -> None:
+def fsync_write(path: Path, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
@@ -462,8 +462,8 @@ def commit_dataset(tmp: Path, out: Path, manifest: Manifest, overwrite: bool) ->
     here: it may have changed during the run); it is deleted only after the new one is in place.
     """
     data = manifest.to_json().encode()
-    _fsync_write(tmp / MANIFEST_FILENAME, data)
-    _fsync_write(tmp / COMPLETE_MARKER, (hashlib.sha256(data).hexdigest() + "\n").encode())
+    fsync_write(tmp / MANIFEST_FILENAME, data)
+    fsync_write(tmp / COMPLETE_MARKER, (hashlib.sha256(data).hexdigest() + "\n").encode())
     _commit(tmp, out, overwrite)
 
 
@@ -471,7 +471,7 @@ def _commit(tmp: Path, out: Path, overwrite: bool) -> None:
     if out.exists() or out.is_symlink():
         if not overwrite:  # someone created it while we were working
             raise OutputExistsError(f"output {out} appeared during the run; pass overwrite=true to replace it")
-        _dataset_paths(out)
+        dataset_paths(out)
         # Move the old dataset aside first, so there is never a moment with neither a complete old nor new one.
         old = out.with_name(f".{out.name}.old-{os.getpid()}")
         out.rename(old)
@@ -480,7 +480,7 @@ def _commit(tmp: Path, out: Path, overwrite: bool) -> None:
         except BaseException:
             old.rename(out)
             raise
-        _delete_dataset(old)
+        delete_dataset(old)
     else:
         tmp.rename(out)
     (out / _WORK_MARKER).unlink(missing_ok=True)  # the marker is for work directories, not datasets
@@ -527,7 +527,7 @@ def check_output(out: Path, cfg: PrepConfig, sources: list[Source]) -> None:
     if out.exists():
         if not cfg.overwrite:
             raise OutputExistsError(f"output {out} already exists; pass overwrite=true to replace it")
-        _dataset_paths(out)  # replace only a dataset prep wrote, and only if nothing else lives in it
+        dataset_paths(out)  # replace only a dataset prep wrote, and only if nothing else lives in it
 
 
 def _write_error(exc: OSError, tmp: Path, out: Path) -> str:
@@ -561,7 +561,7 @@ def main(cfg: PrepConfig) -> Manifest:
     sources = select_slice(resolve_sources(cfg), cfg)
     check_output(out, cfg, sources)
     ensure_streaming_importable()
-    _remove_stale(out)
+    remove_stale_work_dirs(out)
     tmp = make_work_dir(out)
     started = time.perf_counter()
     try:
@@ -589,8 +589,8 @@ def main(cfg: PrepConfig) -> Manifest:
 
 def _prepare(sources: list[Source], cfg: PrepConfig, tmp: Path) -> Manifest:
     """Tokenizer and splits into ``tmp``; the manifest describing them."""
-    model_proto, trained = _tokenizer_model(sources, cfg)
-    _fsync_write(tmp / TOKENIZER_FILENAME, model_proto)
+    model_proto, trained = tokenizer_model_bytes(sources, cfg)
+    fsync_write(tmp / TOKENIZER_FILENAME, model_proto)
     info = tokenize.tokenizer_info(model_proto, trained)
     skips = SkipCounter(strict=cfg.strict)
     splits = _write_splits(sources, cfg, model_proto, info.vocab_size, tmp, skips)
