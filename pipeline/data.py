@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Cursor", "DataFingerprintError", "EmptySplitError", "MDSReader", "PackedSequences", "RankBatches",
            "ShardCorruptError", "UnsafeColumnError", "UnsafeDatasetError", "UnsafeShardPathError", "check_fingerprint",
-           "check_index", "check_shard_path", "dataset_fingerprint", "eos_id_of", "is_remote"]
+           "check_index", "check_shard_path", "dataset_fingerprint", "eos_id_of", "is_remote", "read_tokenizer"]
 
 
 def is_remote(path: str) -> bool:
@@ -307,12 +307,23 @@ class MDSReader:
         return np.asarray(sample[fmt.TOKENS]), int(sample[fmt.DOC_ID])
 
 
+def read_tokenizer(data_path: str) -> bytes | None:
+    """The bytes of ``tokenizer.model`` next to a local dataset, read as a regular file only (a link or FIFO planted
+    there is refused, never followed or blocked on); None when there is none, or the dataset is remote.
+
+    Raises:
+        UnsafeDatasetError: the file is a link, FIFO, device or directory.
+    """
+    root = Path(data_path)
+    if is_remote(data_path) or stat_regular(root, fmt.TOKENIZER_FILENAME) is None:
+        return None
+    return read_regular(root, fmt.TOKENIZER_FILENAME)
+
+
 def dataset_fingerprint(reader: MDSReader, data_path: str) -> dict[str, str | None]:
     """Content fingerprint of the training data: sha256 of the split's ``index.json`` (which records every
     shard's hash, size and sample count) and of ``tokenizer.model`` (``None`` when there is none, or remote)."""
-    root = Path(data_path)
-    has_tokenizer = not is_remote(data_path) and stat_regular(root, fmt.TOKENIZER_FILENAME) is not None
-    tokenizer = read_regular(root, fmt.TOKENIZER_FILENAME) if has_tokenizer else None
+    tokenizer = read_tokenizer(data_path)
     return {"index_sha256": hashlib.sha256(reader.index_bytes).hexdigest(),
             "tokenizer_sha256": hashlib.sha256(tokenizer).hexdigest() if tokenizer is not None else None}
 

@@ -62,12 +62,16 @@ class NeedleInserter:
         chunk_size: the model's chunk size (tokens), which the layout aligns to.
     """
 
-    def __init__(self, tokenizer_path: str | Path, seq_len: int, chunk_size: int) -> None:
+    def __init__(self, tokenizer: str | Path | bytes, seq_len: int, chunk_size: int) -> None:
+        """``tokenizer``: a SentencePiece model file, or its bytes (as the trainer reads it from a dataset)."""
         import sentencepiece as spm
 
-        if not Path(tokenizer_path).is_file():
-            raise FileNotFoundError(f"data.needle_mix > 0 needs the tokenizer at {tokenizer_path}")
-        self.sp = spm.SentencePieceProcessor(model_file=str(tokenizer_path))
+        if isinstance(tokenizer, bytes):
+            self.sp = spm.SentencePieceProcessor(model_proto=tokenizer)
+        elif Path(tokenizer).is_file():
+            self.sp = spm.SentencePieceProcessor(model_file=str(tokenizer))
+        else:
+            raise FileNotFoundError(f"data.needle_mix > 0 needs the tokenizer at {tokenizer}")
         self.seq_len, self.chunk_size = seq_len, chunk_size
 
     def parts(self, key: str) -> tuple[list[int], list[int], list[int]]:

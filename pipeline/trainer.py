@@ -18,7 +18,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -30,17 +29,23 @@ from data_prep import format as fmt
 from data_prep.redaction import REDACTED, is_secret_name, redact
 from kernels.cpu_math import flush_denormals, retain_freed_memory
 from model import build_model, read_export_config, save_pretrained
+from model.io import ExportError, check_safetensors
 from pipeline import dist, faults
 from pipeline.checkpoint import OWNER_FILE, CheckpointManager, foreign_leftovers
 from pipeline.config import ConfigError, TrainConfig, load_config, to_plain, to_yaml
 from pipeline.data import (
+    DataFingerprintError,
+    EmptySplitError,
     MDSReader,
     PackedSequences,
     RankBatches,
+    ShardCorruptError,
+    UnsafeDatasetError,
     check_fingerprint,
     dataset_fingerprint,
     eos_id_of,
     is_remote,
+    read_tokenizer,
 )
 from pipeline.logging import (
     MetricsLogger,
@@ -115,12 +120,19 @@ def check_no_secrets(cfg: TrainConfig) -> None:
 def _check_tokenizer(cfg: TrainConfig) -> None:
     """The tokenizer next to data.path must fit ``model.vocab_size`` (else an IndexError deep in the embedding)."""
     path = Path(cfg.data.path) / TOKENIZER_FILE
-    if not path.is_file():
+    try:
+        model = read_tokenizer(cfg.data.path)
+    except UnsafeDatasetError as err:
+        raise ConfigError(str(err)) from None
+    if model is None:
+        if cfg.data.needle_mix > 0:
+            raise ConfigError(f"data.needle_mix={cfg.data.needle_mix} needs the tokenizer {path}, which does not "
+                              "exist; set data.needle_mix=0 or point data.path at a prepared dataset")
         return  # a hand-written MDS dataset without one; the export says so
     import sentencepiece as spm
 
     try:
-        pieces = spm.SentencePieceProcessor(model_file=str(path)).get_piece_size()
+        pieces = spm.SentencePieceProcessor(model_proto=model).get_piece_size()
     except (RuntimeError, OSError) as err:
         raise ConfigError(f"{path} is not a readable SentencePiece model ({str(err).splitlines()[0]}); re-run data "
                           "prep or point data.path at a prepared dataset") from None
@@ -188,11 +200,15 @@ def init_weights_from(model: torch.nn.Module, export_dir: str) -> None:
     """
     from safetensors.torch import load_model
 
-    exported, _ = read_export_config(export_dir)
+    weights = Path(export_dir) / "model.safetensors"
+    try:
+        exported, _ = read_export_config(export_dir)
+        check_safetensors(weights)  # a pickle or damaged file is refused by its header, never loaded
+    except (ExportError, FileNotFoundError) as exc:
+        raise ConfigError(f"checkpoint.init_from: {exc}") from None
     if exported.arch != model.cfg.arch:
         raise ConfigError(f"checkpoint.init_from={export_dir!r} holds a model.arch={exported.arch!r} model; "
                           f"this run builds model.arch={model.cfg.arch!r}")
-    weights = Path(export_dir) / "model.safetensors"
     try:
         missing, unexpected = load_model(model, str(weights), strict=False)
     except RuntimeError as exc:  # a tensor of another shape
@@ -226,13 +242,15 @@ class Trainer:
         self.engine = build_engine(model, cfg, info, self.bf16)
         dist.seed_all(cfg.seed + 1 + info.rank)  # per-rank stream for Gumbel top-k noise
         self.eos_id = eos_id_of(cfg.data.path)  # first: refuses an interrupted data-prep output
+        self.tokenizer = read_tokenizer(cfg.data.path)  # once, read safely; the needles and every export use it
         cache = cfg.data.cache_dir or str(self.run_dir / "data_cache")
         reader = MDSReader(cfg.data.path, cfg.data.train_split, cache, cfg.data.validate_hash)
         stream = PackedSequences(reader, cfg.train.seq_len, cfg.seed, cfg.data.shuffle, cfg.data.shuffle_window,
                                  self.eos_id)
         needles = None
         if cfg.data.needle_mix > 0:
-            needles = NeedleInserter(Path(cfg.data.path) / TOKENIZER_FILE, cfg.train.seq_len, cfg.model.chunk_size)
+            needles = NeedleInserter(self.tokenizer or Path(cfg.data.path) / TOKENIZER_FILE, cfg.train.seq_len,
+                                     cfg.model.chunk_size)
         self.batches = RankBatches(stream, cfg.train.global_batch, cfg.train.micro_batch, info.rank,
                                    info.world_size, needles, cfg.data.needle_mix, cfg.seed,
                                    cfg.data.needle_answer_weight)
@@ -363,9 +381,8 @@ class Trainer:
         model.load_state_dict(weights)
         save_pretrained(model, directory, extra={"step": self.step, "seq_len": self.cfg.train.seq_len,
                                                  "tokenizer": TOKENIZER_FILE})
-        tokenizer = Path(self.cfg.data.path) / TOKENIZER_FILE
-        if not is_remote(self.cfg.data.path) and tokenizer.is_file():
-            shutil.copyfile(tokenizer, directory / TOKENIZER_FILE)
+        if self.tokenizer is not None:
+            (directory / TOKENIZER_FILE).write_bytes(self.tokenizer)
         else:
             log.warning("no local %s next to data.path; the export in %s has no tokenizer", TOKENIZER_FILE, directory)
 
@@ -502,6 +519,10 @@ class Trainer:
             self.watchdog.disarm()
 
 
+DATASET_ERRORS = (UnsafeDatasetError, ShardCorruptError, EmptySplitError, DataFingerprintError)
+"""What a reader raises for a dataset it refuses: one line to the user, never a traceback."""
+
+
 def main(config_path: str | None, overrides: list[str]) -> int:
     """Entry point of ``launch/pretrain.py``; returns the exit code (2 for a configuration error)."""
     flush_denormals()  # first, before torch starts its thread pool (see kernels/cpu_math.py)
@@ -523,7 +544,17 @@ def main(config_path: str | None, overrides: list[str]) -> int:
         except ConfigError as err:  # found while building the run (e.g. checkpoint.init_from does not fit)
             log.error("configuration error: %s", err)
             return 2
+        except (*DATASET_ERRORS, fmt.IncompleteDatasetError, FileNotFoundError) as err:
+            log.error("data error (data.path=%s): %s", cfg.data.path, err)
+            return 2
         return trainer.train()
+    except DataFingerprintError as err:  # found on resume, before any step
+        log.error("data error: %s", err)
+        return 2
+    except DATASET_ERRORS as err:  # a shard damaged or changed since the start, found when it is first read
+        log.error("data error at step %d (data.path=%s): %s; nothing of this step was saved, the last checkpoint "
+                  "is intact", trainer.step + 1, cfg.data.path, err)
+        return 1
     except EvalError as err:
         log.error("%s", err)
         return 1

@@ -154,6 +154,43 @@ def test_tokenizer_larger_than_the_model_vocabulary_is_refused(data, tmp_path, c
     assert not run.exists()
 
 
+@pytest.mark.parametrize("needle_mix", [0.0, 0.5])
+def test_a_tokenizer_that_is_a_link_is_refused_and_its_target_never_read(needle_mix, data_copy, tmp_path, caplog):
+    """A ``tokenizer.model`` planted as a symbolic link (here to a FIFO, which would block any reader) is one line
+    naming the file, before any work; the trainer never follows it (the needle inserter and the export read the
+    bytes the start checks read)."""
+    import os
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (data_copy / "tokenizer.model").unlink()
+    (data_copy / "tokenizer.model").symlink_to(fifo)
+    run = tmp_path / "run"
+    with caplog.at_level(logging.ERROR):
+        assert main(None, args(run, data_copy, **{"data.needle_mix": needle_mix})) == 2
+    [message] = errors(caplog)
+    assert f"{data_copy / 'tokenizer.model'} is a symbolic link, not a regular file" in message, message
+    assert not run.exists()
+
+
+@pytest.mark.parametrize("damage", ["pickle", "truncated"])
+def test_a_damaged_init_from_export_is_one_line_naming_the_file(damage, reference, data, tmp_path, caplog):
+    """``checkpoint.init_from`` pointing at an export whose weights are a pickle or cut short: a configuration
+    error naming the file, checked from the safetensors header alone (nothing unpickled, no tensor loaded)."""
+    export = Path(shutil.copytree(reference / "export", tmp_path / "export"))
+    weights = export / "model.safetensors"
+    if damage == "pickle":
+        torch.save({"w": torch.zeros(2)}, weights)
+    else:
+        weights.write_bytes(weights.read_bytes()[:-100])
+    run = tmp_path / "run"
+    with caplog.at_level(logging.ERROR):
+        assert main(None, args(run, data, **{"checkpoint.init_from": export})) == 2
+    [message] = errors(caplog)
+    assert message.startswith("configuration error: checkpoint.init_from: ") and str(weights) in message, message
+    assert not (run / "checkpoints").exists()
+
+
 @pytest.mark.parametrize("key, value, message", [
     ("train.grad_clip", "nan", "train.grad_clip must be a finite number; got nan"),
     ("train.grad_clip", "inf", "train.grad_clip must be a finite number; got inf"),
