@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from pipeline.evaluation.run import run_eval
+from data_prep.redaction import redact
+from pipeline.evaluation.run import EvalOutputError, run_eval
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,9 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         result = run_eval(args.checkpoint, "passkey", args.out, args.overrides)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"passkey_probe: error: {err}", file=sys.stderr)
+    except (ValueError, FileNotFoundError) as err:  # bad input, found before any evaluation ran
+        print(redact(f"passkey_probe: error: {err}"), file=sys.stderr)
         return 2
+    except EvalOutputError as err:  # the eval finished; its result is somewhere else (named)
+        print(redact(f"passkey_probe: error: {err}"), file=sys.stderr)
+        return 1
     peak = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
     probe = {"rows": result["results"], "peak_rss_mib": result.get("peak_rss_mib"), "peak_gpu_mib": peak,
              "seconds": result.get("seconds")}
