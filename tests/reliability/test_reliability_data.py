@@ -15,11 +15,9 @@ from reliability_harness import committed, flip_byte, overrides
 
 from data_prep.streaming_compat import ensure_streaming_importable
 from pipeline.data import (
-    DataFingerprintError,
     MDSReader,
     PackedSequences,
     RankBatches,
-    ShardCorruptError,
     UnsafeColumnError,
     UnsafeShardPathError,
 )
