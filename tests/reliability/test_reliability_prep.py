@@ -7,6 +7,7 @@ pass criteria together in one place, and add the trainer side: it never trains o
 from __future__ import annotations
 
 import json
+import logging
 import random
 import shutil
 import subprocess
@@ -19,7 +20,7 @@ from reliability_harness import overrides
 
 from data_prep.config import load_config
 from data_prep.errors import InputError, OutputExistsError
-from data_prep.format import COMPLETE_MARKER, MANIFEST_FILENAME, IncompleteDatasetError, read_manifest
+from data_prep.format import COMPLETE_MARKER, MANIFEST_FILENAME, read_manifest
 from data_prep.shard import _WORK_MARKER
 from data_prep.shard import main as prep
 from data_prep.streaming_compat import ensure_streaming_importable
@@ -116,7 +117,16 @@ def _dead_pid() -> int:
     return child.pid
 
 
-def test_t13_trainer_refuses_incomplete_prep_outputs_and_prep_refuses_to_overwrite(data, tmp_path):
+def refused(caplog, reason: str, args: list[str]) -> None:
+    """The trainer stops with exit code 2 and one error line giving ``reason``."""
+    caplog.clear()
+    with caplog.at_level(logging.ERROR):
+        assert train(None, args) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and reason in errors[0] and "\n" not in errors[0], errors
+
+
+def test_t13_trainer_refuses_incomplete_prep_outputs_and_prep_refuses_to_overwrite(data, tmp_path, caplog):
     """A prep killed mid-way leaves only ``.<out>.tmp-<pid>`` (no ``_COMPLETE``; tests/data_prep kills a real one);
     the trainer refuses it, refuses a dataset whose marker is missing or does not match its manifest (the
     manifest holds the prep arguments and the input list), and prep refuses to write over a finished output."""
@@ -127,18 +137,15 @@ def test_t13_trainer_refuses_incomplete_prep_outputs_and_prep_refuses_to_overwri
     (leftover / _WORK_MARKER).touch()  # every work directory prep creates carries it
     unmarked = Path(shutil.copytree(leftover, tmp_path / f".out.tmp-{_dead_pid()}"))
     (unmarked / _WORK_MARKER).unlink()
-    with pytest.raises(IncompleteDatasetError, match="interrupted data-prep run"):
-        train(None, overrides(tmp_path / "run1", leftover))
+    refused(caplog, "interrupted data-prep run", overrides(tmp_path / "run1", leftover))
     no_marker = Path(shutil.copytree(data, tmp_path / "no_marker"))
     (no_marker / COMPLETE_MARKER).unlink()
-    with pytest.raises(IncompleteDatasetError, match="not a completed prepared dataset"):
-        train(None, overrides(tmp_path / "run2", no_marker))
+    refused(caplog, "not a completed prepared dataset", overrides(tmp_path / "run2", no_marker))
     changed = Path(shutil.copytree(data, tmp_path / "changed"))
     manifest = json.loads((changed / MANIFEST_FILENAME).read_text())
     manifest["config"]["val_fraction"] = 0.5  # another argument than the one the data was made with
     (changed / MANIFEST_FILENAME).write_text(json.dumps(manifest))
-    with pytest.raises(IncompleteDatasetError, match="does not match"):
-        train(None, overrides(tmp_path / "run3", changed))
+    refused(caplog, "does not match", overrides(tmp_path / "run3", changed))
     for run in ("run1", "run2", "run3"):
         assert not (tmp_path / run).exists(), "refused before creating anything"
 
