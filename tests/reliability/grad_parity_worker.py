@@ -28,7 +28,7 @@ def batch() -> torch.Tensor:
 
 def model() -> GCAForCausalLM:
     torch.manual_seed(0)
-    cfg = load_config(None, ["run_dir=unused", "data.path=unused", *MODEL])
+    cfg = load_config(None, ["run_dir=unused-run", "data.path=unused-data", *MODEL])
     return GCAForCausalLM(cfg.model).double()
 
 
@@ -43,7 +43,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def run(engine: str, info: dist.DistInfo) -> dict[str, torch.Tensor]:
-    cfg = load_config(None, ["run_dir=unused", "data.path=unused", *MODEL, f"parallel.engine={engine}",
+    cfg = load_config(None, ["run_dir=unused-run", "data.path=unused-data", *MODEL, f"parallel.engine={engine}",
                              f"train.global_batch={GLOBAL_BATCH}", "train.micro_batch=2"], info.world_size)
     eng = TorchEngine(model(), cfg, info, bf16=False)
     per = GLOBAL_BATCH // info.world_size
