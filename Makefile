@@ -124,10 +124,10 @@ gpu-check:
 	$(GPU_CHECK_PY) launch/gpu_check.py --out $(OUT) $(ARGS)
 
 # The wheel set installed into a clean venv that sees only the GPU image's packages; imports and a tiny
-# prep/train/eval there (~3 min, plus ~4 min and network the first time for the wheels).
+# prep/train/eval there (~1 min, plus ~4 min and network the first time for the wheels).
 test-gpu-wheels: install
 	OMP_NUM_THREADS=1 timeout 1800 $(PYTEST) -m gpuwheels tests/gpu_check
 
-# The CPU dry run of make gpu-check: every stage at tiny shapes must finish ok (~6 min on 2 cores).
+# The CPU dry run of make gpu-check: every stage at tiny shapes must finish ok (~2 min on 2 cores).
 test-gpu-check: install ds-warmup
 	OMP_NUM_THREADS=1 timeout 1800 $(PYTEST) -m gpucheck tests/gpu_check
