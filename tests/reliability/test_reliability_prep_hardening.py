@@ -223,13 +223,29 @@ def test_output_under_a_file_fails_before_work_naming_the_path(tmp_path, tokeniz
         _prep(tmp_path / "a_file" / "out", tmp_path / "corpus", **{"tokenizer.model": tokenizer})
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through directory permissions")
-def test_read_only_parent_fails_before_work_naming_the_path(tmp_path, tokenizer):
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory no one may write into: mode 0555, and for root (who writes through permissions) also the
+    immutable attribute (``chattr +i``), removed again afterwards."""
+    path = tmp_path / "ro"
+    path.mkdir(mode=0o555)
+    immutable = os.geteuid() == 0
+    if immutable:
+        subprocess.run(["chattr", "+i", str(path)], check=True, capture_output=True)
+    try:
+        with pytest.raises(OSError):
+            (path / "probe").touch()  # the premise: this directory really refuses writes
+        yield path
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(path)], check=True, capture_output=True)
+
+
+def test_read_only_parent_fails_before_work_naming_the_path(tmp_path, tokenizer, read_only_dir):
     _corpus(tmp_path / "corpus", 3)
-    (tmp_path / "ro").mkdir(mode=0o555)
     with pytest.raises(OutputWriteError, match=r"ro.*needs a writable parent directory"):
-        _prep(tmp_path / "ro" / "out", tmp_path / "corpus", **{"tokenizer.model": tokenizer})
-    assert list((tmp_path / "ro").iterdir()) == []
+        _prep(read_only_dir / "out", tmp_path / "corpus", **{"tokenizer.model": tokenizer})
+    assert list(read_only_dir.iterdir()) == []
 
 
 def test_disk_full_during_overwrite_keeps_the_old_dataset(dataset, tmp_path, tokenizer, monkeypatch, capsys):
