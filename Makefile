@@ -33,7 +33,7 @@ test-dist: install ds-warmup
 	OMP_NUM_THREADS=1 timeout 1800 $(PYTEST) -m "dist and not gpu and not reliability" tests; status=$$?; \
 		rm -f /dev/shm/deepspeed_allreduce_buffer_*; exit $$status
 
-# The failure-test catalogue T1-T23 (tests/reliability, README "Reliability"): ~6 min on 2 cores.
+# The failure-test catalogue T1-T23 (tests/reliability, docs/reliability.md): ~6 min on 2 cores.
 test-reliability: install ds-warmup
 	OMP_NUM_THREADS=1 timeout 1800 $(PYTEST) -m "reliability and not gpu" tests; status=$$?; \
 		rm -f /dev/shm/deepspeed_allreduce_buffer_*; exit $$status
@@ -109,7 +109,7 @@ demo-smoke: install ds-warmup
 clean-venv:
 	rm -rf $(VENV)
 
-# GPU readiness (README "GPU check"). The wheels a bare GPU image lacks (configs/gpu/wheels.txt), for CPython 3.12
+# GPU readiness (docs/gpu-check.md). The wheels a bare GPU image lacks (configs/gpu/wheels.txt), for CPython 3.12
 # manylinux x86-64, into the git-ignored .whl/ that the device tool carries (~10 MiB; first run ~4 min: it builds
 # deepspeed and zstd from their pinned sdists, zstd with python3.12).
 GPU_WHEELS ?= .whl

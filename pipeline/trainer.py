@@ -4,7 +4,7 @@
 runs ``Trainer.train()``: resume (``checkpoint.resume``), then ``train_step`` until ``train.max_steps`` with
 periodic ``evaluate``, checkpoints, metrics, NaN/Inf stops and a collective save-and-exit on SIGTERM/SIGUSR1.
 
-Failure handling (tests/reliability, README "Reliability"): a config value that carries a secret is refused, and
+Failure handling (tests/reliability, docs/reliability.md): a config value that carries a secret is refused, and
 the inputs are checked (`check_inputs`: dataset, tokenizer vocabulary, validation split, foreign checkpoint
 directories) before anything starts; values from the environment never reach a log or a written file; resume
 refuses corrupt checkpoints and changed data; every step runs under the hang watchdog, and a failed collective is

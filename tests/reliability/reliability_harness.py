@@ -1,4 +1,4 @@
-"""Helpers of the failure-test catalogue (RELIABILITY.md T1-T23, README "Reliability"); fixtures in conftest.py.
+"""Helpers of the failure-test catalogue (T1-T23, docs/reliability.md); fixtures in conftest.py.
 
 A tiny prepared dataset written the way data prep writes it (MDS shards with sha256 + xxh64, manifest.json and
 the ``_COMPLETE`` marker), overrides for a ~0.05M-parameter model, launchers that run the trainer in fresh
