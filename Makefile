@@ -33,7 +33,7 @@ test-dist: install ds-warmup
 	OMP_NUM_THREADS=1 timeout 1800 $(PYTEST) -m "dist and not gpu and not reliability" tests; status=$$?; \
 		rm -f /dev/shm/deepspeed_allreduce_buffer_*; exit $$status
 
-# The failure-test catalogue T1-T23 (tests/reliability, docs/reliability.md): ~6 min on 2 cores.
+# The failure-test catalogue T1-T23 (tests/reliability, docs/reliability.md): ~8 min on 2 cores.
 test-reliability: install ds-warmup
 	OMP_NUM_THREADS=1 timeout 1800 $(PYTEST) -m "reliability and not gpu" tests; status=$$?; \
 		rm -f /dev/shm/deepspeed_allreduce_buffer_*; exit $$status

@@ -1,4 +1,4 @@
-"""Fault injection for the reliability tests (``tests/reliability``, RELIABILITY.md §5.1), read from ``PIPE_FAULT``.
+"""Fault injection for the reliability tests (``tests/reliability``, docs/reliability.md), read from ``PIPE_FAULT``.
 
 ``PIPE_FAULT`` holds one fault or several separated by commas; each is ``<kind>:step=N[:rank=R][:key=value]``
 (no ``rank`` = every rank). ``step`` is the 1-based optimizer step the fault belongs to:

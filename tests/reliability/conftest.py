@@ -1,4 +1,4 @@
-"""Fixtures of the failure-test catalogue (RELIABILITY.md T1-T23); the helpers are in reliability_harness.py."""
+"""Fixtures of the failure-test catalogue (docs/reliability.md T1-T23); the helpers are in reliability_harness.py."""
 
 from __future__ import annotations
 
