@@ -30,7 +30,7 @@ class TokenizerConfig:
     vocab_size: int | None = None
     """Train a new model of this size on a sample of the input (train split only)."""
     model_type: Literal["bpe", "unigram"] = "bpe"
-    """SentencePiece algorithm for a trained model; BPE trains ~5x faster (CPU-NOTES §6)."""
+    """SentencePiece algorithm for a trained model; BPE trains ~5x faster."""
     sample_bytes: int = 100_000_000
     """About how many bytes of text to train on; documents are sampled by content hash."""
     character_coverage: float = 0.9995

@@ -2,7 +2,7 @@
 
 mosaicml-streaming 0.13.0 imports ``streaming.vision`` (and through it torchvision) from its package
 ``__init__``. We do not install torchvision: the only wheel on PyPI is the CUDA build, which fails to load
-beside the CPU torch with ``operator torchvision::nms does not exist`` (CPU-NOTES §5). Nothing we use from
+beside the CPU torch with ``operator torchvision::nms does not exist``. Nothing we use from
 streaming (MDSWriter, StreamingDataset) touches torchvision, so a minimal stub is enough.
 """
 

@@ -1,7 +1,7 @@
 """The GCA language model (DRT architecture), top to bottom.
 
 Paper: Hu et al., "Efficient Length-Generalizable Attention via Causal Retrieval for Long-Context Language
-Modeling", ICML 2025. Algorithm: ``shared/design/GCA-SPEC.md`` sections 1-3.
+Modeling", ICML 2025. Algorithm as implemented: docs/design.md.
 
 Tokens are cut into chunks of ``S`` tokens and a learned landmark vector is appended to every chunk. Lower
 layers are sliding-window (ALiBi) decoder layers. A bidirectional chunk encoder turns each chunk into a landmark

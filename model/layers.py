@@ -128,7 +128,7 @@ class EncoderLayer(nn.Module):
 class ChunkEncoder(nn.Module):
     """Encodes each chunk (S tokens + landmark) into a landmark key and the chunk's K/V memory.
 
-    The memory projections are shared by every upper layer of every group (GCA-SPEC section 1.4); the landmark
+    The memory projections are shared by every upper layer of every group; the landmark
     slot is never part of the memory (only its key is used, for retrieval).
     """
 

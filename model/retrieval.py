@@ -1,8 +1,9 @@
 """Causal chunk retrieval: score landmark queries against landmark keys, pick the top-R past chunks.
 
-One function serves the batch, segment-wise and incremental paths, so they score identically (GCA-SPEC section
-6 item 7). The query of chunk ``i`` (its landmark's hidden state, normalised by the group's own RMSNorm) may
-select chunk ``j`` only if ``j < i``; the resulting row is used by the tokens of chunk ``i + 1``.
+One function serves the batch, segment-wise and incremental paths, so they score identically (the
+official code scored them differently). The query of chunk ``i`` (its landmark's hidden state, normalised by the
+group's own RMSNorm) may select chunk ``j`` only if ``j < i``; the resulting row is used by the tokens of
+chunk ``i + 1``.
 """
 
 from __future__ import annotations

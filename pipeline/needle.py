@@ -2,9 +2,9 @@
 
 A chosen sequence keeps its text as the haystack; a needle sentence holding a random 5-digit pass key overwrites
 it at a random depth, and the question followed by the answer is written near the end. The loss is the plain LM
-loss over everything (GCA-SPEC section 4), so the model learns to fetch the key from far back through retrieval.
+loss over everything, so the model learns to fetch the key from far back through retrieval.
 
-The layout follows the model's chunks, as the paper's data does (GCA-SPEC section 5.2): the needle never
+The layout follows the model's chunks, as the paper's data does: the needle never
 straddles two chunks, and the question's last token is the first token of a chunk, so the first answer token
 is predicted by a chunk whose retrieval was triggered by the landmark of the chunk holding the question. The
 evaluation (``pipeline/evaluation/passkey.py``) builds its samples the same way.

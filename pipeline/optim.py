@@ -2,7 +2,7 @@
 
 Weight decay applies only to matrices of linear layers. Norm gains, biases, the embedding (which is also the
 tied LM head) and the learned landmark vector get none: decaying them pulls gains toward 0 and shrinks rare
-token embeddings, which the upstream code did (GCA-SPEC §6 item 16).
+token embeddings, which the official code did.
 
 The schedule is a closed form of the step, set on the optimizer before every update, so resuming needs only
 the step counter and ``min_lr`` is exactly the final LR (upstream wrote ``min_lr`` where nothing read it).

@@ -2,7 +2,7 @@
 
 Each retrieved chunk ``r`` gets its own softmax over its ``S`` memory slots; the per-chunk results are mixed by
 the retrieval weights. The weights are differentiable: ``d o / d weights[:, r]`` is the per-chunk output, which
-is the gradient that trains the retriever end to end (GCA-SPEC section 1.6).
+is the gradient that trains the retriever end to end.
 
 Backends:
     ``naive``  readable fp32 PyTorch reference (``kernels.gca.naive``), any device.

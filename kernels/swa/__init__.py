@@ -12,7 +12,7 @@ SWA_BACKENDS = ("auto", "naive", "sdpa", "gpu")
 
 
 def alibi_slopes(n_heads: int) -> torch.Tensor:
-    """ALiBi slopes ``2^(-8 j / n_heads)`` for ``j = 1..n_heads`` (GCA-SPEC section 1.3)."""
+    """ALiBi slopes ``2^(-8 j / n_heads)`` for ``j = 1..n_heads``."""
     return torch.pow(2.0, -8.0 * torch.arange(1, n_heads + 1, dtype=torch.float32) / n_heads)
 
 

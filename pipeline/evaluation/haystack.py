@@ -2,7 +2,7 @@
 
 ``data`` is one of:
 - ``builtin``: endless filler prose -- random sentences over a fixed word list below, seeded, no files at all, so
-  a haystack of any length exists offline (the paper's 16M haystack source is unspecified, GCA-SPEC §6 item 19);
+  a haystack of any length exists offline (the paper does not say what its 16M haystack is);
 - ``stdlib``: the Python standard library's source (the data-prep built-in corpus), real text of ~10M+ tokens;
 - an MDS split directory (holding ``index.json``), or a prepared dataset directory (its ``val`` split);
 - a text file, a comma-separated list of files, or a directory of text files (read recursively, sorted).

@@ -1,9 +1,9 @@
-"""Passkey / needle-in-a-haystack retrieval (GCA-SPEC §5.2), with the script bugs of §6 item 18 fixed.
+"""Passkey / needle-in-a-haystack retrieval, laid out on the model's chunks (docs/evaluation.md).
 
 A sample of ``length`` tokens is a haystack window with the needle(s), the question and the answer written over
 it, laid out on the model's chunks exactly like the trainer's needle mix (``pipeline.needle.place_needle``): the
 question's last token is the first token of a chunk near the end (so the answer is predicted by a chunk whose
-retrieval the question's landmark triggered, GCA-SPEC §5.2), and the key-bearing needle starts at
+retrieval the question's landmark triggered), and the key-bearing needle starts at
 ``round(depth * room)`` (``room`` = latest start before the question), moved left by less than a chunk if it
 would straddle two chunks. Depth 0 is the start, depth 1 right before the question. Other needles (distractors,
 hop links) go at seeded random free spots. Everything is seeded per (seed, length, depth, sample).

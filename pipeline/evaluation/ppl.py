@@ -1,4 +1,4 @@
-"""Perplexity vs length (GCA-SPEC §5.1, without its bug 17): ppl = exp(mean token NLL), not the mean NLL.
+"""Perplexity vs length (the official script reported the mean NLL as ppl): ppl = exp(mean token NLL), not the mean NLL.
 
 For each length ``L`` the corpus is cut into non-overlapping windows of ``L`` tokens from its start; each window
 is evaluated independently from an empty memory, streamed segment by segment (same logits as one full forward),

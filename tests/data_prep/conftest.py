@@ -38,7 +38,7 @@ def _doc(rng: random.Random, words: int) -> str:
 
 @pytest.fixture(autouse=True)
 def _clean_streaming_shm() -> Iterator[None]:
-    """Streaming leaves /dev/shm/NNNNNN_* after a crash, and its own cleaner can miss them (CPU-NOTES §5)."""
+    """Streaming leaves /dev/shm/NNNNNN_* after a crash, and its own cleaner misses prefixes other than 0."""
     # Only files no live process maps or holds: other jobs on the machine may be streaming right now.
     clean_stale_shm()
     yield

@@ -47,7 +47,7 @@ def test_generate_until_stops(lm):
 
 
 def test_local_task_through_simple_evaluate(tiny_export, tmp_path, monkeypatch):
-    """``lm_eval`` end to end on a local multiple-choice task, with no network (CPU-NOTES §10)."""
+    """``lm_eval`` end to end on a local multiple-choice task, with no network."""
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     import lm_eval
     from lm_eval.tasks import TaskManager

@@ -29,7 +29,7 @@ CASES = [
     (1, 4, 1, 17, 17, 2, 32, False, False),
     (1, 4, 1, 5, 16, 3, 32, True, False),
     (2, 3, 1, 7, 17, 1, 24, False, False),
-    # The official kernel's landmark-row bug (GCA-SPEC 6.3): Q=65 with 16-row tiles leaves one row in the last tile.
+    # The official kernel's landmark-row bug: Q=65 with 16-row tiles leaves one row in the last tile.
     (1, 1, 1, 65, 64, 2, 16, False, True),
     (1, 2, 1, 20, 40, 2, 16, True, True),
 ]

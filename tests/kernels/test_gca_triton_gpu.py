@@ -1,6 +1,6 @@
 """Fused Triton GCA vs ``naive_gca`` natively on CUDA, at the model's shapes, in the training dtypes.
 
-Shapes follow DRT (GCA-SPEC 2.1): B = batch x chunks = 64, HQ = 12, Q = S + 1 = 65 query rows (landmark
+Shapes follow DRT: B = batch x chunks = 64, HQ = 12, Q = S + 1 = 65 query rows (landmark
 included, the row the official kernel left uninitialised), S = 64 slots, R = 8 chunks, D = 64, plus GQA, R = 1,
 decode-sized Q, S = 63 and D = 128. Same tolerance rule as the CPU tier (``gca_checks``) and NaN-poisoned outputs.
 """

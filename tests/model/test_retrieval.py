@@ -1,4 +1,4 @@
-"""Causal chunk retrieval: the mask of GCA-SPEC section 1.5, zero-weight padding, Gumbel top-k sampling."""
+"""Causal chunk retrieval: the causal mask j < i, zero-weight padding, Gumbel top-k sampling."""
 
 import torch
 

@@ -26,7 +26,7 @@ def data_copy(data: Path, tmp_path: Path) -> Path:
 @pytest.fixture(autouse=True)
 def _clean_shm():
     """After each test, remove the /dev/shm files it left: DeepSpeed's CPU allreduce buffers and the segments of
-    killed streaming readers (whose own cleaner can miss them, CPU-NOTES §5). Files that existed before the test,
+    killed streaming readers (whose own cleaner misses prefixes other than 0). Files that existed before the test,
     or that a live process still maps, are left alone."""
     before = set(os.listdir("/dev/shm"))
     yield

@@ -1,4 +1,4 @@
-"""A real one-node SLURM cluster for the ``slurm`` tests, started in a temporary directory (CPU-NOTES §9).
+"""A real one-node SLURM cluster for the ``slurm`` tests, started in a temporary directory.
 
 The ``cluster`` fixture installs Debian's ``slurmctld slurmd slurm-client munge`` with apt-get if missing (needs
 root, as the daemons run as root), writes a slurm.conf for this host on free loopback ports, starts munged,
