@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import sys
 import time
@@ -23,6 +24,8 @@ import torch.nn.functional as F
 
 from kernels.gca.naive import naive_gca
 from kernels.gca.triton_gca import triton_gca
+
+log = logging.getLogger("kernel_bench")
 
 # (B = batch x query chunks, HQ, H, Q, S, R, D)
 GPU_SHAPE = (512, 12, 12, 64, 64, 8, 64)
@@ -135,15 +138,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--tiny", action="store_true", help="small fp32 shapes (CPU, Triton interpreter)")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     cuda = torch.cuda.is_available() and not args.tiny
     if not cuda and not args.tiny:
-        print("kernel_bench: no CUDA device; pass --tiny for the interpreter dry run", file=sys.stderr)
+        log.error("no CUDA device; pass --tiny for the interpreter dry run")
         return 2
     device = "cuda" if cuda else "cpu"
     result = measure(GPU_SHAPE if cuda else TINY_SHAPE, device, torch.bfloat16 if cuda else torch.float32)
     result["targets"] = targets(result, cuda)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: result[k] for k in ("speedup_vs_naive", "time_vs_flash", "targets")}))
+    log.info("%s", json.dumps({k: result[k] for k in ("speedup_vs_naive", "time_vs_flash", "targets")}))
     return 0
 
 

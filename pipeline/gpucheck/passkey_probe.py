@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
 import torch
 
-from data_prep.redaction import redact
+from data_prep.redaction import install_log_redaction
 from pipeline.evaluation.run import EvalOutputError, run_eval
+
+log = logging.getLogger("passkey_probe")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,19 +27,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("overrides", nargs="*", help="eval keys, e.g. lengths=[1048576] device=cuda")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    install_log_redaction()  # eval values may come from the environment
     try:
         result = run_eval(args.checkpoint, "passkey", args.out, args.overrides)
     except (ValueError, FileNotFoundError) as err:  # bad input, found before any evaluation ran
-        print(redact(f"passkey_probe: error: {err}"), file=sys.stderr)
+        log.error("error: %s", err)
         return 2
     except EvalOutputError as err:  # the eval finished; its result is somewhere else (named)
-        print(redact(f"passkey_probe: error: {err}"), file=sys.stderr)
+        log.error("error: %s", err)
         return 1
     peak = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
     probe = {"rows": result["results"], "peak_rss_mib": result.get("peak_rss_mib"), "peak_gpu_mib": peak,
              "seconds": result.get("seconds")}
     Path(args.out, "probe.json").write_text(json.dumps(probe, indent=2) + "\n")
-    print(json.dumps(probe))
+    log.info("%s", json.dumps(probe))
     return 0
 
 

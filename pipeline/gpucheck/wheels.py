@@ -10,6 +10,7 @@ versions of one package stop ``pip install`` on the GPU machine) or when the set
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import shutil
@@ -18,6 +19,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger("gpu-wheels")
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_LIST = ROOT / "configs" / "gpu" / "wheels.txt"
@@ -203,13 +206,13 @@ def collect(pins: list[Pin], python_version: str, dest: Path, python: str | None
     for pin in pins:
         have = check_stale.get(pin.key)
         if have and have[0] == pin.version and fits(have[1], python_version):
-            print(f"  have  {have[1]}")
+            log.info("  have  %s", have[1])
             continue
         if have:
             raise WheelError(f"{dest / have[1]} is not {pin.name}=={pin.version} for CPython {python_version}; "
                              "remove it")
-        print(f"  fetch {pin.name}=={pin.version}" + (f" (build={pin.build})" if pin.build else ""), flush=True)
-        print(f"        {fetch(pin, python_version, dest, python)}", flush=True)
+        log.info("  fetch %s==%s%s", pin.name, pin.version, f" (build={pin.build})" if pin.build else "")
+        log.info("        %s", fetch(pin, python_version, dest, python))
     return check_dest(pins, dest, python_version, max_mib)
 
 
@@ -221,17 +224,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--python", help="CPython X.Y interpreter for build=native packages (default: pythonX.Y)")
     parser.add_argument("--max-mib", type=float, default=40.0, help="size limit of the whole set")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     if not re.fullmatch(r"3\.\d+", args.python_version):
-        print(f"gpu-wheels: error: --python-version {args.python_version!r} is not like 3.12", file=sys.stderr)
+        log.error("error: --python-version %r is not like 3.12", args.python_version)
         return 2
     try:
         pins = read_pins(Path(args.list))
-        print(f"gpu-wheels: {len(pins)} packages for CPython {args.python_version} into {args.dest}")
+        log.info("%d packages for CPython %s into %s", len(pins), args.python_version, args.dest)
         total = collect(pins, args.python_version, Path(args.dest), args.python, args.max_mib)
     except (WheelError, OSError, subprocess.TimeoutExpired) as err:
-        print(f"gpu-wheels: error: {err}", file=sys.stderr)
+        log.error("error: %s", err)
         return 2
-    print(f"gpu-wheels: {len(pins)} wheels, {total / 2**20:.1f} MiB in {args.dest}")
+    log.info("%d wheels, %.1f MiB in %s", len(pins), total / 2**20, args.dest)
     return 0
 
 
