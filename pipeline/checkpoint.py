@@ -372,18 +372,14 @@ class CheckpointManager:
         """Delete leftovers of this trainer's interrupted saves (rank 0, at start, before any new save can be in
         progress). An uncommitted entry it did not write is left alone, with a warning naming it."""
         if self.info.is_main:
+            foreign = foreign_leftovers(self.root.parent)
+            for p in foreign:
+                log.warning("leaving %s alone: not a committed checkpoint and not written by this trainer (no %s); "
+                            "move it out of %s if it is not needed", p, OWNER_FILE, self.root)
             for p in _step_entries(self.root):
-                if _is_committed(p) and not p.is_symlink():
-                    continue
-                if p.is_symlink() or not (_is_owned(p) or _is_empty_dir(p)):
-                    log.warning("leaving %s alone: not a committed checkpoint and not written by this trainer (no "
-                                "%s); move it out of %s if it is not needed", p, OWNER_FILE, self.root)
-                    continue
-                log.warning("removing uncommitted checkpoint directory %s (an interrupted save of this run)", p)
-                if _is_owned(p):
-                    shutil.rmtree(p, ignore_errors=True)
-                else:
-                    p.rmdir()
+                if p not in foreign and not _is_committed(p):
+                    log.warning("removing uncommitted checkpoint directory %s (an interrupted save of this run)", p)
+                    _remove_own(p, "the cleanup of interrupted saves")
         dist.barrier()
 
     def _start_save(self, step: int, final: Path, tmp: Path) -> None:
