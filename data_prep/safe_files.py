@@ -29,7 +29,7 @@ from typing import Any
 
 __all__ = ["INDEX_FILENAME", "UnsafeColumnError", "UnsafeDatasetError", "UnsafeShardPathError", "check_index",
            "check_shard_path", "index_file_names", "open_regular", "parse_index", "read_index", "read_regular",
-           "stat_regular"]
+           "is_within", "stat_regular"]
 
 INDEX_FILENAME = "index.json"
 
@@ -52,6 +52,12 @@ class UnsafeShardPathError(UnsafeDatasetError):
 
 class UnsafeColumnError(UnsafeDatasetError):
     """A column uses an encoding that runs code when decoded (pickle)."""
+
+
+def is_within(path: Path, root: Path) -> bool:
+    """Whether ``path`` is ``root`` or lies inside it, by its written or its resolved (links followed) location."""
+    root = root.resolve()
+    return any(p == root or root in p.parents for p in (path.absolute(), path.resolve()))
 
 
 def check_shard_path(name: object, where: str) -> str:

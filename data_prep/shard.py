@@ -51,6 +51,7 @@ from data_prep.format import (
     read_manifest,
     token_dtype_for_vocab,
 )
+from data_prep.safe_files import is_within
 from data_prep.sources import (
     BuiltinSource,
     Document,
@@ -491,11 +492,6 @@ def _commit(tmp: Path, out: Path, overwrite: bool) -> None:
         os.close(dir_fd)
 
 
-def _contains(outer: Path, path: Path) -> bool:
-    """Whether ``path`` is ``outer`` or inside it, by its written and its resolved (links followed) location."""
-    return any(p == outer or outer in p.parents for p in (path.absolute(), path.resolve()))
-
-
 def _check_output_location(out: Path, cfg: PrepConfig, sources: list[Source]) -> None:
     """Refuse an output that replacing (or writing) would harm: a link, a directory holding the working
     directory, the repository or the home directory, or one holding an input or the tokenizer being used."""
@@ -503,7 +499,7 @@ def _check_output_location(out: Path, cfg: PrepConfig, sources: list[Source]) ->
         raise ConfigError(f"output={out} is a symbolic link; name the real directory instead")
     resolved = out.resolve()
     for label, place in (("the current directory", Path.cwd()), ("the repository", _REPO), ("home", Path.home())):
-        if _contains(resolved, place):
+        if is_within(place, resolved):
             raise ConfigError(f"output={out} is or contains {label} ({place}); choose a dedicated dataset directory "
                               "such as data/mine")  # fmt: skip
     inputs: list[Path] = [Path(entry) for entry in cfg.input if Path(entry).exists()]
@@ -513,10 +509,10 @@ def _check_output_location(out: Path, cfg: PrepConfig, sources: list[Source]) ->
         elif isinstance(source, BuiltinSource):
             inputs.append(source.root)
     for path in inputs:
-        if _contains(resolved, path):
+        if is_within(path, resolved):
             raise ConfigError(f"output={out} contains the input {path}; writing the dataset there could delete it: "
                               "choose an output outside the input")  # fmt: skip
-    if cfg.tokenizer.model is not None and _contains(resolved, Path(cfg.tokenizer.model)):
+    if cfg.tokenizer.model is not None and is_within(Path(cfg.tokenizer.model), resolved):
         raise ConfigError(f"output={out} contains tokenizer.model={cfg.tokenizer.model}, which replacing the "
                           "output would delete; copy the model elsewhere first")  # fmt: skip
 

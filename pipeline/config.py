@@ -19,6 +19,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException, ValidationError
 
 from data_prep.redaction import raw_env_paths, redact, restore_env_interpolations, track_env_values
+from data_prep.safe_files import is_within
 from model.config import ConfigError as ModelConfigError
 from model.config import GCAConfig
 
@@ -295,18 +296,13 @@ def _check_finite(cfg: TrainConfig) -> None:
             raise ConfigError(f"{key} must be a finite number; got {value}")
 
 
-def _inside(child: Path, parent: Path) -> bool:
-    child, parent = child.resolve(), parent.resolve()
-    return child == parent or parent in child.parents
-
-
 def _check_outputs_outside_data(cfg: TrainConfig) -> None:
     """The run writes to run_dir and the shard cache; neither may be inside the dataset, which is only read."""
     if "://" in cfg.data.path:
         return
     data = Path(cfg.data.path)
     for key, value in (("run_dir", cfg.run_dir), ("data.cache_dir", cfg.data.cache_dir)):
-        if value is not None and _inside(Path(value), data):
+        if value is not None and is_within(Path(value), data):
             raise ConfigError(f"{key}={value} is inside data.path={cfg.data.path}; the dataset is only ever read: "
                               f"put {key} outside it")
 

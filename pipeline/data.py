@@ -46,6 +46,7 @@ from data_prep.safe_files import (
     UnsafeShardPathError,
     check_index,
     check_shard_path,
+    is_within,
     open_regular,
     parse_index,
     read_index,
@@ -86,11 +87,6 @@ _KEEP_SHARDS = 4
 """Shards kept in a private cache: packing reads shards one after another, so the current one and a few before it
 (a shuffle window re-read across a shard boundary) are all it needs; older ones are deleted from the cache."""
 _DOWNLOAD_TIMEOUT_S = 60
-
-
-def _inside(path: Path, root: Path) -> bool:
-    path, root = path.resolve(), root.resolve()
-    return path == root or root in path.parents
 
 
 def _pid_alive(pid: int) -> bool:
@@ -166,7 +162,7 @@ class MDSReader:
         self.split_dir = Path(root) / split
         parent = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir())
         if self.remote is None:
-            if _inside(parent, Path(root)):
+            if is_within(parent, Path(root)):
                 raise UnsafeDatasetError(f"data cache {parent} lies inside the dataset {root}, which is never "
                                          "written to; set data.cache_dir (or run_dir) to a directory outside data.path")
             index, self.index_bytes = self._local_index(split)
