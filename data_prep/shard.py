@@ -51,7 +51,7 @@ from data_prep.format import (
     read_manifest,
     token_dtype_for_vocab,
 )
-from data_prep.safe_files import is_within
+from data_prep.safe_files import index_file_names, is_within, parse_index
 from data_prep.sources import (
     BuiltinSource,
     Document,
@@ -319,16 +319,13 @@ def _is_dir(path: Path) -> bool:
 
 
 def _shard_names(index_path: Path) -> set[str] | None:
-    """The file names an MDS index lists (compressed and decompressed shards), or None if it is not one."""
+    """The file names an MDS index lists (compressed and decompressed shards), or None if it is not a valid one
+    (the same check every reader runs, `safe_files.check_index`)."""
     try:
-        shards = json.loads(index_path.read_text())["shards"]
-        names = {shard[key]["basename"] for shard in shards for key in ("raw_data", "zip_data") if shard.get(key)}
-    except (OSError, ValueError, KeyError, TypeError):
+        index = parse_index(index_path.read_bytes(), str(index_path))
+    except (OSError, ValueError):
         return None
-    # a name with a separator could point out of the split directory; such an index is not one prep wrote
-    if not all(isinstance(n, str) and n == Path(n).name and n not in (".", "..") for n in names):
-        return None
-    return names | {_INDEX}
+    return {name for shard in index["shards"] for name in index_file_names(shard)} | {_INDEX}
 
 
 def _split_paths(split_dir: Path) -> tuple[list[Path], list[Path]]:
