@@ -202,7 +202,7 @@ def _load_yaml(path: Path) -> DictConfig:
         if not isinstance(top, (dict, type(None))):
             kind = "list" if isinstance(top, list) else f"scalar ({type(top).__name__})"
             raise ConfigError(f"{path} must hold a mapping of keys (lines like 'output: data/mine'), got a {kind} "
-                              "at the top level")  # fmt: skip
+                              "at the top level")
         loaded = OmegaConf.load(path)
     except ConfigError:
         raise

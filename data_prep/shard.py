@@ -153,7 +153,7 @@ class _SplitWriter:
         self.dtype = np.dtype(token_dtype)
         self.max_piece = cfg.max_piece_tokens
         self.writer = MDSWriter(out=str(out), columns=mds_columns(token_dtype), compression="zstd",
-                                hashes=["xxh64"], size_limit=cfg.shard_size_bytes)  # fmt: skip
+                                hashes=["xxh64"], size_limit=cfg.shard_size_bytes)
         self.documents = self.pieces = self.tokens = 0
 
     def write(self, doc_id: int, tokens: np.ndarray) -> None:
@@ -197,7 +197,7 @@ def _results(tasks: Iterator[_Task], model_proto: bytes, num_proc: int) -> Itera
 
 
 def _write_splits(sources: list[Source], cfg: PrepConfig, model_proto: bytes, vocab_size: int, tmp: Path,
-                  skips: SkipCounter) -> dict[str, SplitStats]:  # fmt: skip
+                  skips: SkipCounter) -> dict[str, SplitStats]:
     token_dtype = token_dtype_for_vocab(vocab_size)
     writers = {split: _SplitWriter(tmp / split, cfg, token_dtype) for split in SPLITS}
     tokens_done = 0
@@ -230,11 +230,11 @@ def _check_split_sizes(stats: dict[str, SplitStats], cfg: PrepConfig) -> None:
     if stats["train"].documents == 0 and cfg.num_slices == 1:  # one slice of several may legitimately be empty
         raise InputError(f"no document reached the train split ({stats['val'].documents} went to val with "
                          f"val_fraction={cfg.val_fraction}); nothing was written: add input documents or lower "
-                         "val_fraction / min_tokens")  # fmt: skip
+                         "val_fraction / min_tokens")
     if cfg.val_fraction > 0 and stats["val"].documents == 0:
         logger.warning("val split is empty: no document hashed into val_fraction=%s, so %s has no val/ directory "
                        "(manifest: 0 val tokens); raise val_fraction or change split_seed, or train with eval off",
-                       cfg.val_fraction, cfg.output)  # fmt: skip
+                       cfg.val_fraction, cfg.output)
 
 
 def _in_train_sample(doc: Document, cfg: PrepConfig, rate: float) -> bool:
@@ -259,7 +259,7 @@ def tokenizer_model_bytes(sources: list[Source], cfg: PrepConfig) -> tuple[bytes
     # Read with a silent throwaway counter: skips are counted and reported once, in the tokenize pass.
     docs = iter_documents(sources, SkipCounter(strict=cfg.strict, quiet=True))
     sample = (d.text for d in tqdm(docs, desc="tokenizer sample", unit="doc", disable=not cfg.progress)
-              if d.text.strip() and _in_train_sample(d, cfg, rate))  # fmt: skip
+              if d.text.strip() and _in_train_sample(d, cfg, rate))
     return tokenize.train_tokenizer(sample, cfg.tokenizer, num_threads=cfg.num_proc), True
 
 
@@ -283,10 +283,10 @@ def select_slice(sources: list[Source], cfg: PrepConfig) -> list[Source]:
             files.append(source)
         else:
             raise ConfigError(f"num_slices={cfg.num_slices} slices local input files; {source.name} cannot be "
-                              "sliced (prepare it without num_slices)")  # fmt: skip
+                              "sliced (prepare it without num_slices)")
     if len(files) < cfg.num_slices:
         raise ConfigError(f"num_slices={cfg.num_slices} is more than the {len(files)} input files; "
-                          f"use at most {len(files)} slices")  # fmt: skip
+                          f"use at most {len(files)} slices")
     start = cfg.slice_index * len(files) // cfg.num_slices
     stop = (cfg.slice_index + 1) * len(files) // cfg.num_slices
     return files[start:stop]
@@ -296,7 +296,7 @@ def _software() -> dict[str, str]:
     from importlib.metadata import version
 
     return {"python": platform.python_version(), "sentencepiece": version("sentencepiece"),
-            "mosaicml-streaming": version("mosaicml-streaming")}  # fmt: skip
+            "mosaicml-streaming": version("mosaicml-streaming")}
 
 
 def _pid_alive(pid: int) -> bool:
@@ -344,7 +344,7 @@ def _split_paths(split_dir: Path) -> tuple[list[Path], list[Path]]:
 
 def _refuse(root: Path, why: str) -> OutputExistsError:
     return OutputExistsError(f"output {root} {why}; nothing was deleted: remove or move it yourself, or choose "
-                             "another output")  # fmt: skip
+                             "another output")
 
 
 def dataset_paths(root: Path) -> list[Path]:
@@ -360,7 +360,7 @@ def dataset_paths(root: Path) -> list[Path]:
         read_manifest(root)
     except (IncompleteDatasetError, OSError, ValueError, KeyError, TypeError):
         raise _refuse(root, f"exists but is not a complete dataset written by prep (no valid {MANIFEST_FILENAME} "
-                            f"with a matching {COMPLETE_MARKER})") from None  # fmt: skip
+                            f"with a matching {COMPLETE_MARKER})") from None
     files: list[Path] = []
     dirs: list[Path] = []
     other: list[Path] = []
@@ -412,7 +412,7 @@ def remove_stale_work_dirs(out: Path) -> None:
         if kind.endswith(".old") and not out.exists():
             # killed between moving the old dataset aside and moving the new one in: this is the only copy
             logger.warning("leaving %s: the previous dataset of an interrupted replacement, and %s does not exist; "
-                           "rename it back to keep it", stale, out)  # fmt: skip
+                           "rename it back to keep it", stale, out)
         elif kind.endswith(".old"):
             logger.warning("removing %s, the previous dataset of an interrupted replacement", stale)
             delete_dataset(stale)
@@ -498,7 +498,7 @@ def _check_output_location(out: Path, cfg: PrepConfig, sources: list[Source]) ->
     for label, place in (("the current directory", Path.cwd()), ("the repository", _REPO), ("home", Path.home())):
         if is_within(place, resolved):
             raise ConfigError(f"output={out} is or contains {label} ({place}); choose a dedicated dataset directory "
-                              "such as data/mine")  # fmt: skip
+                              "such as data/mine")
     inputs: list[Path] = [Path(entry) for entry in cfg.input if Path(entry).exists()]
     for source in sources:
         if isinstance(source, FileSource):
@@ -508,10 +508,10 @@ def _check_output_location(out: Path, cfg: PrepConfig, sources: list[Source]) ->
     for path in inputs:
         if is_within(path, resolved):
             raise ConfigError(f"output={out} contains the input {path}; writing the dataset there could delete it: "
-                              "choose an output outside the input")  # fmt: skip
+                              "choose an output outside the input")
     if cfg.tokenizer.model is not None and is_within(Path(cfg.tokenizer.model), resolved):
         raise ConfigError(f"output={out} contains tokenizer.model={cfg.tokenizer.model}, which replacing the "
-                          "output would delete; copy the model elsewhere first")  # fmt: skip
+                          "output would delete; copy the model elsewhere first")
 
 
 def check_output(out: Path, cfg: PrepConfig, sources: list[Source]) -> None:
@@ -576,7 +576,7 @@ def main(cfg: PrepConfig) -> Manifest:
         "wrote %s in %.1fs: train %d docs / %d tokens, val %d docs / %d tokens, %.0f tokens/s; skipped %s",
         out, seconds, splits["train"].documents, splits["train"].tokens, splits["val"].documents,
         splits["val"].tokens, total_tokens / max(seconds, 1e-9), manifest.skipped or "none",
-    )  # fmt: skip
+    )
     return manifest
 
 

@@ -78,14 +78,14 @@ def check_accelerators(gpus_per_node: int | None, local_rank: int) -> list[str]:
             return []
         return [f"accelerators: expected {gpus_per_node} GPUs per node but torch {torch.__version__} sees none "
                 f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); for a CPU-only run pass "
-                "--gpus-per-node 0 (CPU_ONLY=1 for launch/slurm/pretrain.sbatch)"]  # fmt: skip
+                "--gpus-per-node 0 (CPU_ONLY=1 for launch/slurm/pretrain.sbatch)"]
     count = torch.cuda.device_count()
     if gpus_per_node is not None and count < gpus_per_node:
         return [f"accelerators: {count} GPUs visible, expected {gpus_per_node} "
-                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"]  # fmt: skip
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"]
     if local_rank >= count:
         return [f"accelerators: local rank {local_rank} has no GPU ({count} visible); start at most {count} ranks "
-                "per node"]  # fmt: skip
+                "per node"]
     try:
         (torch.ones(1, device=f"cuda:{local_rank}") + 1).item()
     except RuntimeError as err:
@@ -108,10 +108,10 @@ def check_split(path: str, split: str) -> list[str]:
         return [f"data: cannot read {split_dir / INDEX_FILENAME}: {err.strerror or err}"]
     if missing:
         return [f"data: {split_dir}: {len(missing)} shard(s) listed in index.json are missing (first: shard "
-                f"{missing[0]}); re-run data prep"]  # fmt: skip
+                f"{missing[0]}); re-run data prep"]
     if not sum(shard["samples"] for shard in index["shards"]):
         return [f"data: {split_dir} holds no samples; re-run data prep on more documents (or a larger val_fraction), "
-                "or point data.path at another dataset"]  # fmt: skip
+                "or point data.path at another dataset"]
     return []
 
 
@@ -199,7 +199,7 @@ def clean_stale_shm(shm_dir: Path = Path("/dev/shm"), proc: Path = Path("/proc")
                 log.warning("cannot remove stale shared memory %s: %s", path, err.strerror)
     if removed:
         log.info("removed %d stale shared-memory files from crashed runs: %s", len(removed),
-                 " ".join(p.name for p in removed))  # fmt: skip
+                 " ".join(p.name for p in removed))
     return removed
 
 
@@ -212,7 +212,7 @@ def compare_versions(reports: list[Report]) -> list[str]:
         if diff:
             what = ", ".join(f"{k} {r.versions.get(k)} (rank 0 on {ref.host}: {ref.versions.get(k)})" for k in diff)
             lines.append(f"preflight: {r.host} rank {r.rank}: versions: {what}; install the same environment on "
-                         "every node")  # fmt: skip
+                         "every node")
     return lines
 
 
@@ -239,7 +239,7 @@ def _collective_checks(cfg: TrainConfig, info: dist.DistInfo, report: Report) ->
     dist.barrier()
     if info.local_rank == 0 and not info.is_main and not probe.is_file():
         report.failures.append(f"checkpoint dir: {cfg.run_dir} is not shared with rank 0's node; every node writes "
-                               "into the same checkpoint, so put run_dir on a shared file system")  # fmt: skip
+                               "into the same checkpoint, so put run_dir on a shared file system")
     dist.barrier()
     if info.is_main:
         probe.unlink(missing_ok=True)
@@ -291,7 +291,7 @@ def main(config_path: str | None, overrides: list[str], gpus_per_node: int | Non
             log.error("%s", _line(report, failure))
         log.error("%s", _line(report, f"backend: no answer from the other ranks within {timeout_s:.0f} s: a node "
                                       "or rank is missing, or the network between nodes blocks the backend (check "
-                                      "the rendezvous host/port and NCCL_SOCKET_IFNAME)"))  # fmt: skip
+                                      "the rendezvous host/port and NCCL_SOCKET_IFNAME)"))
         logging.shutdown()
         os._exit(1)  # a collective stuck in C++ cannot be interrupted from Python
 
@@ -305,7 +305,7 @@ def main(config_path: str | None, overrides: list[str], gpus_per_node: int | Non
             info = dist.init_distributed("none", timeout_s=int(timeout_s) + 60)
         except (RuntimeError, ValueError) as err:
             log.error("%s", _line(report, f"backend: cannot create the process group: "
-                                          f"{str(err).strip().splitlines()[0]}"))  # fmt: skip
+                                          f"{str(err).strip().splitlines()[0]}"))
             return 1
         report.local_rank = info.local_rank
         setup_logging(info.rank)
@@ -319,7 +319,7 @@ def main(config_path: str | None, overrides: list[str], gpus_per_node: int | Non
             log.error("preflight FAILED: %d problem(s); fix them before launching", len(failures))
         else:
             log.info("preflight OK: %d rank(s), data %s, run_dir %s (%.1f s)", info.world_size, cfg.data.path,
-                     cfg.run_dir, time.perf_counter() - started)  # fmt: skip
+                     cfg.run_dir, time.perf_counter() - started)
     dist.barrier()  # no rank tears the group down while another still has a collective in flight
     dist.destroy()
     return 1 if failures else 0

@@ -43,7 +43,7 @@ def cli(argv: list[str]) -> int:
         elif args.step == "slice":
             per_slice = [f"output={slice_dir(cfg, args.index)}", f"num_slices={args.num_slices}",
                          f"slice_index={args.index}", f"tokenizer.model={slices_root(cfg) / 'tokenizer.model'}",
-                         "tokenizer.vocab_size=null"]  # fmt: skip
+                         "tokenizer.vocab_size=null"]
             prep_main(load_config(args.config, [*args.overrides, *per_slice]))
         else:
             merge_slices(cfg, args.num_slices, keep_slices=args.keep_slices)

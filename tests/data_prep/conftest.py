@@ -108,7 +108,7 @@ def read_split(tmp_path: Path) -> ReadSplit:
 
         cache = tmp_path / f"cache{next(counter)}"
         ds = StreamingDataset(remote=str(split_dir), local=str(cache), shuffle=False, batch_size=1,
-                              validate_hash="xxh64")  # fmt: skip
+                              validate_hash="xxh64")
         return [ds[i] for i in range(len(ds))]
 
     return read

@@ -60,7 +60,7 @@ def _slice_has_val(cfg: PrepConfig, index: int) -> bool:
 
 # val_fraction 0.05: slice 1 (five books) gets no val document, so it has no val/ directory; 0: no slice has one.
 @pytest.mark.parametrize(("val_fraction", "val_slices"), [(0.2, [0, 1, 2]), (0.05, [0, 2]), (0.0, [])],
-                         ids=["val-in-every-slice", "one-slice-without-val", "no-val-anywhere"])  # fmt: skip
+                         ids=["val-in-every-slice", "one-slice-without-val", "no-val-anywhere"])
 def test_merge_equals_a_single_run(val_fraction, val_slices, corpus, run_prep, read_split, join_documents, tmp_path):
     sliced = _make_slices(corpus[0], tmp_path / "merged", val_fraction)
     assert [i for i in range(SLICES) if _slice_has_val(sliced, i)] == val_slices
@@ -107,7 +107,7 @@ def test_merge_names_the_missing_slice(sliced):
 def test_merge_refuses_a_split_the_manifest_promises_but_that_is_gone(sliced):
     shutil.rmtree(slice_dir(sliced, 2) / "val")
     with pytest.raises(InputError, match=r"slice-00002/val/index.json is missing, but the slice's manifest records "
-                                         "samples in that split; rerun that slice"):  # fmt: skip
+                                         "samples in that split; rerun that slice"):
         merge_slices(sliced, SLICES)
     assert not Path(sliced.output).exists() and not any(Path(sliced.output).parent.glob(".merged.tmp-*"))
 
@@ -214,7 +214,7 @@ def test_overwrite_never_deletes_an_unmarked_slices_directory(corpus, tmp_path):
     before = _tree(root)
     cfg = _config(tmp_path / "merged", corpus[0], overwrite="true")
     with pytest.raises(OutputExistsError, match=f"^{root} has no .prep-slices marker, so the tokenizer step of a "
-                                                "sliced run did not create it; nothing was deleted"):  # fmt: skip
+                                                "sliced run did not create it; nothing was deleted"):
         prepare_tokenizer(cfg, SLICES)
     assert _tree(root) == before
 
@@ -225,7 +225,7 @@ def test_overwrite_keeps_slices_holding_foreign_files(sliced):
     (root / "slice-00001" / "train" / "mine.txt").write_text("inside a slice")  # the slice is no longer all prep's
     before = _tree(root)
     with pytest.raises(OutputExistsError, match=rf"^{root} holds files a sliced run did not write \(slice-00001\); "
-                                                "nothing was deleted"):  # fmt: skip
+                                                "nothing was deleted"):
         prepare_tokenizer(dataclasses.replace(sliced, overwrite=True), SLICES)
     assert _tree(root) == before
 
@@ -281,7 +281,7 @@ def test_merge_work_directories_are_marked_and_only_marked_ones_are_removed(slic
     own.mkdir()
     (own / "mine.txt").write_text("not prep's")
     with pytest.raises(OutputExistsError, match=f"^output {own} is named like this run's work directory but was not "
-                                                "made by prep; nothing was deleted"):  # fmt: skip
+                                                "made by prep; nothing was deleted"):
         merge_slices(sliced, SLICES)
     assert (own / "mine.txt").read_text() == "not prep's" and (foreign / "mine.txt").read_text() == "not prep's"
     assert not out.exists() and all(slice_dir(sliced, i).is_dir() for i in range(SLICES))
@@ -348,7 +348,7 @@ def test_prep_array_steps_by_hand(corpus, read_split, run_prep, tmp_path):
     run_prep(output=tmp_path / "single", tokenizer__model=out / "tokenizer.model", val_fraction=0.1)
     for split in ("train", "val"):
         tokens = [[t for s in read_split(root / split) for t in s["tokens"].tolist()]
-                  for root in (out, tmp_path / "single")]  # fmt: skip
+                  for root in (out, tmp_path / "single")]
         assert len(tokens[0]) == manifest.splits[split].tokens > 0
         assert tokens[0] == tokens[1], split
 

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 def _shard_bytes(root: Path) -> dict[str, str]:
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(root.rglob("*")) if p.is_file() and p.name != "manifest.json"
-            and p.name != COMPLETE_MARKER}  # fmt: skip
+            and p.name != COMPLETE_MARKER}
 
 
 def test_round_trip_and_counts(run_prep, corpus, read_split, tmp_path, join_documents):
@@ -143,7 +143,7 @@ def test_killed_process_leaves_no_complete_output_and_rerun_cleans_up(corpus, tm
     with pytest.raises(IncompleteDatasetError):
         read_manifest(leftovers[0])
     proc = subprocess.run([sys.executable, str(REPO / "launch" / "prep.py"), *args], cwd=REPO, timeout=120,
-                          capture_output=True)  # fmt: skip
+                          capture_output=True)
     assert proc.returncode == 0, proc.stderr.decode()[-2000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], "the stale temporary was removed"
     read_manifest(out)

@@ -29,7 +29,7 @@ def _prepared(tmp_path: Path, tiny_data: Path, vocab: int = 64) -> Path:
         tokenizer=fmt.TokenizerInfo(sha256="0" * 64, vocab_size=vocab, model_type="bpe", trained=True, unk_id=0,
                                     bos_id=-1, eos_id=1, pad_id=-1),
         splits={s: fmt.SplitStats(documents=1, pieces=1, tokens=1, index_sha256="0" * 64) for s in fmt.SPLITS},
-        skipped={}, inputs=[], config={})  # fmt: skip
+        skipped={}, inputs=[], config={})
     data = manifest.to_json().encode()
     (root / fmt.MANIFEST_FILENAME).write_bytes(data)
     (root / fmt.COMPLETE_MARKER).write_text(hashlib.sha256(data).hexdigest() + "\n")

@@ -144,7 +144,7 @@ def _output_is_link(tmp_path: Path, dataset: Path) -> tuple[Path, Path]:
     ],
 )
 def test_overwrite_refuses_what_prep_did_not_write_before_any_work(arrange, error, match, dataset, tmp_path, tokenizer,
-                                                                    monkeypatch):  # fmt: skip
+                                                                    monkeypatch):
     output, corpus = arrange(tmp_path, dataset)
     before = _snapshot(tmp_path)
     monkeypatch.setattr(shard, "_prepare", lambda *a: pytest.fail("work started before the output was checked"))
@@ -286,7 +286,7 @@ def test_yaml_whose_top_level_is_not_a_mapping_is_one_line_naming_the_file(text,
      ("shard_size_bytes", "0"), ("shard_size_bytes", "-5"), ("num_proc", "0"), ("min_tokens", "-1"),
      ("max_piece_tokens", "0"), ("split_seed", "-1"), ("tokenizer.vocab_size", "10"), ("tokenizer.sample_bytes", "0"),
      ("tokenizer.character_coverage", "nan"), ("tokenizer.character_coverage", "0")],
-)  # fmt: skip
+)
 def test_bad_numbers_are_refused_naming_key_and_value(key, value, tmp_path):
     extra = {"tokenizer.vocab_size": 300, key: value}
     with pytest.raises(ConfigError) as caught:
@@ -303,13 +303,13 @@ def test_environment_values_never_reach_output_files_or_errors(tmp_path, tokeniz
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "a.jsonl").write_text("".join(json.dumps({field: f"record {i} " + " ".join(WORDS)}) + "\n"
-                                            for i in range(8)))  # fmt: skip
+                                            for i in range(8)))
     env = {**os.environ, "GCA_TEST_FIELD": field, "GCA_TEST_OUT": str(tmp_path / out_name), "GCA_TEST_TOK": bad,
-           "OMP_NUM_THREADS": "1"}  # fmt: skip
+           "OMP_NUM_THREADS": "1"}
     common = ["output=${oc.env:GCA_TEST_OUT}", f"input={corpus}", "text_field=${oc.env:GCA_TEST_FIELD}",
-              "progress=false", "val_fraction=0.3"]  # fmt: skip
+              "progress=false", "val_fraction=0.3"]
     ok = subprocess.run([sys.executable, "launch/prep.py", *common, f"tokenizer.model={tokenizer}"], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=120)  # fmt: skip
+                        capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr[-2000:]
     manifest = read_manifest(tmp_path / out_name)
     assert manifest.splits["train"].documents + manifest.splits["val"].documents == 8, "the run itself works"
@@ -326,7 +326,7 @@ def test_environment_values_never_reach_output_files_or_errors(tmp_path, tokeniz
     names = " ".join(str(p.relative_to(tmp_path / out_name)) for p in (tmp_path / out_name).rglob("*"))
     for sentinel in ("sentinelX", "sentinelW", "sentinelV"):
         for where, text in (("stdout", ok.stdout + failed.out), ("stderr", ok.stderr + failed.err),
-                            ("files", written.decode("latin-1")), ("file names", names)):  # fmt: skip
+                            ("files", written.decode("latin-1")), ("file names", names)):
             assert sentinel not in text, f"{sentinel} leaked into {where}"
 
 

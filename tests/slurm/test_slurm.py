@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS = 300
 JOB_TIMEOUT_S = 300
 _WORDS = ("the river ran past old mills and quiet farms while a train crossed the valley at dawn theorem proof "
-          "lemma integral derivative matrix vector compute return value function class").split()  # fmt: skip
+          "lemma integral derivative matrix vector compute return value function class").split()
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def _model_overrides(run_dir: Path, data: Path) -> list[str]:
         "train.global_batch": 4, "train.max_steps": STEPS, "train.eval_every": 0, "optim.lr": 3e-3,
         "optim.min_lr": 3e-4, "schedule.warmup_steps": 2, "data.shuffle_window": 8, "logging.every": 1,
         "logging.progress": False, "checkpoint.every": 0, "checkpoint.export": False,
-    }  # fmt: skip
+    }
     return [f"{k}={v}" for k, v in values.items()]
 
 
@@ -81,9 +81,9 @@ def _log(logs: Path, name: str, job_id: int) -> str:
 
 def _pretrain(cluster, logs: Path, run_dir: Path, data: Path, port: int) -> int:
     env = {"CONFIG": str(REPO / "configs/train/debug.yaml"), "NGPUS_PER_NODE": "2", "CPU_ONLY": "1",
-           "MASTER_PORT": str(port), "GCA_PYTHON": str(REPO / ".venv/bin/python"), "RESIGNAL_EVERY": "3"}  # fmt: skip
+           "MASTER_PORT": str(port), "GCA_PYTHON": str(REPO / ".venv/bin/python"), "RESIGNAL_EVERY": "3"}
     return cluster.sbatch(REPO / "launch/slurm/pretrain.sbatch", _model_overrides(run_dir, data), env,
-                          [f"--output={logs}/slurm-%x-%j.out"])  # fmt: skip
+                          [f"--output={logs}/slurm-%x-%j.out"])
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +180,7 @@ def test_prep_array_job_merges_one_dataset(cluster, corpus, tmp_path):
     env = {"CONFIG": str(config), "NUM_SLICES": "3", "GCA_PYTHON": str(REPO / ".venv/bin/python"), "LOG_DIR": str(logs)}
     started = time.monotonic()
     head = cluster.sbatch(REPO / "launch/slurm/prep.sbatch", ["tokenizer.vocab_size=320"], env,
-                          ["--cpus-per-task=1", f"--output={logs}/slurm-%x-%j.out"])  # fmt: skip
+                          ["--cpus-per-task=1", f"--output={logs}/slurm-%x-%j.out"])
     fields = cluster.wait_finished(head, JOB_TIMEOUT_S)
     head_log = _log(logs, "gca-prep", head)
     assert fields["JobState"] == "COMPLETED", head_log
@@ -203,7 +203,7 @@ def test_prep_array_job_merges_one_dataset(cluster, corpus, tmp_path):
         tokens = []
         for root in (out, single):
             ds = StreamingDataset(remote=str(root / split), local=str(tmp_path / "cache" / root.name / split),
-                                  shuffle=False, batch_size=1, validate_hash="xxh64")  # fmt: skip
+                                  shuffle=False, batch_size=1, validate_hash="xxh64")
             tokens.append([t for i in range(len(ds)) for t in ds[i]["tokens"].tolist()])
         assert len(tokens[0]) == manifest.splits[split].tokens > 0
         assert tokens[0] == tokens[1], split
