@@ -96,15 +96,30 @@ def _bounded(value: str) -> str:
     return left + re.escape(value) + right
 
 
+def _secret_env_values() -> dict[str, str]:
+    """Value -> name of every secret-named environment variable long enough to be a credential."""
+    return {value: name for name, value in os.environ.items()
+            if is_secret_name(name) and len(value) >= _MIN_SECRET_LEN}
+
+
 def _replacements() -> list[tuple[str, str]]:
     """(value, replacement) pairs, longest value first so a value inside another is not replaced half-way."""
     pairs: dict[str, str] = {}
     if not _reveal_env():
         pairs.update({v: "${oc.env:%s}" % k for v, k in _env_values.items() if len(v) >= _MIN_FREE_TEXT_LEN})
-    for name, value in os.environ.items():
-        if is_secret_name(name) and len(value) >= _MIN_SECRET_LEN:
-            pairs[value] = f"<redacted:{name}>"
+    pairs.update({value: f"<redacted:{name}>" for value, name in _secret_env_values().items()})
     return sorted(pairs.items(), key=lambda item: -len(item[0]))
+
+
+def find_secret(text: str) -> str | None:
+    """What secret ``text`` holds, described without its value: the value of a secret-named environment variable
+    (named), or a value shaped like a credential; None when it holds neither."""
+    for value, name in _secret_env_values().items():
+        if value in text:
+            return f"the value of the environment variable {name}"
+    if _SECRET_SHAPES.search(text) or _URL_PASSWORD.search(text):
+        return "what looks like a credential (an access token, or a password in a URL)"
+    return None
 
 
 def redact(text: str) -> str:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from data_prep import format as fmt
-from data_prep.redaction import REDACTED, is_secret_name, redact
+from data_prep.redaction import find_secret, is_secret_name, redact
 from kernels.cpu_math import flush_denormals, retain_freed_memory
 from model import build_model, read_export_config, save_pretrained
 from model.io import ExportError, check_safetensors
@@ -91,8 +91,6 @@ def check_no_secrets(cfg: TrainConfig) -> None:
     """
     from omegaconf import OmegaConf
 
-    secrets = {name: value for name, value in os.environ.items() if is_secret_name(name) and len(value) >= 8}
-
     def walk(node: Any, path: str) -> None:
         if isinstance(node, dict):
             for key, value in node.items():
@@ -104,15 +102,11 @@ def check_no_secrets(cfg: TrainConfig) -> None:
             if is_secret_name(path.rsplit(".", 1)[-1]):
                 raise ConfigError(f"config key '{path}' looks like a secret; secrets must come from the environment "
                                   "(e.g. WANDB_API_KEY), never from the config, which is logged and checkpointed")
-            for name, value in secrets.items():
-                if value in node:
-                    raise ConfigError(f"config key '{path}' contains the value of the environment variable {name}; "
-                                      "secrets must not enter the config (it is logged, checkpointed and sent to "
-                                      "wandb): remove the ${oc.env:...} interpolation or literal")
-            if REDACTED in redact(node):  # the marker `redact` puts where it finds a credential's shape
-                raise ConfigError(f"config key '{path}' holds what looks like a credential (an access token, or a "
-                                  "password in a URL); pass credentials through the environment variables the "
-                                  "library in question reads, never through the config")
+            secret = find_secret(node)
+            if secret is not None:
+                raise ConfigError(f"config key '{path}' holds {secret}; secrets must not enter the config (it is "
+                                  "logged, checkpointed and sent to wandb): pass credentials through the environment "
+                                  "variables the library in question reads, never through ${oc.env:...} or a literal")
 
     walk(OmegaConf.to_container(OmegaConf.structured(cfg)), "")
 

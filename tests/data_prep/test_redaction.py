@@ -119,3 +119,13 @@ def test_log_filter_redacts_messages_args_and_tracebacks(fresh, monkeypatch, cap
 def test_secret_names():
     assert all(map(redaction.is_secret_name, ["WANDB_API_KEY", "HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "db.password"]))
     assert not any(map(redaction.is_secret_name, ["TOKENIZERS_PARALLELISM", "HOME", "keys_dir"]))
+
+
+def test_find_secret_names_the_variable_or_the_shape_never_the_value(fresh, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "tok-1234567890")
+    monkeypatch.setenv("MY_DIR", "/data/plain-path")
+    OmegaConf.to_container(OmegaConf.create({"d": "${oc.env:MY_DIR}"}), resolve=True)
+    assert redaction.find_secret("prefix tok-1234567890") == "the value of the environment variable HF_TOKEN"
+    assert "credential" in redaction.find_secret(f"x {GH}") and GH not in redaction.find_secret(f"x {GH}")
+    assert "credential" in redaction.find_secret("s3://u:pw@host/b")
+    assert redaction.find_secret("/data/plain-path/run") is None  # environment-derived, but not a secret

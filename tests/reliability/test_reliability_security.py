@@ -223,5 +223,5 @@ def test_t19_yaml_with_secret_interpolation_is_rejected(secrets, data, tmp_path,
                       "  wandb_project: ${oc.env:WANDB_API_KEY}\n")
     with caplog.at_level(logging.ERROR):
         assert main(str(config), overrides(tmp_path / "run", data)[2:]) == 2
-    assert "contains the value of the environment variable WANDB_API_KEY" in caplog.text
+    assert "holds the value of the environment variable WANDB_API_KEY" in caplog.text
     assert SECRETS["WANDB_API_KEY"] not in caplog.text
