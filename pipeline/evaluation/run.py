@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from data_prep.format import COMPLETE_MARKER, MANIFEST_FILENAME
 from data_prep.redaction import redact_tree, restore_env_interpolations
+from data_prep.safe_files import is_within
 from kernels.cpu_math import flush_denormals
 from pipeline.evaluation.config import TASKS, EvalConfig, EvalConfigError, load_eval_config, needle_spec, validate
 from pipeline.evaluation.haystack import TokenSource
@@ -133,7 +134,7 @@ def _inside_data(out: Path, data: str) -> Path | None:
     if data in ("builtin", "stdlib"):
         return None
     for source in (Path(p).resolve() for p in data.split(",")):
-        if source.is_dir() and where.is_relative_to(source):
+        if source.is_dir() and is_within(out, source):
             return source
     return None
 
