@@ -9,7 +9,7 @@ PYTEST := $(PY) -m pytest -q
 # The default CPU tier: everything not behind a heavier marker.
 DEFAULT_MARKERS := not slow and not gpu and not dist and not slurm
 
-.PHONY: install test test-slow test-dist test-gpu test-kernels test-reliability test-slurm preflight demo demo-smoke prep bench bench-train bench-kernels test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv gpu-wheels gpu-check test-gpu-wheels test-gpu-check
+.PHONY: install lint format typecheck test test-slow test-dist test-gpu test-kernels test-reliability test-slurm preflight demo demo-smoke prep bench bench-train bench-kernels test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv gpu-wheels gpu-check test-gpu-wheels test-gpu-check
 
 install: $(STAMP)
 
@@ -22,7 +22,21 @@ $(STAMP): requirements.lock pyproject.toml Makefile
 	@touch $@
 	@echo "==> environment ready ($(STAMP))"
 
-test: install
+# Lint (ruff, rules and line length in pyproject.toml; the formatter must leave every file unchanged) and type
+# check (mypy on the library packages, settings in pyproject.toml) both run first in `make test`, so CI enforces them.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+# Rewrite the files the way `make lint` expects them (ruff's formatter and its safe fixes).
+format: install
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+typecheck: install
+	$(VENV)/bin/mypy
+
+test: install lint typecheck
 	$(PYTEST) -m "$(DEFAULT_MARKERS)" tests
 
 test-slow: install

@@ -38,8 +38,10 @@ def corpus_files(name: str) -> tuple[Path, list[Path]]:
         InputError: ``name`` is not one of `CORPORA`, or the corpus has no files on this machine.
     """
     if name != "python_stdlib":
-        raise InputError(f"unknown built-in corpus '{BUILTIN_PREFIX}{name}' (available: "
-                         f"{', '.join(BUILTIN_PREFIX + c for c in CORPORA)})")
+        raise InputError(
+            f"unknown built-in corpus '{BUILTIN_PREFIX}{name}' (available: "
+            f"{', '.join(BUILTIN_PREFIX + c for c in CORPORA)})"
+        )
     root, files = _python_stdlib()
     if not files:
         raise InputError(f"built-in corpus '{BUILTIN_PREFIX}{name}': no .py or .txt files under {root}")

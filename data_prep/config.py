@@ -201,8 +201,9 @@ def _load_yaml(path: Path) -> DictConfig:
         top = yaml.safe_load(path.read_text())  # the top-level type, before omegaconf reinterprets a scalar
         if not isinstance(top, (dict, type(None))):
             kind = "list" if isinstance(top, list) else f"scalar ({type(top).__name__})"
-            raise ConfigError(f"{path} must hold a mapping of keys (lines like 'output: data/mine'), got a {kind} "
-                              "at the top level")
+            raise ConfigError(
+                f"{path} must hold a mapping of keys (lines like 'output: data/mine'), got a {kind} at the top level"
+            )
         loaded = OmegaConf.load(path)
     except ConfigError:
         raise

@@ -175,8 +175,7 @@ def manifest_from_dict(obj: dict[str, Any]) -> Manifest:
     version = obj.get("format_version")
     if version != FORMAT_VERSION:
         raise ValueError(
-            f"manifest format_version={version!r} is not supported (this code reads {FORMAT_VERSION}); "
-            "re-run make prep"
+            f"manifest format_version={version!r} is not supported (this code reads {FORMAT_VERSION}); re-run make prep"
         )
     return Manifest(
         format_version=version,

@@ -121,13 +121,17 @@ def _slices_contents(root: Path) -> tuple[list[Path], list[Path]]:
             creates it (so it is not provably prep's).
     """
     if root.is_symlink() or not root.is_dir():
-        raise OutputExistsError(f"{root} is not a directory (a file or a symbolic link) but is named like the "
-                                "slices of this output; nothing was deleted: remove or move it yourself")
+        raise OutputExistsError(
+            f"{root} is not a directory (a file or a symbolic link) but is named like the "
+            "slices of this output; nothing was deleted: remove or move it yourself"
+        )
     marker = root / _SLICES_MARKER
     if not os.path.lexists(marker) or not is_plain_file(marker):
-        raise OutputExistsError(f"{root} has no {_SLICES_MARKER} marker, so the tokenizer step of a sliced run did not "
-                                "create it; nothing was deleted: remove or move it yourself, or choose another "
-                                "output")
+        raise OutputExistsError(
+            f"{root} has no {_SLICES_MARKER} marker, so the tokenizer step of a sliced run did not "
+            "create it; nothing was deleted: remove or move it yourself, or choose another "
+            "output"
+        )
     ours: list[Path] = []
     other: list[Path] = []
     for entry in sorted(root.iterdir()):
@@ -168,9 +172,11 @@ def _make_slices_root(root: Path) -> None:
         root.mkdir(parents=True)
         (root / _SLICES_MARKER).touch()
     except OSError as exc:
-        raise OutputWriteError(f"cannot create {exc.filename or root} ({exc.strerror or exc}): the slices need a "
-                               "writable directory next to the output; fix its permissions or choose another "
-                               "output") from None
+        raise OutputWriteError(
+            f"cannot create {exc.filename or root} ({exc.strerror or exc}): the slices need a "
+            "writable directory next to the output; fix its permissions or choose another "
+            "output"
+        ) from None
 
 
 def prepare_tokenizer(cfg: PrepConfig, num_slices: int = 1) -> Path:
@@ -203,8 +209,10 @@ def prepare_tokenizer(cfg: PrepConfig, num_slices: int = 1) -> Path:
             )
         earlier = _slices_contents(root)
         if earlier[1]:
-            raise OutputExistsError(f"{root} holds files a sliced run did not write ({_names(earlier[1])}); nothing "
-                                    "was deleted: remove or move them yourself, or choose another output")
+            raise OutputExistsError(
+                f"{root} holds files a sliced run did not write ({_names(earlier[1])}); nothing "
+                "was deleted: remove or move them yourself, or choose another output"
+            )
     select_slice(sources, dataclasses.replace(cfg, num_slices=num_slices))  # fail now, not in every array task
     model_proto, trained = tokenizer_model_bytes(sources, cfg)
     if earlier is not None:
@@ -215,8 +223,12 @@ def prepare_tokenizer(cfg: PrepConfig, num_slices: int = 1) -> Path:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     fsync_write(tmp, model_proto)
     tmp.rename(path)
-    logger.info("%s shared tokenizer %s (sha256 %s)", "trained" if trained else "copied", path,
-                hashlib.sha256(model_proto).hexdigest()[:16])
+    logger.info(
+        "%s shared tokenizer %s (sha256 %s)",
+        "trained" if trained else "copied",
+        path,
+        hashlib.sha256(model_proto).hexdigest()[:16],
+    )
     return path
 
 
@@ -224,16 +236,21 @@ def _check_slice(cfg: PrepConfig, index: int, num_slices: int, manifest: Manifes
     name = slice_dir(cfg, index).name
     got = manifest.config
     if (got.get("num_slices"), got.get("slice_index")) != (num_slices, index):
-        raise InputError(f"{name} was prepared as slice {got.get('slice_index')} of {got.get('num_slices')}, "
-                         f"expected slice {index} of {num_slices}")
+        raise InputError(
+            f"{name} was prepared as slice {got.get('slice_index')} of {got.get('num_slices')}, "
+            f"expected slice {index} of {num_slices}"
+        )
     want = to_container(cfg)
     for key in _CONTENT_KEYS:
         if got.get(key) != want[key]:
-            raise InputError(f"{name} was prepared with {key}={got.get(key)!r} but the config says {want[key]!r}; "
-                             "rerun that slice")
+            raise InputError(
+                f"{name} was prepared with {key}={got.get(key)!r} but the config says {want[key]!r}; rerun that slice"
+            )
     if manifest.tokenizer.sha256 != tokenizer_sha:
-        raise InputError(f"{name} was tokenized with a different tokenizer (sha256 {manifest.tokenizer.sha256[:16]}, "
-                         f"shared model {tokenizer_sha[:16]}); rerun that slice")
+        raise InputError(
+            f"{name} was tokenized with a different tokenizer (sha256 {manifest.tokenizer.sha256[:16]}, "
+            f"shared model {tokenizer_sha[:16]}); rerun that slice"
+        )
 
 
 def _link(src_dir: Path, name: str, dst: Path) -> None:
@@ -259,8 +276,10 @@ def _merge_split(sources: list[Path], dst: Path) -> int:
         try:
             index = read_index(src)[0]  # checked: plain names inside src, MDS, no pickle
         except FileNotFoundError:
-            raise InputError(f"{src / INDEX_FILENAME} is missing, but the slice's manifest records samples in that "
-                             "split; rerun that slice") from None
+            raise InputError(
+                f"{src / INDEX_FILENAME} is missing, but the slice's manifest records samples in that "
+                "split; rerun that slice"
+            ) from None
         for entry in index["shards"]:
             this = (entry["column_names"], entry["column_encodings"], entry["format"])
             if layout is not None and this != layout:
@@ -301,8 +320,12 @@ def _merge_splits(cfg: PrepConfig, manifests: dict[int, Manifest], tmp: Path) ->
             shards = _merge_split(present, tmp / split)
             index_sha = hashlib.sha256((tmp / split / INDEX_FILENAME).read_bytes()).hexdigest()
             logger.info("%s: %d shards from %d of %d slices", split, shards, len(present), len(manifests))
-        splits[split] = SplitStats(documents=sum(s.documents for s in stats), pieces=sum(s.pieces for s in stats),
-                                   tokens=sum(s.tokens for s in stats), index_sha256=index_sha)
+        splits[split] = SplitStats(
+            documents=sum(s.documents for s in stats),
+            pieces=sum(s.pieces for s in stats),
+            tokens=sum(s.tokens for s in stats),
+            index_sha256=index_sha,
+        )
     return splits
 
 
@@ -325,7 +348,8 @@ def _read_slices(cfg: PrepConfig, num_slices: int) -> dict[int, Manifest]:
     if missing:
         raise IncompleteDatasetError(
             f"slices {','.join(map(str, missing))} of {num_slices} in {slices_root(cfg)} are missing or unfinished: "
-            "their array tasks failed or have not run; rerun those tasks, then the merge")
+            "their array tasks failed or have not run; rerun those tasks, then the merge"
+        )
     return manifests
 
 
@@ -339,20 +363,26 @@ def _check_slices(cfg: PrepConfig, manifests: dict[int, Manifest], tokenizer_sha
         sliced = dataclasses.replace(cfg, num_slices=num_slices, slice_index=index)
         expected = [s.fingerprint(content=False).path for s in select_slice(all_sources, sliced)]
         if [i.path for i in manifest.inputs] != expected:
-            raise InputError(f"{slice_dir(cfg, index).name} covers other input files than the current input list; "
-                             "rerun that slice")
+            raise InputError(
+                f"{slice_dir(cfg, index).name} covers other input files than the current input list; rerun that slice"
+            )
     dtypes = {m.token_dtype for m in manifests.values()}
     if len(dtypes) != 1:
         raise InputError(f"slices disagree on the token dtype: {sorted(dtypes)}")
     train, val = (sum(m.splits[split].documents for m in manifests.values()) for split in SPLITS)
     if train == 0:
-        raise InputError(f"no document of the {num_slices} slices reached the train split ({val} went to val with "
-                         f"val_fraction={cfg.val_fraction}); nothing was written: add input documents or lower "
-                         "val_fraction / min_tokens")
+        raise InputError(
+            f"no document of the {num_slices} slices reached the train split ({val} went to val with "
+            f"val_fraction={cfg.val_fraction}); nothing was written: add input documents or lower "
+            "val_fraction / min_tokens"
+        )
     if cfg.val_fraction > 0 and val == 0:
-        logger.warning("val split is empty: no document hashed into val_fraction=%s, so %s has no val/ directory "
-                       "(manifest: 0 val tokens); raise val_fraction or change split_seed, or train with eval off",
-                       cfg.val_fraction, cfg.output)
+        logger.warning(
+            "val split is empty: no document hashed into val_fraction=%s, so %s has no val/ directory "
+            "(manifest: 0 val tokens); raise val_fraction or change split_seed, or train with eval off",
+            cfg.val_fraction,
+            cfg.output,
+        )
 
 
 def _merged_manifest(cfg: PrepConfig, manifests: dict[int, Manifest], splits: dict[str, SplitStats]) -> Manifest:
@@ -360,8 +390,10 @@ def _merged_manifest(cfg: PrepConfig, manifests: dict[int, Manifest], splits: di
     for m in manifests.values():
         skipped.update(m.skipped)
     if any(m.software != manifests[0].software for m in manifests.values()):
-        logger.warning("slices were written with different software versions: %s",
-                       sorted({json.dumps(m.software, sort_keys=True) for m in manifests.values()}))
+        logger.warning(
+            "slices were written with different software versions: %s",
+            sorted({json.dumps(m.software, sort_keys=True) for m in manifests.values()}),
+        )
     return Manifest(
         format_version=FORMAT_VERSION,
         token_dtype=manifests[0].token_dtype,
@@ -425,14 +457,22 @@ def merge_slices(cfg: PrepConfig, num_slices: int, keep_slices: bool = False) ->
         raise
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise OutputWriteError(f"merging into {tmp} failed at {exc.filename or tmp}: {exc.strerror or exc}; the "
-                               f"unfinished {tmp.name} was removed and {out} is as it was before the merge") from None
+        raise OutputWriteError(
+            f"merging into {tmp} failed at {exc.filename or tmp}: {exc.strerror or exc}; the "
+            f"unfinished {tmp.name} was removed and {out} is as it was before the merge"
+        ) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if not keep_slices:
         _remove_slices_after_merge(root)
-    logger.info("merged %d slices into %s: train %d docs / %d tokens, val %d docs / %d tokens", num_slices, out,
-                splits["train"].documents, splits["train"].tokens, splits["val"].documents,
-                splits["val"].tokens)
+    logger.info(
+        "merged %d slices into %s: train %d docs / %d tokens, val %d docs / %d tokens",
+        num_slices,
+        out,
+        splits["train"].documents,
+        splits["train"].tokens,
+        splits["val"].documents,
+        splits["val"].tokens,
+    )
     return manifest

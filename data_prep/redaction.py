@@ -43,16 +43,18 @@ _SECRET_WORDS = {"key", "apikey", "token", "secret", "password", "passwd", "cred
 secret: WANDB_API_KEY, HF_TOKEN, AWS_SECRET_ACCESS_KEY, GITHUB_TOKEN, ... (not TOKENIZERS_PARALLELISM)."""
 
 _SECRET_SHAPES = re.compile(
-    "|".join((
-        r"\bhf_[A-Za-z0-9]{30,}",  # Hugging Face access token
-        r"\b(?:AKIA|ASIA)[A-Z0-9]{16}\b",  # AWS access key id
-        r"\bgh[pousr]_[A-Za-z0-9]{30,}",  # GitHub tokens
-        r"\bgithub_pat_[A-Za-z0-9_]{22,}",
-        r"\bxox[abprs]-[A-Za-z0-9-]{10,}",  # Slack
-        r"\bsk-[A-Za-z0-9_-]{20,}",  # OpenAI-style API keys
-        r"\beyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}",  # JWT
-        r"-----BEGIN [A-Z ]*PRIVATE KEY-----[\s\S]*?-----END [A-Z ]*PRIVATE KEY-----",
-    ))
+    "|".join(
+        (
+            r"\bhf_[A-Za-z0-9]{30,}",  # Hugging Face access token
+            r"\b(?:AKIA|ASIA)[A-Z0-9]{16}\b",  # AWS access key id
+            r"\bgh[pousr]_[A-Za-z0-9]{30,}",  # GitHub tokens
+            r"\bgithub_pat_[A-Za-z0-9_]{22,}",
+            r"\bxox[abprs]-[A-Za-z0-9-]{10,}",  # Slack
+            r"\bsk-[A-Za-z0-9_-]{20,}",  # OpenAI-style API keys
+            r"\beyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}",  # JWT
+            r"-----BEGIN [A-Z ]*PRIVATE KEY-----[\s\S]*?-----END [A-Z ]*PRIVATE KEY-----",
+        )
+    )
 )
 _URL_PASSWORD = re.compile(r"(?<=://)([^/\s:@]+):([^/\s@]+)(?=@)")
 
@@ -98,15 +100,14 @@ def _bounded(value: str) -> str:
 
 def _secret_env_values() -> dict[str, str]:
     """Value -> name of every secret-named environment variable long enough to be a credential."""
-    return {value: name for name, value in os.environ.items()
-            if is_secret_name(name) and len(value) >= _MIN_SECRET_LEN}
+    return {value: name for name, value in os.environ.items() if is_secret_name(name) and len(value) >= _MIN_SECRET_LEN}
 
 
 def _replacements() -> list[tuple[str, str]]:
     """(value, replacement) pairs, longest value first so a value inside another is not replaced half-way."""
     pairs: dict[str, str] = {}
     if not _reveal_env():
-        pairs.update({v: "${oc.env:%s}" % k for v, k in _env_values.items() if len(v) >= _MIN_FREE_TEXT_LEN})
+        pairs.update({v: f"${{oc.env:{k}}}" for v, k in _env_values.items() if len(v) >= _MIN_FREE_TEXT_LEN})
     pairs.update({value: f"<redacted:{name}>" for value, name in _secret_env_values().items()})
     return sorted(pairs.items(), key=lambda item: -len(item[0]))
 
@@ -126,7 +127,7 @@ def redact(text: str) -> str:
     """``text`` with environment-derived values, secret-named variables' values and secret shapes replaced."""
     for value, replacement in _replacements():
         if value in text:
-            text = re.sub(_bounded(value), lambda _: replacement, text)
+            text = re.sub(_bounded(value), lambda _, r=replacement: r, text)
     text = _SECRET_SHAPES.sub(REDACTED, text)
     return _URL_PASSWORD.sub(lambda m: f"{m.group(1)}:{REDACTED}", text)
 

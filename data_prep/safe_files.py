@@ -27,9 +27,21 @@ import stat
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-__all__ = ["INDEX_FILENAME", "UnsafeColumnError", "UnsafeDatasetError", "UnsafeShardPathError", "check_index",
-           "check_shard_path", "index_file_names", "open_regular", "parse_index", "read_index", "read_regular",
-           "is_within", "stat_regular"]
+__all__ = [
+    "INDEX_FILENAME",
+    "UnsafeColumnError",
+    "UnsafeDatasetError",
+    "UnsafeShardPathError",
+    "check_index",
+    "check_shard_path",
+    "index_file_names",
+    "open_regular",
+    "parse_index",
+    "read_index",
+    "read_regular",
+    "is_within",
+    "stat_regular",
+]
 
 INDEX_FILENAME = "index.json"
 
@@ -38,8 +50,14 @@ _UNSAFE_ENCODINGS = ("pkl",)
 _FILE_KEYS = ("raw_data", "zip_data", "raw_meta", "zip_meta")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | os.O_CLOEXEC
 """``O_DIRECTORY`` fails on a FIFO or device before it is opened; ``O_NONBLOCK`` is a second guard."""
-_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
-          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+_KINDS = (
+    (stat.S_ISLNK, "a symbolic link"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
 
 
 class UnsafeDatasetError(ValueError):
@@ -69,8 +87,10 @@ def check_shard_path(name: object, where: str) -> str:
     """
     parts = PurePosixPath(name).parts if isinstance(name, str) else ()
     if not parts or name != "/".join(parts) or not all(_SAFE_PART.fullmatch(p) for p in parts):
-        raise UnsafeShardPathError(f"{where}: shard file name {name!r} is not a plain relative path inside the "
-                                   "split directory (path traversal?); refusing the dataset before opening any shard")
+        raise UnsafeShardPathError(
+            f"{where}: shard file name {name!r} is not a plain relative path inside the "
+            "split directory (path traversal?); refusing the dataset before opening any shard"
+        )
     return str(name)
 
 
@@ -78,8 +98,10 @@ def _check_shard(shard: Any, i: int, where: str, seen: set[str]) -> None:
     if not isinstance(shard, dict):
         raise UnsafeDatasetError(f"{where}: shard {i} is not an object")
     if shard.get("format") != "mds" or not isinstance(shard.get("raw_data"), dict):
-        raise UnsafeDatasetError(f"{where}: shard {i} is not an MDS shard (format {shard.get('format')!r}, "
-                                 "raw_data missing?); only data prep's MDS shards are read")
+        raise UnsafeDatasetError(
+            f"{where}: shard {i} is not an MDS shard (format {shard.get('format')!r}, "
+            "raw_data missing?); only data prep's MDS shards are read"
+        )
     samples = shard.get("samples")
     if not isinstance(samples, int) or isinstance(samples, bool) or samples < 0:
         raise UnsafeDatasetError(f"{where}: shard {i} has samples={samples!r}, not a count")
@@ -93,8 +115,10 @@ def _check_shard(shard: Any, i: int, where: str, seen: set[str]) -> None:
         seen.add(name)
     for name, encoding in zip(shard.get("column_names", []), shard.get("column_encodings", [])):
         if str(encoding).split(":")[0] in _UNSAFE_ENCODINGS:
-            raise UnsafeColumnError(f"{where}: shard {i} column {name!r} has encoding {encoding!r}, which "
-                                    "unpickles (runs code) on read; the trainer never reads such columns")
+            raise UnsafeColumnError(
+                f"{where}: shard {i} column {name!r} has encoding {encoding!r}, which "
+                "unpickles (runs code) on read; the trainer never reads such columns"
+            )
 
 
 def check_index(index: Any, where: str) -> None:
@@ -123,8 +147,10 @@ def _kind(mode: int) -> str:
 
 
 def _not_regular(path: Path, mode: int) -> UnsafeDatasetError:
-    return UnsafeDatasetError(f"{path} is {_kind(mode)}, not a regular file; a dataset is read only from regular "
-                              "files inside its directory (replace it with the real file, or re-run data prep)")
+    return UnsafeDatasetError(
+        f"{path} is {_kind(mode)}, not a regular file; a dataset is read only from regular "
+        "files inside its directory (replace it with the real file, or re-run data prep)"
+    )
 
 
 def _open_dir_below(directory: Path, parts: list[str]) -> int:
@@ -136,8 +162,10 @@ def _open_dir_below(directory: Path, parts: list[str]) -> int:
         except OSError as err:
             os.close(fd)
             if err.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise UnsafeDatasetError(f"{directory.joinpath(*parts[:depth + 1])} is not a real directory (a "
-                                         "symbolic link?); a dataset's files must lie inside its directory") from None
+                raise UnsafeDatasetError(
+                    f"{directory.joinpath(*parts[: depth + 1])} is not a real directory (a "
+                    "symbolic link?); a dataset's files must lie inside its directory"
+                ) from None
             raise
         os.close(fd)
         fd = nxt
@@ -209,8 +237,10 @@ def read_regular(directory: Path, name: str, expected_size: int | None = None) -
     with os.fdopen(open_regular(directory, name), "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if expected_size is not None and size != expected_size:
-            raise UnsafeDatasetError(f"{directory / name}: {size} bytes, but the index records {expected_size}; the "
-                                     "file changed since data prep wrote it (re-run data prep)")
+            raise UnsafeDatasetError(
+                f"{directory / name}: {size} bytes, but the index records {expected_size}; the "
+                "file changed since data prep wrote it (re-run data prep)"
+            )
         return f.read()
 
 

@@ -13,7 +13,6 @@ else is refused before any work, naming the path.
 
 import errno
 import hashlib
-import json
 import logging
 import multiprocessing as mp
 import os
@@ -152,8 +151,13 @@ class _SplitWriter:
         self.out = out
         self.dtype = np.dtype(token_dtype)
         self.max_piece = cfg.max_piece_tokens
-        self.writer = MDSWriter(out=str(out), columns=mds_columns(token_dtype), compression="zstd",
-                                hashes=["xxh64"], size_limit=cfg.shard_size_bytes)
+        self.writer = MDSWriter(
+            out=str(out),
+            columns=mds_columns(token_dtype),
+            compression="zstd",
+            hashes=["xxh64"],
+            size_limit=cfg.shard_size_bytes,
+        )
         self.documents = self.pieces = self.tokens = 0
 
     def write(self, doc_id: int, tokens: np.ndarray) -> None:
@@ -196,8 +200,9 @@ def _results(tasks: Iterator[_Task], model_proto: bytes, num_proc: int) -> Itera
             yield done, result.get()
 
 
-def _write_splits(sources: list[Source], cfg: PrepConfig, model_proto: bytes, vocab_size: int, tmp: Path,
-                  skips: SkipCounter) -> dict[str, SplitStats]:
+def _write_splits(
+    sources: list[Source], cfg: PrepConfig, model_proto: bytes, vocab_size: int, tmp: Path, skips: SkipCounter
+) -> dict[str, SplitStats]:
     token_dtype = token_dtype_for_vocab(vocab_size)
     writers = {split: _SplitWriter(tmp / split, cfg, token_dtype) for split in SPLITS}
     tokens_done = 0
@@ -228,13 +233,18 @@ def _write_splits(sources: list[Source], cfg: PrepConfig, model_proto: bytes, vo
 def _check_split_sizes(stats: dict[str, SplitStats], cfg: PrepConfig) -> None:
     """Refuse a dataset without training documents; warn that an empty val split is absent."""
     if stats["train"].documents == 0 and cfg.num_slices == 1:  # one slice of several may legitimately be empty
-        raise InputError(f"no document reached the train split ({stats['val'].documents} went to val with "
-                         f"val_fraction={cfg.val_fraction}); nothing was written: add input documents or lower "
-                         "val_fraction / min_tokens")
+        raise InputError(
+            f"no document reached the train split ({stats['val'].documents} went to val with "
+            f"val_fraction={cfg.val_fraction}); nothing was written: add input documents or lower "
+            "val_fraction / min_tokens"
+        )
     if cfg.val_fraction > 0 and stats["val"].documents == 0:
-        logger.warning("val split is empty: no document hashed into val_fraction=%s, so %s has no val/ directory "
-                       "(manifest: 0 val tokens); raise val_fraction or change split_seed, or train with eval off",
-                       cfg.val_fraction, cfg.output)
+        logger.warning(
+            "val split is empty: no document hashed into val_fraction=%s, so %s has no val/ directory "
+            "(manifest: 0 val tokens); raise val_fraction or change split_seed, or train with eval off",
+            cfg.val_fraction,
+            cfg.output,
+        )
 
 
 def _in_train_sample(doc: Document, cfg: PrepConfig, rate: float) -> bool:
@@ -258,8 +268,11 @@ def tokenizer_model_bytes(sources: list[Source], cfg: PrepConfig) -> tuple[bytes
     rate = 1.0 if total is None else min(1.0, 2.0 * cfg.tokenizer.sample_bytes / max(total, 1))
     # Read with a silent throwaway counter: skips are counted and reported once, in the tokenize pass.
     docs = iter_documents(sources, SkipCounter(strict=cfg.strict, quiet=True))
-    sample = (d.text for d in tqdm(docs, desc="tokenizer sample", unit="doc", disable=not cfg.progress)
-              if d.text.strip() and _in_train_sample(d, cfg, rate))
+    sample = (
+        d.text
+        for d in tqdm(docs, desc="tokenizer sample", unit="doc", disable=not cfg.progress)
+        if d.text.strip() and _in_train_sample(d, cfg, rate)
+    )
     return tokenize.train_tokenizer(sample, cfg.tokenizer, num_threads=cfg.num_proc), True
 
 
@@ -282,11 +295,14 @@ def select_slice(sources: list[Source], cfg: PrepConfig) -> list[Source]:
         elif isinstance(source, FileSource):
             files.append(source)
         else:
-            raise ConfigError(f"num_slices={cfg.num_slices} slices local input files; {source.name} cannot be "
-                              "sliced (prepare it without num_slices)")
+            raise ConfigError(
+                f"num_slices={cfg.num_slices} slices local input files; {source.name} cannot be "
+                "sliced (prepare it without num_slices)"
+            )
     if len(files) < cfg.num_slices:
-        raise ConfigError(f"num_slices={cfg.num_slices} is more than the {len(files)} input files; "
-                          f"use at most {len(files)} slices")
+        raise ConfigError(
+            f"num_slices={cfg.num_slices} is more than the {len(files)} input files; use at most {len(files)} slices"
+        )
     start = cfg.slice_index * len(files) // cfg.num_slices
     stop = (cfg.slice_index + 1) * len(files) // cfg.num_slices
     return files[start:stop]
@@ -295,8 +311,11 @@ def select_slice(sources: list[Source], cfg: PrepConfig) -> list[Source]:
 def _software() -> dict[str, str]:
     from importlib.metadata import version
 
-    return {"python": platform.python_version(), "sentencepiece": version("sentencepiece"),
-            "mosaicml-streaming": version("mosaicml-streaming")}
+    return {
+        "python": platform.python_version(),
+        "sentencepiece": version("sentencepiece"),
+        "mosaicml-streaming": version("mosaicml-streaming"),
+    }
 
 
 def _pid_alive(pid: int) -> bool:
@@ -343,8 +362,9 @@ def _split_paths(split_dir: Path) -> tuple[list[Path], list[Path]]:
 
 
 def _refuse(root: Path, why: str) -> OutputExistsError:
-    return OutputExistsError(f"output {root} {why}; nothing was deleted: remove or move it yourself, or choose "
-                             "another output")
+    return OutputExistsError(
+        f"output {root} {why}; nothing was deleted: remove or move it yourself, or choose another output"
+    )
 
 
 def dataset_paths(root: Path) -> list[Path]:
@@ -359,13 +379,18 @@ def dataset_paths(root: Path) -> list[Path]:
     try:
         read_manifest(root)
     except (IncompleteDatasetError, OSError, ValueError, KeyError, TypeError):
-        raise _refuse(root, f"exists but is not a complete dataset written by prep (no valid {MANIFEST_FILENAME} "
-                            f"with a matching {COMPLETE_MARKER})") from None
+        raise _refuse(
+            root,
+            f"exists but is not a complete dataset written by prep (no valid {MANIFEST_FILENAME} "
+            f"with a matching {COMPLETE_MARKER})",
+        ) from None
     files: list[Path] = []
     dirs: list[Path] = []
     other: list[Path] = []
     for entry in sorted(root.iterdir()):
-        if entry.name in (MANIFEST_FILENAME, COMPLETE_MARKER, TOKENIZER_FILENAME, _WORK_MARKER) and is_plain_file(entry):
+        if entry.name in (MANIFEST_FILENAME, COMPLETE_MARKER, TOKENIZER_FILENAME, _WORK_MARKER) and is_plain_file(
+            entry
+        ):
             files.append(entry)
         elif entry.name in SPLITS and _is_dir(entry):
             ours, theirs = _split_paths(entry)
@@ -411,8 +436,12 @@ def remove_stale_work_dirs(out: Path) -> None:
             continue
         if kind.endswith(".old") and not out.exists():
             # killed between moving the old dataset aside and moving the new one in: this is the only copy
-            logger.warning("leaving %s: the previous dataset of an interrupted replacement, and %s does not exist; "
-                           "rename it back to keep it", stale, out)
+            logger.warning(
+                "leaving %s: the previous dataset of an interrupted replacement, and %s does not exist; "
+                "rename it back to keep it",
+                stale,
+                out,
+            )
         elif kind.endswith(".old"):
             logger.warning("removing %s, the previous dataset of an interrupted replacement", stale)
             delete_dataset(stale)
@@ -441,8 +470,10 @@ def make_work_dir(out: Path) -> Path:
         (tmp / _WORK_MARKER).touch()
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise OutputWriteError(f"cannot create {exc.filename or tmp} ({exc.strerror or exc}): output={out} needs "
-                               "a writable parent directory; fix its permissions or choose another output") from None
+        raise OutputWriteError(
+            f"cannot create {exc.filename or tmp} ({exc.strerror or exc}): output={out} needs "
+            "a writable parent directory; fix its permissions or choose another output"
+        ) from None
     return tmp
 
 
@@ -497,8 +528,9 @@ def _check_output_location(out: Path, cfg: PrepConfig, sources: list[Source]) ->
     resolved = out.resolve()
     for label, place in (("the current directory", Path.cwd()), ("the repository", _REPO), ("home", Path.home())):
         if is_within(place, resolved):
-            raise ConfigError(f"output={out} is or contains {label} ({place}); choose a dedicated dataset directory "
-                              "such as data/mine")
+            raise ConfigError(
+                f"output={out} is or contains {label} ({place}); choose a dedicated dataset directory such as data/mine"
+            )
     inputs: list[Path] = [Path(entry) for entry in cfg.input if Path(entry).exists()]
     for source in sources:
         if isinstance(source, FileSource):
@@ -507,11 +539,15 @@ def _check_output_location(out: Path, cfg: PrepConfig, sources: list[Source]) ->
             inputs.append(source.root)
     for path in inputs:
         if is_within(path, resolved):
-            raise ConfigError(f"output={out} contains the input {path}; writing the dataset there could delete it: "
-                              "choose an output outside the input")
+            raise ConfigError(
+                f"output={out} contains the input {path}; writing the dataset there could delete it: "
+                "choose an output outside the input"
+            )
     if cfg.tokenizer.model is not None and is_within(Path(cfg.tokenizer.model), resolved):
-        raise ConfigError(f"output={out} contains tokenizer.model={cfg.tokenizer.model}, which replacing the "
-                          "output would delete; copy the model elsewhere first")
+        raise ConfigError(
+            f"output={out} contains tokenizer.model={cfg.tokenizer.model}, which replacing the "
+            "output would delete; copy the model elsewhere first"
+        )
 
 
 def check_output(out: Path, cfg: PrepConfig, sources: list[Source]) -> None:
@@ -574,8 +610,14 @@ def main(cfg: PrepConfig) -> Manifest:
     total_tokens = sum(s.tokens for s in splits.values())
     logger.info(
         "wrote %s in %.1fs: train %d docs / %d tokens, val %d docs / %d tokens, %.0f tokens/s; skipped %s",
-        out, seconds, splits["train"].documents, splits["train"].tokens, splits["val"].documents,
-        splits["val"].tokens, total_tokens / max(seconds, 1e-9), manifest.skipped or "none",
+        out,
+        seconds,
+        splits["train"].documents,
+        splits["train"].tokens,
+        splits["val"].documents,
+        splits["val"].tokens,
+        total_tokens / max(seconds, 1e-9),
+        manifest.skipped or "none",
     )
     return manifest
 

@@ -31,8 +31,14 @@ __all__ = ["Document", "FileSource", "HFSource", "SkipCounter", "Source", "iter_
 
 HF_PREFIX = "hf:"
 _COMPRESSED = {".gz": "gzip", ".zst": "zstd"}
-_FORMATS_BY_SUFFIX = {".txt": "txt", ".text": "txt", ".md": "txt", ".jsonl": "jsonl", ".ndjson": "jsonl",
-                      ".parquet": "parquet"}
+_FORMATS_BY_SUFFIX = {
+    ".txt": "txt",
+    ".text": "txt",
+    ".md": "txt",
+    ".jsonl": "jsonl",
+    ".ndjson": "jsonl",
+    ".parquet": "parquet",
+}
 _EXPECTED_REASONS = ("empty", "too_short")  # normal in any corpus: counted, not warned about, fine under strict
 _WARNINGS_PER_REASON = 20  # beyond this, a reason's warnings are only counted, so a bad file cannot flood the log
 
@@ -128,8 +134,9 @@ class FileSource(Source):
         if content:
             with open(self.path, "rb") as f:
                 digest = hashlib.file_digest(f, "sha256").hexdigest()
-        return InputFingerprint(path=redact(str(self.path)), size=stat.st_size, mtime_ns=stat.st_mtime_ns,
-                                sha256=digest)
+        return InputFingerprint(
+            path=redact(str(self.path)), size=stat.st_size, mtime_ns=stat.st_mtime_ns, sha256=digest
+        )
 
     def documents(self, skips: SkipCounter) -> Iterator[Document]:
         try:
@@ -190,8 +197,9 @@ class FileSource(Source):
             raise InputError(f"{self.name}: not a readable parquet file ({exc})") from None
         schema = pf.schema_arrow
         if self.text_field not in schema.names:
-            raise InputError(f"{self.name}: no column '{self.text_field}' (columns: {', '.join(schema.names)}); "
-                             "set text_field=...")
+            raise InputError(
+                f"{self.name}: no column '{self.text_field}' (columns: {', '.join(schema.names)}); set text_field=..."
+            )
         column_type = schema.field(self.text_field).type
         if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
             raise InputError(f"{self.name}: column '{self.text_field}' has type {column_type}, expected string")
@@ -224,16 +232,18 @@ class HFSource(Source):
         import datasets
 
         try:
-            ds = datasets.load_dataset(self.dataset, self.hf.config_name, split=self.hf.split,
-                                       revision=self.hf.revision, streaming=True)
+            ds = datasets.load_dataset(
+                self.dataset, self.hf.config_name, split=self.hf.split, revision=self.hf.revision, streaming=True
+            )
         except Exception as exc:  # network, auth and not-found errors all surface as different types
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise InputError(f"{self.name}: cannot load dataset ({type(exc).__name__}: {first})") from None
         for i, record in enumerate(ds):
             where = f"{self.name}:{i}"
             if self.text_field not in record:
-                raise InputError(f"{where}: no field '{self.text_field}' (fields: {', '.join(record)}); "
-                                 "set text_field=...")
+                raise InputError(
+                    f"{where}: no field '{self.text_field}' (fields: {', '.join(record)}); set text_field=..."
+                )
             text = record[self.text_field]
             if not isinstance(text, str):
                 skips.skip("bad_field_type", where, f"field '{self.text_field}' is {type(text).__name__}")
@@ -257,8 +267,11 @@ class BuiltinSource(Source):
         digest = hashlib.sha256()
         for f in self.files:
             digest.update(f.name.encode() + b"\0" + f.path.read_bytes() + b"\0")
-        return InputFingerprint(path=redact(f"{self.name} ({self.root}, {len(self.files)} files)"),
-                                size=self.size_bytes(), sha256=digest.hexdigest())
+        return InputFingerprint(
+            path=redact(f"{self.name} ({self.root}, {len(self.files)} files)"),
+            size=self.size_bytes(),
+            sha256=digest.hexdigest(),
+        )
 
     def documents(self, skips: SkipCounter) -> Iterator[Document]:
         for f in self.files:

@@ -46,9 +46,7 @@ def ensure_streaming_importable() -> bool:
     for module in (tv, datasets, transforms, functional):
         # transformers calls importlib.util.find_spec("torchvision"), which raises ValueError on a module
         # without __spec__, so each stub gets a real ModuleSpec.
-        module.__spec__ = importlib.machinery.ModuleSpec(
-            module.__name__, None, is_package=hasattr(module, "__path__")
-        )
+        module.__spec__ = importlib.machinery.ModuleSpec(module.__name__, None, is_package=hasattr(module, "__path__"))
         sys.modules[module.__name__] = module
     logger.debug("torchvision is not importable; installed a stub so that `import streaming` works")
     return True

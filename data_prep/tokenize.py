@@ -171,11 +171,15 @@ def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig, num_threads: int
         if reader_errors:
             raise reader_errors[0] from None
         if not yielded[0]:  # sentencepiece would only say "[!sentences_.empty()]"
-            raise InputError("no text to train the tokenizer on: every document is empty, skipped or in the val "
-                             "split; add input documents or lower val_fraction") from None
+            raise InputError(
+                "no text to train the tokenizer on: every document is empty, skipped or in the val "
+                "split; add input documents or lower val_fraction"
+            ) from None
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else "training failed"
-        raise ConfigError(f"bad value tokenizer.vocab_size={cfg.vocab_size}: sentencepiece: {first} "
-                          "(use a smaller vocab or a larger tokenizer.sample_bytes)") from None
+        raise ConfigError(
+            f"bad value tokenizer.vocab_size={cfg.vocab_size}: sentencepiece: {first} "
+            "(use a smaller vocab or a larger tokenizer.sample_bytes)"
+        ) from None
     # The proto records the thread count, which does not change the learned pieces; clearing it makes the
     # model file (and its hash in the manifest) a function of the data and settings alone.
     proto = sentencepiece_model_pb2.ModelProto()

@@ -78,8 +78,8 @@ def main() -> int:
     results = {}
     for name, fn in impls.items():
         inputs = (q, k, v, weights) if fn in (triton_gca, naive_gca) else (q, k, v)
-        fwd = _time_ms(lambda: fn(q, k, v, weights))
-        fwd_bwd = _time_ms(lambda: torch.autograd.grad(fn(q, k, v, weights), inputs, do))
+        fwd = _time_ms(lambda fn=fn: fn(q, k, v, weights))
+        fwd_bwd = _time_ms(lambda fn=fn, inputs=inputs: torch.autograd.grad(fn(q, k, v, weights), inputs, do))
         results[name] = (fwd, fwd_bwd)
 
     print(f"GCA benchmark on {torch.cuda.get_device_name()}: B={B} HQ={HQ} H={H} Q={Q} S={S} R={R} D={D} {DTYPE}")

@@ -38,8 +38,8 @@ def retain_freed_memory() -> bool:
     glibc maps each buffer over 32 MB freshly (``mmap``) and unmaps it on free, so every step pays a page fault per
     4 KB page on first touch: measured 9-14% of a CPU training step (``make bench-train`` models at 4K tokens: GCA
     2.19 s -> 1.88 s, the sliding-window model 1.72 s -> 1.57 s). With mmap off and trimming off, freed buffers are
-    reused from the heap. The price: the resident size stays at its high-water mark, which fragmentation makes higher (same
-    benchmark, 12 steps: plateau 2.8 GB from step 7 vs a 2.4 GB peak by default).
+    reused from the heap. The price: the resident size stays at its high-water mark, which fragmentation makes
+    higher (same benchmark, 12 steps: plateau 2.8 GB from step 7 vs a 2.4 GB peak by default).
     """
     name = ctypes.util.find_library("c")
     try:

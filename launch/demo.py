@@ -1,6 +1,6 @@
 """`make demo`: prep output -> DeepSpeed training of GCA + baseline -> passkey/ppl eval -> results table.
 
-    python launch/demo.py [--config configs/demo/demo.yaml] [key=value ...]
+python launch/demo.py [--config configs/demo/demo.yaml] [key=value ...]
 """
 
 import argparse

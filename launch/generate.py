@@ -44,8 +44,14 @@ def main(argv: list[str] | None = None) -> int:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt")
     source.add_argument("--prompt-file", type=Path)
-    for name, kind, default in (("max-new-tokens", int, 128), ("temperature", float, 0.8), ("top-k", int, 0),
-                                ("top-p", float, 0.95), ("seed", int, 0), ("offload-mb", int, 1024)):
+    for name, kind, default in (
+        ("max-new-tokens", int, 128),
+        ("temperature", float, 0.8),
+        ("top-k", int, 0),
+        ("top-p", float, 0.95),
+        ("seed", int, 0),
+        ("offload-mb", int, 1024),
+    ):
         p.add_argument(f"--{name}", type=kind, default=default)
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
@@ -59,8 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     stop = (tok.eos_id,) if tok.eos_id is not None else ()
     out: list[int] = []
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    for token in generate(ckpt.model, tok.encode(prompt), args.max_new_tokens, stop_ids=stop,
-                          offload_mb=args.offload_mb, **sampling):
+    for token in generate(
+        ckpt.model, tok.encode(prompt), args.max_new_tokens, stop_ids=stop, offload_mb=args.offload_mb, **sampling
+    ):
         text = tok.decode(out + [token])[len(tok.decode(out)) :]  # decode in context: pieces merge spaces
         out.append(token)
         print(text, end="", flush=True)

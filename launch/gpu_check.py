@@ -48,12 +48,31 @@ def install_wheels(wheel_dir: Path, site: Path, missing: list[str]) -> str | Non
         return f"still missing after installing {wheel_dir}: {', '.join(missing)}; rerun `make gpu-wheels`"
     found = sorted(wheel_dir.glob("*.whl"))
     if not found:
-        return (f"missing {', '.join(missing)} and no wheels in {wheel_dir}: run `make gpu-wheels` on a machine "
-                "with pip access and carry .whl")
+        return (
+            f"missing {', '.join(missing)} and no wheels in {wheel_dir}: run `make gpu-wheels` on a machine "
+            "with pip access and carry .whl"
+        )
     print(f"gpu-check: installing {len(found)} wheels from {wheel_dir} into {site}", flush=True)
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                           "--no-cache-dir", "--upgrade", "--target", str(site), *map(str, found)],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--no-compile",
+            "--no-cache-dir",
+            "--upgrade",
+            "--target",
+            str(site),
+            *map(str, found),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if done.returncode != 0:
         return f"pip install of {wheel_dir} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}"
     path = os.pathsep.join(p for p in (str(site), str(ROOT), os.environ.get("PYTHONPATH")) if p)
@@ -85,11 +104,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=30, help="training steps per run on CUDA (CPU: 4)")
     parser.add_argument("--export", help="export for the passkey stage (default: the ZeRO-1 run's export)")
     parser.add_argument("--data", help="a prepared dataset to use instead of preparing one")
-    parser.add_argument("--work", help="empty directory for data, runs and stage logs (default: a temp dir, "
-                        "removed at the end)")
+    parser.add_argument(
+        "--work", help="empty directory for data, runs and stage logs (default: a temp dir, removed at the end)"
+    )
     parser.add_argument("--wheels", default=str(ROOT / ".whl"), help="carried wheels (make gpu-wheels)")
-    parser.add_argument("--site", default=os.path.join(tempfile.gettempdir(), "gca-gpu-site"),
-                        help="where the wheels are installed")
+    parser.add_argument(
+        "--site", default=os.path.join(tempfile.gettempdir(), "gca-gpu-site"), help="where the wheels are installed"
+    )
     args = parser.parse_args(argv)
     return args
 
@@ -115,8 +136,14 @@ def main(argv: list[str] | None = None) -> int:
 
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="gca-gpu-check-"))
     work.mkdir(parents=True, exist_ok=True)
-    plan = Plan(cuda=cuda, work=work, python=sys.executable, export=args.export,
-                data=Path(args.data) if args.data else None, steps=args.steps)
+    plan = Plan(
+        cuda=cuda,
+        work=work,
+        python=sys.executable,
+        export=args.export,
+        data=Path(args.data) if args.data else None,
+        steps=args.steps,
+    )
     try:
         report = run_check(plan, Path(args.out), args.budget_s)
     finally:

@@ -13,8 +13,12 @@ from pipeline.preflight import main
 def cli(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="the training YAML (pipeline.config.TrainConfig)")
-    parser.add_argument("--gpus-per-node", type=int, default=None,
-                        help="GPUs every node must have (0 for a CPU run; default: not checked)")
+    parser.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=None,
+        help="GPUs every node must have (0 for a CPU run; default: not checked)",
+    )
     parser.add_argument("--min-free-gb", type=float, default=10.0, help="free space required at run_dir at least")
     parser.add_argument("--timeout-s", type=float, default=180.0, help="give up (exit 1) after this long")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)

@@ -62,9 +62,7 @@ class SlidingWindowLM(nn.Module):
         """The receptive field in tokens: every logit depends on this many tokens, itself included."""
         return len(self.layers) * self.cfg.window + 1
 
-    def _step(
-        self, input_ids: torch.Tensor, state: StreamState | None, last_logits: int | None = None
-    ) -> torch.Tensor:
+    def _step(self, input_ids: torch.Tensor, state: StreamState | None, last_logits: int | None = None) -> torch.Tensor:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens]; got shape {tuple(input_ids.shape)}")
         h = self.embed(input_ids)  # [B, T, d_model]

@@ -24,8 +24,17 @@ from model.gca import GCAForCausalLM
 from model.layers import RMSNorm, SwiGLU
 
 BENCH_CONFIG = GCAConfig(
-    vocab_size=8192, d_model=256, n_heads=4, n_kv_heads=4, ffn_hidden=768, n_lower_layers=3, groups=[3],
-    n_encoder_layers=1, chunk_size=63, top_k=8, window=512,
+    vocab_size=8192,
+    d_model=256,
+    n_heads=4,
+    n_kv_heads=4,
+    ffn_hidden=768,
+    n_lower_layers=3,
+    groups=[3],
+    n_encoder_layers=1,
+    chunk_size=63,
+    top_k=8,
+    window=512,
 )
 
 
@@ -99,7 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     n_params = GCAForCausalLM(BENCH_CONFIG).num_parameters()
     sys.stdout.write(f"GCA model: {n_params / 1e6:.1f}M parameters, {BENCH_CONFIG}\n")
     sys.stdout.write(f"torch {torch.__version__}, {torch.get_num_threads()} threads, forward only, batch 1\n\n")
-    header = f"{'T':>7} | {'GCA tok/s':>10} | {'full tok/s':>10} | {'speed ratio':>11} | {'GCA MB':>8} | {'full MB':>8} | {'mem ratio':>9}"
+    columns = [("T", 7), ("GCA tok/s", 10), ("full tok/s", 10), ("speed ratio", 11), ("GCA MB", 8), ("full MB", 8)]
+    header = " | ".join(f"{name:>{width}}" for name, width in [*columns, ("mem ratio", 9)])
     sys.stdout.write(header + "\n" + "-" * len(header) + "\n")
     for length in args.lengths + args.gca_only:
         gca = _run_isolated("gca", length, args.repeats)
@@ -108,8 +118,10 @@ def main(argv: list[str] | None = None) -> None:
             sys.stdout.write(f"{length:>7} | GCA failed: {gca['error']}\n")
             continue
         if full is None or "error" in full:
-            sys.stdout.write(f"{length:>7} | {gca['tokens_per_s']:>10.0f} | {'-':>10} | {'-':>11} | "
-                             f"{gca['peak_mb']:>8.0f} | {'-':>8} | {'-':>9}\n")
+            sys.stdout.write(
+                f"{length:>7} | {gca['tokens_per_s']:>10.0f} | {'-':>10} | {'-':>11} | "
+                f"{gca['peak_mb']:>8.0f} | {'-':>8} | {'-':>9}\n"
+            )
             continue
         sys.stdout.write(
             f"{length:>7} | {gca['tokens_per_s']:>10.0f} | {full['tokens_per_s']:>10.0f} | "

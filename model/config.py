@@ -85,9 +85,7 @@ class GCAConfig:
                 "pairs of dimensions"
             )
         if self.n_heads % self.n_kv_heads != 0:
-            raise ConfigError(
-                f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads}"
-            )
+            raise ConfigError(f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads}")
         if self.arch not in ARCHS:
             raise ConfigError(f"model.arch={self.arch!r} is not one of {ARCHS}")
         if self.attn_backend not in ATTN_BACKENDS:

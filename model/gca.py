@@ -30,7 +30,6 @@ from model.layout import StepLayout
 from model.retrieval import RetrievalRows, retrieval_stats, retrieve
 from model.stream import ChunkMemory, StreamState
 
-
 # Logit elements per GCA operator call when no gradient is needed (about 64 MB in fp32).
 _EVAL_SLICE_ELEMENTS = 1 << 24
 
@@ -81,8 +80,12 @@ class GroupedCrossAttention(nn.Module):
         step = B * C if torch.is_grad_enabled() else max(1, _EVAL_SLICE_ELEMENTS // (cfg.n_heads * R * P * S))
         parts = [
             gca_attention(
-                q[i : i + step], k[i : i + step], v[i : i + step], w[i : i + step],
-                softmax_off_by_one=cfg.softmax_off_by_one, backend=cfg.attn_backend,
+                q[i : i + step],
+                k[i : i + step],
+                v[i : i + step],
+                w[i : i + step],
+                softmax_off_by_one=cfg.softmax_off_by_one,
+                backend=cfg.attn_backend,
             )
             for i in range(0, B * C, step)
         ]
@@ -169,9 +172,7 @@ class GCAForCausalLM(nn.Module):
         logits = self._step(input_ids, None)
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(
-                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100
-            )
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
         return GCAOutput(logits=logits, loss=loss)
 
     def forward_stream(
@@ -208,9 +209,9 @@ class GCAForCausalLM(nn.Module):
             raise ValueError(f"input_ids must be [batch, tokens]; got shape {tuple(input_ids.shape)}")
         B, T = input_ids.shape
         layout = StepLayout.build(state.n_tokens if state else 0, T, cfg.chunk_size, input_ids.device)
-        caches: list[KVCache | None] = list(state.caches) if state else [None] * len(self.lower) + [
-            None
-        ] * cfg.n_upper_layers
+        caches: list[KVCache | None] = (
+            list(state.caches) if state else [None] * len(self.lower) + [None] * cfg.n_upper_layers
+        )
 
         tokens = self.embed(input_ids)  # [B, T, d_model]
         landmarks = self.landmark.to(tokens.dtype).expand(B, layout.n_landmarks, -1)
@@ -274,9 +275,13 @@ class GCAForCausalLM(nn.Module):
         if layout.n_landmarks:
             queries = group.query_norm(x[:, layout.landmark_pos])  # [B, n_landmarks, d_model]
             new_rows = retrieve(
-                queries, keys, layout.landmark_chunk,
-                top_k=cfg.top_k, scale=self.retrieval_scale,
-                gumbel=cfg.gumbel_topk and self.training, grad=cfg.retrieval_grad,
+                queries,
+                keys,
+                layout.landmark_chunk,
+                top_k=cfg.top_k,
+                scale=self.retrieval_scale,
+                gumbel=cfg.gumbel_topk and self.training,
+                grad=cfg.retrieval_grad,
             )
             for name, value in retrieval_stats(new_rows, layout.landmark_chunk).items():
                 self.retrieval_stats[f"retrieval_{name}_g{g}"] = value

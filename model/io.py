@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from model.config import GCAConfig
 from model.baseline import build_model
+from model.config import GCAConfig
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -91,8 +91,10 @@ def _read_header(path: Path) -> tuple[dict, int]:
         head = f.read(_HEADER_LEN_BYTES)
         length = int.from_bytes(head, "little") if len(head) == _HEADER_LEN_BYTES else -1
         if not 2 <= length <= min(size - _HEADER_LEN_BYTES, _MAX_HEADER_BYTES):
-            raise ExportError(f"{path}: not a safetensors file ({size} bytes; the header length field does not fit "
-                              f"the file){_describe_foreign(head)}")
+            raise ExportError(
+                f"{path}: not a safetensors file ({size} bytes; the header length field does not fit "
+                f"the file){_describe_foreign(head)}"
+            )
         raw = f.read(length)
     try:
         header = json.loads(raw.decode("utf-8"))
@@ -118,16 +120,25 @@ def check_safetensors(path: str | os.PathLike) -> dict[str, list[int]]:
             continue
         offsets = info.get("data_offsets") if isinstance(info, dict) else None
         shape = info.get("shape") if isinstance(info, dict) else None
-        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
-                or not 0 <= offsets[0] <= offsets[1] or not isinstance(shape, list)):
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]
+            or not isinstance(shape, list)
+        ):
             raise ExportError(f"{path}: not a valid safetensors file (bad header entry for tensor {name!r})")
         shapes[name], end = shape, max(end, offsets[1])
     if end > data_bytes:
-        raise ExportError(f"{path}: truncated: its tensors need {end} data bytes but the file holds {data_bytes} "
-                          "(copy the export again)")
+        raise ExportError(
+            f"{path}: truncated: its tensors need {end} data bytes but the file holds {data_bytes} "
+            "(copy the export again)"
+        )
     if end < data_bytes:
-        raise ExportError(f"{path}: {data_bytes - end} bytes after the last tensor; the file is damaged or not "
-                          "written by save_pretrained")
+        raise ExportError(
+            f"{path}: {data_bytes - end} bytes after the last tensor; the file is damaged or not "
+            "written by save_pretrained"
+        )
     return shapes
 
 
@@ -137,9 +148,11 @@ def _check_shapes(weights: Path, file_shapes: dict[str, list[int]], model: torch
     wrong = [n for n, shape in file_shapes.items() if n in wanted and shape != wanted[n]]
     if wrong:
         name = wrong[0]
-        raise ExportError(f"{weights}: tensor {name} has shape {file_shapes[name]} but {CONFIG_NAME} describes a "
-                          f"model needing {wanted[name]} ({len(wrong)} tensor(s) differ); the two files come from "
-                          "different exports")
+        raise ExportError(
+            f"{weights}: tensor {name} has shape {file_shapes[name]} but {CONFIG_NAME} describes a "
+            f"model needing {wanted[name]} ({len(wrong)} tensor(s) differ); the two files come from "
+            "different exports"
+        )
 
 
 def load_pretrained(

@@ -72,9 +72,7 @@ class SlidingWindowAttention(nn.Module):
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
         if cache is not None:
             k, v = cache.extend(k, v, self.window)  # [B, Tcache + T, H, D]
-        o = sliding_window_attention(
-            q, k, v, window=self.window, alibi_slopes=self.slopes, backend=self.backend
-        )
+        o = sliding_window_attention(q, k, v, window=self.window, alibi_slopes=self.slopes, backend=self.backend)
         return self.wo(o.reshape(B, T, -1))
 
 

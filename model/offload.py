@@ -147,8 +147,9 @@ class MemmapChunkMemory:
             return None
         if name not in self._views:
             if self._files:
-                self._views[name] = _DiskGather(self._files[name], self.size, self._chunk_shape, self._dtype,
-                                                self._device)
+                self._views[name] = _DiskGather(
+                    self._files[name], self.size, self._chunk_shape, self._dtype, self._device
+                )
             else:
                 host = self._ram[name][: self.size].transpose(0, 1)  # [B, C, S, H, D]
                 self._views[name] = host if self._device.type == "cpu" else _DeviceGather(host, self._device)

@@ -73,18 +73,45 @@ def _median_tokens_per_s(run_dir: Path) -> float:
 
 
 def _trainer_throughput(data: str, steps: int) -> tuple[float, float]:
-    common = ["--config", "configs/train/debug.yaml", f"data.path={data}", f"train.max_steps={steps}",
-              "checkpoint.every=0", "checkpoint.export=false", "train.eval_every=0", "logging.every=1",
-              "logging.progress=false", "train.global_batch=8", "train.micro_batch=4"]
+    common = [
+        "--config",
+        "configs/train/debug.yaml",
+        f"data.path={data}",
+        f"train.max_steps={steps}",
+        "checkpoint.every=0",
+        "checkpoint.export=false",
+        "train.eval_every=0",
+        "logging.every=1",
+        "logging.progress=false",
+        "train.global_batch=8",
+        "train.micro_batch=4",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     with tempfile.TemporaryDirectory() as tmp:
         single, ds = Path(tmp) / "single", Path(tmp) / "zero2"
-        subprocess.run([sys.executable, "launch/pretrain.py", *common, f"run_dir={single}",
-                        "parallel.engine=none"], cwd=ROOT, env={**env, "OMP_NUM_THREADS": "2"}, check=True,
-                       capture_output=True)
-        subprocess.run([str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "launch/pretrain.py",
-                        *common, f"run_dir={ds}", "parallel.engine=deepspeed", "parallel.zero_stage=2"],
-                       cwd=ROOT, env=env, check=True, capture_output=True)
+        subprocess.run(
+            [sys.executable, "launch/pretrain.py", *common, f"run_dir={single}", "parallel.engine=none"],
+            cwd=ROOT,
+            env={**env, "OMP_NUM_THREADS": "2"},
+            check=True,
+            capture_output=True,
+        )
+        subprocess.run(
+            [
+                str(Path(sys.executable).parent / "deepspeed"),
+                "--num_gpus",
+                "2",
+                "launch/pretrain.py",
+                *common,
+                f"run_dir={ds}",
+                "parallel.engine=deepspeed",
+                "parallel.zero_stage=2",
+            ],
+            cwd=ROOT,
+            env=env,
+            check=True,
+            capture_output=True,
+        )
         return _median_tokens_per_s(single), _median_tokens_per_s(ds)
 
 
@@ -100,11 +127,15 @@ def main(argv: list[str] | None = None) -> None:
         sys.stdout.write(json.dumps(_time_step(args.one[0], int(args.one[1]), args.repeats)) + "\n")
         return
     out = sys.stdout
-    out.write(f"training step (fwd+bwd+AdamW), batch 1, fp32, {torch.get_num_threads()} threads; model: "
-              f"d_model {BENCH_CONFIG.d_model}, {BENCH_CONFIG.n_lower_layers}+{sum(BENCH_CONFIG.groups)}+"
-              f"{BENCH_CONFIG.n_encoder_layers} layers, chunk {BENCH_CONFIG.chunk_size}, top-{BENCH_CONFIG.top_k}, "
-              f"window {BENCH_CONFIG.window}\n\n")
-    header = f"{'T':>6} | {'GCA s/step':>10} | {'SWA s/step':>10} | {'full s/step':>11} | {'GCA/SWA':>8} | {'GCA/full':>8}"
+    out.write(
+        f"training step (fwd+bwd+AdamW), batch 1, fp32, {torch.get_num_threads()} threads; model: "
+        f"d_model {BENCH_CONFIG.d_model}, {BENCH_CONFIG.n_lower_layers}+{sum(BENCH_CONFIG.groups)}+"
+        f"{BENCH_CONFIG.n_encoder_layers} layers, chunk {BENCH_CONFIG.chunk_size}, top-{BENCH_CONFIG.top_k}, "
+        f"window {BENCH_CONFIG.window}\n\n"
+    )
+    header = (
+        f"{'T':>6} | {'GCA s/step':>10} | {'SWA s/step':>10} | {'full s/step':>11} | {'GCA/SWA':>8} | {'GCA/full':>8}"
+    )
     out.write(header + "\n" + "-" * len(header) + "\n")
     for length in args.lengths:
         res = {kind: _isolated(kind, length, args.repeats) for kind in KINDS}
@@ -112,16 +143,20 @@ def main(argv: list[str] | None = None) -> None:
         ok = all("step_s" in r for r in res.values())
         ratio_swa = f"{res['gca']['step_s'] / res['swa']['step_s']:.2f}x" if ok else "-"
         ratio_full = f"{res['gca']['step_s'] / res['full']['step_s']:.2f}x" if ok else "-"
-        out.write(f"{length:>6} | {cell['gca']:>10} | {cell['swa']:>10} | {cell['full']:>11} | {ratio_swa:>8} | "
-                  f"{ratio_full:>8}\n")
+        out.write(
+            f"{length:>6} | {cell['gca']:>10} | {cell['swa']:>10} | {cell['full']:>11} | {ratio_swa:>8} | "
+            f"{ratio_full:>8}\n"
+        )
         out.flush()
     data = ROOT / args.data
     if not (data / "_COMPLETE").is_file():
         out.write(f"\nZeRO-2 comparison skipped: {args.data} is not a complete data-prep output (run `make prep`)\n")
         return
     single, zero2 = _trainer_throughput(str(data), args.steps)
-    out.write(f"\ntrainer, configs/train/debug.yaml: 1 process {single:,.0f} tokens/s; DeepSpeed ZeRO-2 on 2 "
-              f"processes {zero2:,.0f} tokens/s ({zero2 / single:.2f}x)\n")
+    out.write(
+        f"\ntrainer, configs/train/debug.yaml: 1 process {single:,.0f} tokens/s; DeepSpeed ZeRO-2 on 2 "
+        f"processes {zero2:,.0f} tokens/s ({zero2 / single:.2f}x)\n"
+    )
 
 
 if __name__ == "__main__":

@@ -61,8 +61,10 @@ STATE_FORMAT = 2
 _MIN_TORCH = (2, 10)
 # weights_only=True had remote-code-execution bypasses before 2.10 (CVE-2025-32434 <= 2.5.1, CVE-2026-24747 < 2.10).
 if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < _MIN_TORCH:
-    raise ImportError(f"torch {torch.__version__} is too old: loading checkpoints safely needs torch >= 2.10 "
-                      "(weights_only=True bypasses CVE-2025-32434, CVE-2026-24747)")
+    raise ImportError(
+        f"torch {torch.__version__} is too old: loading checkpoints safely needs torch >= 2.10 "
+        "(weights_only=True bypasses CVE-2025-32434, CVE-2026-24747)"
+    )
 
 
 class CheckpointError(RuntimeError):
@@ -78,6 +80,7 @@ class UnsafeCheckpointError(CheckpointError):
 
 
 # -- integrity manifest ---------------------------------------------------------------------------------------
+
 
 def _files(root: Path) -> list[str]:
     """Every file under ``root`` (relative POSIX paths, sorted), except the marker and the manifest itself.
@@ -149,8 +152,9 @@ def verify_integrity(root: Path, info: dist.DistInfo) -> None:
     if not problems:
         actual = set(_files(root))
         problems += [f"{root / n}: listed in {INTEGRITY_FILE} but missing" for n in sorted(set(expected) - actual)]
-        problems += [f"{root / n}: not listed in {INTEGRITY_FILE} (added after the save)"
-                     for n in sorted(actual - set(expected))]
+        problems += [
+            f"{root / n}: not listed in {INTEGRITY_FILE} (added after the save)" for n in sorted(actual - set(expected))
+        ]
         problems += [f"{root / n}: is a symbolic link" for n in sorted(actual) if (root / n).is_symlink()]
     problems = dist.broadcast_object(problems if info.is_main else None)
     if not problems:
@@ -159,8 +163,10 @@ def verify_integrity(root: Path, info: dist.DistInfo) -> None:
         for name in names:
             want, have = expected[name], got[name]
             if have["bytes"] != want["bytes"]:
-                problems.append(f"{root / name}: size {have['bytes']} bytes, expected {want['bytes']} (truncated or "
-                                f"extended); sha256 {have['sha256']}, expected {want['sha256']}")
+                problems.append(
+                    f"{root / name}: size {have['bytes']} bytes, expected {want['bytes']} (truncated or "
+                    f"extended); sha256 {have['sha256']}, expected {want['sha256']}"
+                )
             elif have["sha256"] != want["sha256"]:
                 problems.append(f"{root / name}: sha256 {have['sha256']}, expected {want['sha256']}")
     if problems:
@@ -170,9 +176,19 @@ def verify_integrity(root: Path, info: dist.DistInfo) -> None:
 # -- refusing pickles that can run code ---------------------------------------------------------------------------
 
 _DCP_METADATA_GLOBALS = {
-    *(("torch.distributed.checkpoint.metadata", n) for n in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+    *(
+        ("torch.distributed.checkpoint.metadata", n)
+        for n in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
@@ -195,8 +211,10 @@ class _RestrictedUnpickler(pickle.Unpickler):
         is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         if (module, name) in self.allowed or is_dtype:
             return super().find_class(module, name)
-        raise UnsafeCheckpointError(f"{self.where}: refusing to unpickle global {module}.{name} (not in the "
-                                    "allowlist of checkpoint metadata types; the file may be crafted to run code)")
+        raise UnsafeCheckpointError(
+            f"{self.where}: refusing to unpickle global {module}.{name} (not in the "
+            "allowlist of checkpoint metadata types; the file may be crafted to run code)"
+        )
 
 
 def _deepspeed_globals() -> list[Any]:
@@ -221,8 +239,9 @@ def _torch_load_checked(path: Path, allowed: list[Any]) -> None:
         with torch.serialization.safe_globals(allowed):
             torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except pickle.UnpicklingError as err:
-        raise UnsafeCheckpointError(f"{path}: refusing to load: {_reason(err)} (weights_only=True; the file may be "
-                                    "crafted to run code)") from None
+        raise UnsafeCheckpointError(
+            f"{path}: refusing to load: {_reason(err)} (weights_only=True; the file may be crafted to run code)"
+        ) from None
     except (RuntimeError, ValueError, EOFError, OSError) as err:
         raise CheckpointError(f"{path}: not a readable torch file: {str(err).splitlines()[0]}") from None
 
@@ -238,12 +257,15 @@ def _scan_dcp(metadata_path: Path) -> None:
         if index.fqn not in byte_items:
             continue  # tensors: DCP itself reads them with weights_only=True
         if info.transform_descriptors:
-            raise UnsafeCheckpointError(f"{metadata_path}: item {index.fqn} uses storage transforms "
-                                        f"{info.transform_descriptors}, which this loader does not accept")
+            raise UnsafeCheckpointError(
+                f"{metadata_path}: item {index.fqn} uses storage transforms "
+                f"{info.transform_descriptors}, which this loader does not accept"
+            )
         item_path = (metadata_path.parent / info.relative_path).resolve()
         if metadata_path.parent.resolve() not in item_path.parents:
-            raise UnsafeCheckpointError(f"{metadata_path}: item {index.fqn} points outside the checkpoint "
-                                        f"({info.relative_path})")
+            raise UnsafeCheckpointError(
+                f"{metadata_path}: item {index.fqn} points outside the checkpoint ({info.relative_path})"
+            )
         with open(item_path, "rb") as f:
             f.seek(info.offset)
             blob = io.BytesIO(f.read(info.length))
@@ -271,6 +293,7 @@ def scan_pickles(root: Path) -> None:
 
 
 # -- the manager ----------------------------------------------------------------------------------------------
+
 
 def _rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"cpu": torch.get_rng_state()}
@@ -315,13 +338,16 @@ def foreign_leftovers(run_dir: str | Path) -> list[Path]:
     The trainer never deletes them; it stops before any work instead (a later save of that step would collide).
     """
     root = Path(run_dir) / "checkpoints"
-    return [p for p in _step_entries(root)
-            if p.is_symlink() or not (_is_committed(p) or _is_owned(p) or _is_empty_dir(p))]
+    return [
+        p for p in _step_entries(root) if p.is_symlink() or not (_is_committed(p) or _is_owned(p) or _is_empty_dir(p))
+    ]
 
 
 def _not_ours(path: Path, why: str) -> CheckpointError:
-    return CheckpointError(f"{path} is in the way of {why} and was not written by this trainer (no {OWNER_FILE} "
-                           "naming its step): it is left alone; move it out of the checkpoints directory and relaunch")
+    return CheckpointError(
+        f"{path} is in the way of {why} and was not written by this trainer (no {OWNER_FILE} "
+        "naming its step): it is left alone; move it out of the checkpoints directory and relaunch"
+    )
 
 
 def _remove_own(path: Path, why: str) -> None:
@@ -347,8 +373,14 @@ class CheckpointManager:
             passes (with a warning) instead of stopping.
     """
 
-    def __init__(self, run_dir: str | Path, keep_last: int, info: dist.DistInfo,
-                 fault_plan: faults.FaultPlan | None = None, fallback_to_previous: bool = False) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        keep_last: int,
+        info: dist.DistInfo,
+        fault_plan: faults.FaultPlan | None = None,
+        fallback_to_previous: bool = False,
+    ) -> None:
         self.root = Path(run_dir) / "checkpoints"
         self.keep_last, self.info, self.fault_plan = keep_last, info, fault_plan
         self.fallback_to_previous = fallback_to_previous
@@ -374,8 +406,13 @@ class CheckpointManager:
         if self.info.is_main:
             foreign = foreign_leftovers(self.root.parent)
             for p in foreign:
-                log.warning("leaving %s alone: not a committed checkpoint and not written by this trainer (no %s); "
-                            "move it out of %s if it is not needed", p, OWNER_FILE, self.root)
+                log.warning(
+                    "leaving %s alone: not a committed checkpoint and not written by this trainer (no %s); "
+                    "move it out of %s if it is not needed",
+                    p,
+                    OWNER_FILE,
+                    self.root,
+                )
             for p in _step_entries(self.root):
                 if p not in foreign and not _is_committed(p):
                     log.warning("removing uncommitted checkpoint directory %s (an interrupted save of this run)", p)
@@ -402,8 +439,13 @@ class CheckpointManager:
         if problem is not None:
             raise CheckpointError(problem)
 
-    def save(self, step: int, engine: Any, trainer_state: dict[str, Any],
-             export: Callable[[dict[str, torch.Tensor], Path], None] | None) -> Path:
+    def save(
+        self,
+        step: int,
+        engine: Any,
+        trainer_state: dict[str, Any],
+        export: Callable[[dict[str, torch.Tensor], Path], None] | None,
+    ) -> Path:
         """Save everything needed for an exact resume (collective: every rank must call it)."""
         t0 = time.perf_counter()
         final = self.root / f"step_{step:08d}"
@@ -455,8 +497,12 @@ class CheckpointManager:
                 shutil.rmtree(old)
                 log.info("deleted old checkpoint %s (checkpoint.keep_last=%d)", old, self.keep_last)
             except OSError as err:
-                log.warning("could not delete old checkpoint %s: %s; training continues (an uncommitted leftover "
-                            "is removed at the next start)", old, err)
+                log.warning(
+                    "could not delete old checkpoint %s: %s; training continues (an uncommitted leftover "
+                    "is removed at the next start)",
+                    old,
+                    err,
+                )
 
     def read_state(self, path: Path, model_config: dict[str, Any], parallel: dict[str, Any]) -> dict[str, Any]:
         """Verify ``path`` and return its trainer state, refusing what this run cannot load. Reads no tensor.
@@ -481,7 +527,8 @@ class CheckpointManager:
                 f"{path}: trainer state format {fmt} was written by an older release (this one reads format "
                 f"{STATE_FORMAT}, which adds the integrity manifest, the parallel layout and the data fingerprint); "
                 "version migration: finish that run with the release that wrote it, or start a new run "
-                "(checkpoint.resume=none) from its eval export")
+                "(checkpoint.resume=none) from its eval export"
+            )
         verify_integrity(path, self.info)
         state = json.loads(state_path.read_text())
         if state.get("format") != STATE_FORMAT:
@@ -489,8 +536,9 @@ class CheckpointManager:
         saved = state.get("model_config", {})
         diff = sorted(k for k in set(saved) | set(model_config) if saved.get(k) != model_config.get(k))
         if diff:
-            details = ", ".join(f"model.{k}: checkpoint {saved.get(k)!r} vs config {model_config.get(k)!r}"
-                                for k in diff)
+            details = ", ".join(
+                f"model.{k}: checkpoint {saved.get(k)!r} vs config {model_config.get(k)!r}" for k in diff
+            )
             raise CheckpointError(f"{path} was trained with a different architecture: {details}")
         self._check_layout(path, state, parallel)
         return state
@@ -501,7 +549,8 @@ class CheckpointManager:
             raise CheckpointError(
                 f"{path} was written by parallel.engine={old['engine']} (zero_stage={old['zero_stage']}), this run "
                 f"uses parallel.engine={new['engine']} (zero_stage={new['zero_stage']}); their checkpoint formats "
-                "differ: resume with the same engine, or start a new run from the checkpoint's eval export")
+                "differ: resume with the same engine, or start a new run from the checkpoint's eval export"
+            )
         saved_world, world = int(state["world_size"]), self.info.world_size
         if saved_world != world:
             if old["engine"] == "deepspeed" and old["zero_stage"] >= 1:
@@ -509,10 +558,15 @@ class CheckpointManager:
                     f"{path} holds DeepSpeed ZeRO-{old['zero_stage']} optimizer state partitioned over {saved_world} "
                     f"ranks; this run has {world}. Resume with {saved_world} ranks (the data position would carry "
                     "over, but DeepSpeed cannot re-partition this optimizer state here), or convert it with "
-                    "DeepSpeed's ds_to_universal.py")
-            log.warning("%s was saved by %d ranks, resuming on %d: model, optimizer and data position carry over "
-                        "exactly; per-rank RNG streams (Gumbel noise) of new ranks start fresh", path, saved_world,
-                        world)
+                    "DeepSpeed's ds_to_universal.py"
+                )
+            log.warning(
+                "%s was saved by %d ranks, resuming on %d: model, optimizer and data position carry over "
+                "exactly; per-rank RNG streams (Gumbel noise) of new ranks start fresh",
+                path,
+                saved_world,
+                world,
+            )
 
     def load(self, path: Path, engine: Any) -> None:
         """Restore engine state and this rank's RNG from a checkpoint that passed `read_state`."""
@@ -527,8 +581,14 @@ class CheckpointManager:
         else:
             log.warning("%s has no RNG state for rank %d; its RNG stream restarts", path, self.info.rank)
 
-    def restore(self, resume: str, engine: Any, model_config: dict[str, Any], parallel: dict[str, Any],
-                check: Callable[[Path, dict[str, Any]], None] | None = None) -> tuple[Path, dict[str, Any]] | None:
+    def restore(
+        self,
+        resume: str,
+        engine: Any,
+        model_config: dict[str, Any],
+        parallel: dict[str, Any],
+        check: Callable[[Path, dict[str, Any]], None] | None = None,
+    ) -> tuple[Path, dict[str, Any]] | None:
         """Resume per ``checkpoint.resume``: verify, check, then load; returns (path, trainer state) or None.
 
         With ``fallback_to_previous``, a newest checkpoint that fails verification is skipped with a warning and

@@ -215,11 +215,15 @@ def _load_yaml(path: str | Path) -> DictConfig:
         loaded = OmegaConf.load(path)
     except (yaml.YAMLError, OSError, UnicodeDecodeError, OmegaConfBaseException) as err:
         reason = redact((str(err).splitlines() or [""])[0])
-        raise ConfigError(f"config file {path} is not a YAML mapping of config keys ({reason}); it must hold "
-                          "sections like 'train:' and 'model:' at its top level") from None
+        raise ConfigError(
+            f"config file {path} is not a YAML mapping of config keys ({reason}); it must hold "
+            "sections like 'train:' and 'model:' at its top level"
+        ) from None
     if not isinstance(loaded, DictConfig):
-        raise ConfigError(f"config file {path}: its top level is a {type(loaded).__name__.removesuffix('Config')}, "
-                          "not a mapping of config keys; write sections like 'train:' and 'model:' at the top level")
+        raise ConfigError(
+            f"config file {path}: its top level is a {type(loaded).__name__.removesuffix('Config')}, "
+            "not a mapping of config keys; write sections like 'train:' and 'model:' at the top level"
+        )
     return loaded
 
 
@@ -232,8 +236,9 @@ def env_interpolations(cfg: TrainConfig) -> dict[str, str]:
     return getattr(cfg, _ENV_PATHS, {})
 
 
-def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (),
-                world_size: int = 1) -> TrainConfig:
+def load_config(
+    path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), world_size: int = 1
+) -> TrainConfig:
     """Load YAML + dotlist overrides into a validated ``TrainConfig``.
 
     Args:
@@ -256,8 +261,9 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     try:
         layers.append(("command-line overrides", OmegaConf.from_dotlist(list(overrides))))
     except (yaml.YAMLError, OmegaConfBaseException) as err:
-        raise ConfigError(redact(f"command-line overrides are not valid key=value pairs: "
-                                 f"{(str(err).splitlines() or [''])[0]}")) from None
+        raise ConfigError(
+            redact(f"command-line overrides are not valid key=value pairs: {(str(err).splitlines() or [''])[0]}")
+        ) from None
     for source, layer in layers:
         try:
             merged = OmegaConf.merge(merged, layer)
@@ -303,8 +309,10 @@ def _check_outputs_outside_data(cfg: TrainConfig) -> None:
     data = Path(cfg.data.path)
     for key, value in (("run_dir", cfg.run_dir), ("data.cache_dir", cfg.data.cache_dir)):
         if value is not None and is_within(Path(value), data):
-            raise ConfigError(f"{key}={value} is inside data.path={cfg.data.path}; the dataset is only ever read: "
-                              f"put {key} outside it")
+            raise ConfigError(
+                f"{key}={value} is inside data.path={cfg.data.path}; the dataset is only ever read: "
+                f"put {key} outside it"
+            )
 
 
 def _check_ranges(cfg: TrainConfig) -> None:
@@ -328,26 +336,37 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     _check_ranges(cfg)
     _check_outputs_outside_data(cfg)
     t, o, p, c = cfg.train, cfg.optim, cfg.parallel, cfg.checkpoint
-    for key, value in (("train.max_steps", t.max_steps), ("train.seq_len", t.seq_len),
-                       ("train.micro_batch", t.micro_batch), ("train.global_batch", t.global_batch),
-                       ("checkpoint.keep_last", c.keep_last), ("logging.every", cfg.logging.every),
-                       ("data.shuffle_window", cfg.data.shuffle_window)):
+    for key, value in (
+        ("train.max_steps", t.max_steps),
+        ("train.seq_len", t.seq_len),
+        ("train.micro_batch", t.micro_batch),
+        ("train.global_batch", t.global_batch),
+        ("checkpoint.keep_last", c.keep_last),
+        ("logging.every", cfg.logging.every),
+        ("data.shuffle_window", cfg.data.shuffle_window),
+    ):
         if value < 1:
             raise ConfigError(f"{key} must be >= 1; got {value}")
-    for key, value in (("checkpoint.every", c.every), ("train.eval_every", t.eval_every),
-                       ("schedule.warmup_steps", cfg.schedule.warmup_steps), ("train.grad_clip", t.grad_clip),
-                       ("optim.weight_decay", o.weight_decay)):
+    for key, value in (
+        ("checkpoint.every", c.every),
+        ("train.eval_every", t.eval_every),
+        ("schedule.warmup_steps", cfg.schedule.warmup_steps),
+        ("train.grad_clip", t.grad_clip),
+        ("optim.weight_decay", o.weight_decay),
+    ):
         if value < 0:
             raise ConfigError(f"{key} must be >= 0; got {value}")
     if t.global_batch % (t.micro_batch * world_size) != 0:
         raise ConfigError(
             f"train.global_batch={t.global_batch} must be divisible by train.micro_batch x world size = "
-            f"{t.micro_batch} x {world_size} = {t.micro_batch * world_size}")
+            f"{t.micro_batch} x {world_size} = {t.micro_batch * world_size}"
+        )
     n_chunks = t.seq_len // cfg.model.chunk_size
     if cfg.model.top_k > n_chunks:
         raise ConfigError(
             f"model.top_k={cfg.model.top_k} is larger than the number of chunks per sequence, "
-            f"train.seq_len // model.chunk_size = {t.seq_len} // {cfg.model.chunk_size} = {n_chunks}")
+            f"train.seq_len // model.chunk_size = {t.seq_len} // {cfg.model.chunk_size} = {n_chunks}"
+        )
     if not 0 < o.lr:
         raise ConfigError(f"optim.lr must be > 0; got {o.lr}")
     if not 0 <= o.min_lr <= o.lr:
@@ -355,8 +374,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
         raise ConfigError(f"optim.betas must be two values in [0, 1); got {o.betas}")
     if cfg.schedule.warmup_steps >= t.max_steps:
-        raise ConfigError(f"schedule.warmup_steps={cfg.schedule.warmup_steps} must be < "
-                          f"train.max_steps={t.max_steps}")
+        raise ConfigError(f"schedule.warmup_steps={cfg.schedule.warmup_steps} must be < train.max_steps={t.max_steps}")
     if not 0.0 <= cfg.data.needle_mix <= 1.0:
         raise ConfigError(f"data.needle_mix must be in [0, 1]; got {cfg.data.needle_mix}")
     if not cfg.data.needle_answer_weight > 0:
@@ -367,17 +385,20 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError(
             f"parallel.zero_stage / offload_optimizer / offload_params need parallel.engine=deepspeed; got "
             f"engine={p.engine}, zero_stage={p.zero_stage}, offload_optimizer={p.offload_optimizer}, "
-            f"offload_params={p.offload_params}")
+            f"offload_params={p.offload_params}"
+        )
     if p.offload_optimizer and p.zero_stage < 1:
         raise ConfigError(f"parallel.offload_optimizer needs parallel.zero_stage >= 1; got {p.zero_stage}")
     if p.offload_params and p.zero_stage != 3:
         raise ConfigError(f"parallel.offload_params needs parallel.zero_stage=3; got {p.zero_stage}")
     if c.init_from is not None and not (Path(c.init_from) / "model.safetensors").is_file():
-        raise ConfigError(f"checkpoint.init_from must be a model export directory (with model.safetensors); "
-                          f"got {c.init_from!r}")
+        raise ConfigError(
+            f"checkpoint.init_from must be a model export directory (with model.safetensors); got {c.init_from!r}"
+        )
     if c.resume not in ("auto", "none") and not Path(c.resume).is_dir():
-        raise ConfigError(f"checkpoint.resume must be 'auto', 'none' or an existing checkpoint directory; "
-                          f"got {c.resume!r}")
+        raise ConfigError(
+            f"checkpoint.resume must be 'auto', 'none' or an existing checkpoint directory; got {c.resume!r}"
+        )
 
 
 def to_plain(cfg: TrainConfig) -> dict[str, Any]:

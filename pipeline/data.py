@@ -57,9 +57,25 @@ from data_prep.streaming_compat import ensure_streaming_importable
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Cursor", "DataFingerprintError", "EmptySplitError", "MDSReader", "PackedSequences", "RankBatches",
-           "ShardCorruptError", "UnsafeColumnError", "UnsafeDatasetError", "UnsafeShardPathError", "check_fingerprint",
-           "check_index", "check_shard_path", "dataset_fingerprint", "eos_id_of", "is_remote", "read_tokenizer"]
+__all__ = [
+    "Cursor",
+    "DataFingerprintError",
+    "EmptySplitError",
+    "MDSReader",
+    "PackedSequences",
+    "RankBatches",
+    "ShardCorruptError",
+    "UnsafeColumnError",
+    "UnsafeDatasetError",
+    "UnsafeShardPathError",
+    "check_fingerprint",
+    "check_index",
+    "check_shard_path",
+    "dataset_fingerprint",
+    "eos_id_of",
+    "is_remote",
+    "read_tokenizer",
+]
 
 
 def is_remote(path: str) -> bool:
@@ -131,8 +147,10 @@ def make_private_cache(parent: Path) -> Path:
     path = Path(tempfile.mkdtemp(prefix=f"{_CACHE_PREFIX}{host}-{os.getpid()}-", dir=parent))
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise UnsafeDatasetError(f"data cache {path} is not a private directory of this user; set data.cache_dir "
-                                 "to a directory only you can write")
+        raise UnsafeDatasetError(
+            f"data cache {path} is not a private directory of this user; set data.cache_dir "
+            "to a directory only you can write"
+        )
     (path / _CACHE_MARKER).write_text(f"{host} {os.getpid()}\n")
     return path
 
@@ -163,8 +181,10 @@ class MDSReader:
         parent = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir())
         if self.remote is None:
             if is_within(parent, Path(root)):
-                raise UnsafeDatasetError(f"data cache {parent} lies inside the dataset {root}, which is never "
-                                         "written to; set data.cache_dir (or run_dir) to a directory outside data.path")
+                raise UnsafeDatasetError(
+                    f"data cache {parent} lies inside the dataset {root}, which is never "
+                    "written to; set data.cache_dir (or run_dir) to a directory outside data.path"
+                )
             index, self.index_bytes = self._local_index(split)
             self.index_path = str(self.split_dir / INDEX_FILENAME)
         self.cache = make_private_cache(parent)  # only after the local index passed its checks
@@ -179,18 +199,22 @@ class MDSReader:
             shard.validate(allow_unsafe_types=False)  # streaming's own pickle check, behind check_index
         self.samples_per_shard = np.asarray([s.samples for s in self.shards], dtype=np.int64)
         if int(self.samples_per_shard.sum()) == 0:
-            raise EmptySplitError(f"data split {self.remote or self.split_dir} holds no samples ({len(self.shards)} "
-                                  f"shards listed in {self.index_path}); re-run data prep on more documents (or a "
-                                  "larger val_fraction), point data.path (eval: data=) at another dataset, or for an "
-                                  "empty val split set train.eval_every=0")
+            raise EmptySplitError(
+                f"data split {self.remote or self.split_dir} holds no samples ({len(self.shards)} "
+                f"shards listed in {self.index_path}); re-run data prep on more documents (or a "
+                "larger val_fraction), point data.path (eval: data=) at another dataset, or for an "
+                "empty val split set train.eval_every=0"
+            )
         self._cached: OrderedDict[int, None] = OrderedDict()
 
     def _local_index(self, split: str) -> tuple[dict[str, Any], bytes]:
         try:
             return read_index(self.split_dir)
         except FileNotFoundError:
-            raise FileNotFoundError(f"data.path: no MDS split at {self.split_dir} (index.json missing); run data prep "
-                                    f"first or fix data.path / data.{split}_split") from None
+            raise FileNotFoundError(
+                f"data.path: no MDS split at {self.split_dir} (index.json missing); run data prep "
+                f"first or fix data.path / data.{split}_split"
+            ) from None
 
     def close(self) -> None:
         """Delete the private cache now (also done when the reader is garbage-collected or the process exits)."""
@@ -220,13 +244,16 @@ class MDSReader:
         common = set.intersection(*(recorded(s) for s in shards)) if shards else set()
         if requested is not None:
             if shards and requested not in common:
-                raise ValueError(f"data.validate_hash={requested!r}, but {self.index_path} records only "
-                                 f"{sorted(common) or 'no hashes'} for every shard")
+                raise ValueError(
+                    f"data.validate_hash={requested!r}, but {self.index_path} records only "
+                    f"{sorted(common) or 'no hashes'} for every shard"
+                )
             return requested
         algo = next((a for a in _HASH_PREFERENCE if a in common), None)
         if algo is None and shards:
-            log.warning("%s records no shard hash common to all shards; corrupt shards cannot be detected",
-                        self.index_path)
+            log.warning(
+                "%s records no shard hash common to all shards; corrupt shards cannot be detected", self.index_path
+            )
         return algo
 
     @property
@@ -236,8 +263,10 @@ class MDSReader:
     def _check(self, info: Any, data: bytes, where: str) -> bytes:
         """``data`` if its size and hash match what ``index.json`` records for ``info``."""
         if len(data) != info.bytes:
-            raise ShardCorruptError(f"Size mismatch: {where}: {len(data)} bytes, but {self.index_path} records "
-                                    f"{info.bytes}; the shard changed since data prep wrote it (re-run data prep)")
+            raise ShardCorruptError(
+                f"Size mismatch: {where}: {len(data)} bytes, but {self.index_path} records "
+                f"{info.bytes}; the shard changed since data prep wrote it (re-run data prep)"
+            )
         if self.hash_algo is not None:
             from streaming.base.hashing import get_hash
 
@@ -245,7 +274,8 @@ class MDSReader:
             if actual != expected:
                 raise ShardCorruptError(
                     f"Checksum failure: {where}: {self.hash_algo} {actual}, but {self.index_path} records {expected}; "
-                    "the shard changed since data prep wrote it (re-run data prep, or restore the file)")
+                    "the shard changed since data prep wrote it (re-run data prep, or restore the file)"
+                )
         return data
 
     def _fetch(self, info: Any) -> bytes:
@@ -256,8 +286,10 @@ class MDSReader:
         with os.fdopen(open_regular(self.split_dir, info.basename), "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size != info.bytes:  # checked before reading: a shard grown to gigabytes is never loaded
-                raise ShardCorruptError(f"Size mismatch: {where}: {size} bytes, but {self.index_path} records "
-                                        f"{info.bytes}; the shard changed since data prep wrote it (re-run data prep)")
+                raise ShardCorruptError(
+                    f"Size mismatch: {where}: {size} bytes, but {self.index_path} records "
+                    f"{info.bytes}; the shard changed since data prep wrote it (re-run data prep)"
+                )
             return self._check(info, f.read(), where)
 
     def _raw_bytes(self, raw: Any, packed: Any, compression: str | None) -> bytes:
@@ -320,19 +352,26 @@ def dataset_fingerprint(reader: MDSReader, data_path: str) -> dict[str, str | No
     """Content fingerprint of the training data: sha256 of the split's ``index.json`` (which records every
     shard's hash, size and sample count) and of ``tokenizer.model`` (``None`` when there is none, or remote)."""
     tokenizer = read_tokenizer(data_path)
-    return {"index_sha256": hashlib.sha256(reader.index_bytes).hexdigest(),
-            "tokenizer_sha256": hashlib.sha256(tokenizer).hexdigest() if tokenizer is not None else None}
+    return {
+        "index_sha256": hashlib.sha256(reader.index_bytes).hexdigest(),
+        "tokenizer_sha256": hashlib.sha256(tokenizer).hexdigest() if tokenizer is not None else None,
+    }
 
 
 def check_fingerprint(saved: dict[str, Any], current: dict[str, Any], where: str) -> None:
     """Raise `DataFingerprintError` naming each component that differs (old vs new hash)."""
-    changed = [f"{key}: checkpoint {saved.get(key)} vs now {current.get(key)}" for key in sorted(current)
-               if saved.get(key) != current.get(key)]
+    changed = [
+        f"{key}: checkpoint {saved.get(key)} vs now {current.get(key)}"
+        for key in sorted(current)
+        if saved.get(key) != current.get(key)
+    ]
     if changed:
         raise DataFingerprintError(
             f"dataset fingerprint mismatch: {where} was trained on other data than data.path now holds ("
-            + "; ".join(changed) + "); the data order and token ids would silently change. Point data.path at the "
-            "original dataset, or start a new run (checkpoint.resume=none)")
+            + "; ".join(changed)
+            + "); the data order and token ids would silently change. Point data.path at the "
+            "original dataset, or start a new run (checkpoint.resume=none)"
+        )
 
 
 @dataclass
@@ -446,14 +485,23 @@ class PackedSequences:
         return np.concatenate(seqs), np.concatenate(ids)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"cursor": asdict(self._window_start), "window_index": self._window_index, "taken": self._taken,
-                "seq_len": self.seq_len, "window": self.window, "seed": self.seed, "shuffle": self.shuffle}
+        return {
+            "cursor": asdict(self._window_start),
+            "window_index": self._window_index,
+            "taken": self._taken,
+            "seq_len": self.seq_len,
+            "window": self.window,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key in ("seq_len", "window", "seed", "shuffle"):
             if state[key] != getattr(self, key):
-                raise ValueError(f"cannot resume the data stream: checkpoint has {key}={state[key]!r}, the config "
-                                 f"gives {getattr(self, key)!r} (the sequence order would change)")
+                raise ValueError(
+                    f"cannot resume the data stream: checkpoint has {key}={state[key]!r}, the config "
+                    f"gives {getattr(self, key)!r} (the sequence order would change)"
+                )
         self._window_start = Cursor(**state["cursor"])
         self._window_index, self._taken = int(state["window_index"]), int(state["taken"])
         self._buffer = self._buffer_ids = None
@@ -472,8 +520,18 @@ class RankBatches:
         answer_weight: loss weight of the needle answers' tokens (1: no weights are produced).
     """
 
-    def __init__(self, stream: PackedSequences, global_batch: int, micro_batch: int, rank: int, world_size: int,
-                 needles: Any = None, needle_mix: float = 0.0, seed: int = 0, answer_weight: float = 1.0) -> None:
+    def __init__(
+        self,
+        stream: PackedSequences,
+        global_batch: int,
+        micro_batch: int,
+        rank: int,
+        world_size: int,
+        needles: Any = None,
+        needle_mix: float = 0.0,
+        seed: int = 0,
+        answer_weight: float = 1.0,
+    ) -> None:
         self.stream, self.global_batch, self.micro_batch = stream, global_batch, micro_batch
         self.rank, self.world_size = rank, world_size
         self.needles, self.needle_mix, self.seed = needles, needle_mix, seed
@@ -525,11 +583,14 @@ def eos_id_of(data_path: str) -> int | None:
         return None
     root = Path(data_path)
     if fmt.is_prep_temporary(root.resolve()):
-        raise fmt.IncompleteDatasetError(f"data.path={data_path} is a work directory of an interrupted data-prep run "
-                                         "(no _COMPLETE marker); re-run data prep and use its output directory")
+        raise fmt.IncompleteDatasetError(
+            f"data.path={data_path} is a work directory of an interrupted data-prep run "
+            "(no _COMPLETE marker); re-run data prep and use its output directory"
+        )
     if not (root / fmt.MANIFEST_FILENAME).is_file() and not (root / fmt.COMPLETE_MARKER).is_file():
-        log.warning("no manifest in %s (not written by data prep); documents are packed without an EOS separator",
-                    data_path)
+        log.warning(
+            "no manifest in %s (not written by data prep); documents are packed without an EOS separator", data_path
+        )
         return None
     manifest = fmt.read_manifest(data_path)
     return manifest.tokenizer.eos_id if manifest.tokenizer.eos_id >= 0 else None

@@ -80,8 +80,10 @@ def load_demo_config(path: str | Path, overrides: list[str]) -> tuple[DemoConfig
     try:
         loaded = OmegaConf.load(path)
         if not isinstance(loaded, DictConfig):
-            raise SystemExit(f"{path}: the top level must be a mapping of demo keys, not a "
-                             f"{type(loaded).__name__.replace('Config', '').lower()}")
+            raise SystemExit(
+                f"{path}: the top level must be a mapping of demo keys, not a "
+                f"{type(loaded).__name__.replace('Config', '').lower()}"
+            )
         merged = OmegaConf.merge(OmegaConf.structured(DemoConfig), loaded)
         for item in overrides:
             try:
@@ -131,13 +133,23 @@ class Stages:
         export: Path | None = None
         for stage in stages:
             run_dir = self.run_dir / model / stage.name
-            overrides = [f"run_dir={run_dir}", f"data.path={ROOT / cfg.data}", *MODEL_OVERRIDES[model],
-                         *stage.overrides, *cfg.train_overrides]
+            overrides = [
+                f"run_dir={run_dir}",
+                f"data.path={ROOT / cfg.data}",
+                *MODEL_OVERRIDES[model],
+                *stage.overrides,
+                *cfg.train_overrides,
+            ]
             if export is not None:
                 overrides.append(f"checkpoint.init_from={export}")
             cmd = [
-                str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(cfg.ranks),
-                "launch/pretrain.py", "--config", cfg.gca_config, *overrides,
+                str(Path(sys.executable).parent / "deepspeed"),
+                "--num_gpus",
+                str(cfg.ranks),
+                "launch/pretrain.py",
+                "--config",
+                cfg.gca_config,
+                *overrides,
             ]
             env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
             export = run_dir / "export"
@@ -151,14 +163,33 @@ class Stages:
         for i, part in enumerate(cfg.passkey):
             out = self.run_dir / "eval" / model / f"passkey_{i}"
             cmd = [
-                sys.executable, "launch/eval.py", "--checkpoint", str(export), "--task", "passkey", "--out",
-                str(out), f"lengths={part.lengths}", f"samples={part.samples}", f"depths={cfg.depths}", *common,
+                sys.executable,
+                "launch/eval.py",
+                "--checkpoint",
+                str(export),
+                "--task",
+                "passkey",
+                "--out",
+                str(out),
+                f"lengths={part.lengths}",
+                f"samples={part.samples}",
+                f"depths={cfg.depths}",
+                *common,
             ]
             self.run(f"passkey-{model}-{i}", cmd, out / "passkey.json", {"OMP_NUM_THREADS": "2"})
         out = self.run_dir / "eval" / model / "ppl"
         cmd = [
-            sys.executable, "launch/eval.py", "--checkpoint", str(export), "--task", "ppl", "--out", str(out),
-            f"lengths={cfg.ppl_lengths}", f"samples={cfg.ppl_samples}", f"seed={cfg.seed}",
+            sys.executable,
+            "launch/eval.py",
+            "--checkpoint",
+            str(export),
+            "--task",
+            "ppl",
+            "--out",
+            str(out),
+            f"lengths={cfg.ppl_lengths}",
+            f"samples={cfg.ppl_samples}",
+            f"seed={cfg.seed}",
             f"data={ROOT / cfg.data}",
         ]
         self.run(f"ppl-{model}", cmd, out / "ppl.json", {"OMP_NUM_THREADS": "2"})

@@ -33,10 +33,16 @@ def collect_passkey(run_dir: Path, models: list[str]) -> tuple[list[dict], int |
                 acc["seconds"] += r.get("seconds", 0.0)
         for length in sorted(pooled):
             p = pooled[length]
-            rows.append({
-                "model": model, "length": length, "accuracy": p["hits"] / p["n"],
-                "exact_match": p["exact"] / p["n"], "n": int(p["n"]), "seconds": round(p["seconds"], 1),
-            })
+            rows.append(
+                {
+                    "model": model,
+                    "length": length,
+                    "accuracy": p["hits"] / p["n"],
+                    "exact_match": p["exact"] / p["n"],
+                    "n": int(p["n"]),
+                    "seconds": round(p["seconds"], 1),
+                }
+            )
     return rows, train_len
 
 
@@ -77,7 +83,9 @@ def _table(rows: list[dict], models: list[str]) -> str:
         cells = []
         for n in lengths:
             r = cell.get((model, n))
-            cells.append("–" if r is None else f"{100 * r['accuracy']:.0f}% ({100 * r['exact_match']:.0f}%, n={r['n']})")
+            cells.append(
+                "–" if r is None else f"{100 * r['accuracy']:.0f}% ({100 * r['exact_match']:.0f}%, n={r['n']})"
+            )
         lines.append(f"| {model} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -97,15 +105,27 @@ def write_report(run_dir: Path, models: list[str], timings: dict[str, float]) ->
     for model in models:
         ppl_lines.append(f"| {model} | " + " | ".join(f"{r['ppl']:.2f}" for r in ppl if r["model"] == model) + " |")
     timing_lines = [f"| {name} | {seconds:.0f} s |" for name, seconds in timings.items()]
-    report = "\n".join([
-        "# make demo results", "",
-        f"Passkey retrieval, accuracy of the first answer token (all answer tokens in brackets); "
-        f"models trained on {train_len}-token sequences.", "",
-        _table(passkey, models), "",
-        "Perplexity on the validation split (non-overlapping windows of each length).", "",
-        *ppl_lines, "",
-        "Stage timings.", "", "| stage | wall time |", "|---|---|", *timing_lines,
-        f"| total | {sum(timings.values()):.0f} s |", "",
-    ])
+    report = "\n".join(
+        [
+            "# make demo results",
+            "",
+            f"Passkey retrieval, accuracy of the first answer token (all answer tokens in brackets); "
+            f"models trained on {train_len}-token sequences.",
+            "",
+            _table(passkey, models),
+            "",
+            "Perplexity on the validation split (non-overlapping windows of each length).",
+            "",
+            *ppl_lines,
+            "",
+            "Stage timings.",
+            "",
+            "| stage | wall time |",
+            "|---|---|",
+            *timing_lines,
+            f"| total | {sum(timings.values()):.0f} s |",
+            "",
+        ]
+    )
     (run_dir / "results.md").write_text(report)
     return report

@@ -113,8 +113,15 @@ class Watchdog:
                 self._cond.wait(remaining)
 
     def _fire(self) -> None:
-        log.error("rank %d: %s did not finish within %.0f s (1.5x %s): this rank is stuck; stacks of every thread "
-                  "follow; exiting with code %d", self.rank, self._what, self.timeout_s, TIMEOUT_ENV, EXIT_HUNG)
+        log.error(
+            "rank %d: %s did not finish within %.0f s (1.5x %s): this rank is stuck; stacks of every thread "
+            "follow; exiting with code %d",
+            self.rank,
+            self._what,
+            self.timeout_s,
+            TIMEOUT_ENV,
+            EXIT_HUNG,
+        )
         for handler in logging.getLogger().handlers:
             handler.flush()
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
@@ -179,8 +186,13 @@ def init_distributed(engine: str, timeout_s: float | None = None) -> DistInfo:
     needs_group = world > 1 or engine in ("deepspeed", "fsdp")
     if needs_group and not dist.is_initialized():
         if "MASTER_ADDR" not in os.environ:
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK=str(rank),
-                              LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world))
+            os.environ.update(
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(_free_port()),
+                RANK=str(rank),
+                LOCAL_RANK=str(local_rank),
+                WORLD_SIZE=str(world),
+            )
         if engine == "deepspeed":
             import deepspeed
 

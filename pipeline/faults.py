@@ -76,8 +76,7 @@ class FaultPlan:
 
 
 def _parse_one(spec: str) -> Fault:
-    usage = (f"expected <{'|'.join(KINDS)}>:step=N[:rank=R][:key=value], comma-separated; "
-             f"options: {_OPTION_HELP}")
+    usage = f"expected <{'|'.join(KINDS)}>:step=N[:rank=R][:key=value], comma-separated; options: {_OPTION_HELP}"
     kind, *fields = spec.strip().split(":")
     if kind not in _OPTIONS or any("=" not in f for f in fields):
         raise ValueError(f"PIPE_FAULT entry {spec!r}: {usage}")

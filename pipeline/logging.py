@@ -58,8 +58,9 @@ def git_sha() -> str:
     try:
         repo = Path(__file__).resolve().parents[1]
         out = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain"], capture_output=True, text=True,
-                               timeout=10).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(repo), "status", "--porcelain"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
         return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -110,10 +111,12 @@ def flops_per_token(cfg: GCAConfig, seq_len: int, n_matmul_params: int) -> float
     stream = seq_len + n_chunks
     positions = torch.arange(stream, dtype=torch.float64)
     mean_window = float(torch.clamp(positions + 1, max=cfg.window + 1).mean())
-    per_position = (6.0 * n_matmul_params
-                    + 12.0 * d * mean_window * (cfg.n_lower_layers + cfg.n_upper_layers)
-                    + 12.0 * d * (S + 1) * cfg.n_encoder_layers
-                    + 12.0 * d * cfg.top_k * S * cfg.n_upper_layers)
+    per_position = (
+        6.0 * n_matmul_params
+        + 12.0 * d * mean_window * (cfg.n_lower_layers + cfg.n_upper_layers)
+        + 12.0 * d * (S + 1) * cfg.n_encoder_layers
+        + 12.0 * d * cfg.top_k * S * cfg.n_upper_layers
+    )
     retrieval = 3.0 * len(cfg.groups) * n_chunks * n_chunks * d / seq_len
     return per_position * stream / seq_len + retrieval
 
@@ -153,8 +156,15 @@ class MetricsLogger:
     (which holds keys and tokens) never is, and values that came from the environment stay ``${oc.env:...}``.
     """
 
-    def __init__(self, run_dir: Path, cfg: Any, config_dict: dict[str, Any], header: dict[str, Any],
-                 start_step: int, resumed: bool) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: Any,
+        config_dict: dict[str, Any],
+        header: dict[str, Any],
+        start_step: int,
+        resumed: bool,
+    ) -> None:
         self.cfg, self.path = cfg, run_dir / "metrics.jsonl"
         run_dir.mkdir(parents=True, exist_ok=True)
         self.file = open(self.path, "a")
@@ -166,8 +176,9 @@ class MetricsLogger:
         if cfg.logging.progress:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=cfg.train.max_steps, initial=start_step, unit="step", dynamic_ncols=True,
-                            file=sys.stderr)
+            self.bar = tqdm(
+                total=cfg.train.max_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr
+            )
         self.t_last = time.perf_counter()
 
     def _init_wandb(self, run_dir: Path, config_dict: dict[str, Any], header: dict[str, Any], resumed: bool) -> Any:
@@ -180,9 +191,14 @@ class MetricsLogger:
         run_id = run_id_file.read_text().strip() if resumed and run_id_file.is_file() else uuid.uuid4().hex[:8]
         run_id_file.write_text(run_id)
         log.info("wandb: mode=%s project=%s id=%s", mode, self.cfg.logging.wandb_project, run_id)
-        return wandb.init(project=self.cfg.logging.wandb_project, dir=str(run_dir), mode=mode, id=run_id,
-                          resume="allow", config={**config_dict, "git_sha": header["git_sha"],
-                                                  "versions": header["versions"], **header["derived"]})
+        return wandb.init(
+            project=self.cfg.logging.wandb_project,
+            dir=str(run_dir),
+            mode=mode,
+            id=run_id,
+            resume="allow",
+            config={**config_dict, "git_sha": header["git_sha"], "versions": header["versions"], **header["derived"]},
+        )
 
     def _write(self, record: dict[str, Any]) -> None:
         self.file.write(json.dumps(redact_tree(record)) + "\n")
@@ -196,15 +212,18 @@ class MetricsLogger:
             self.bar.update(step - self.bar.n)
             self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
         if console:
-            shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
-                             if v is not None)
+            shown = " ".join(
+                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items() if v is not None
+            )
             log.info("step %d | %s", step, shown)
 
     def event(self, record: dict[str, Any]) -> None:
         self._write(record)
         if self.wandb is not None and "step" in record:
-            self.wandb.log({f"{record['event']}/{k}": v for k, v in record.items()
-                            if isinstance(v, (int, float)) and k != "step"}, step=record["step"])
+            self.wandb.log(
+                {f"{record['event']}/{k}": v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"},
+                step=record["step"],
+            )
 
     def close(self) -> None:
         if self.bar is not None:

@@ -37,8 +37,9 @@ def _has_module_list(module: nn.Module) -> bool:
 def blocks(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks: children of ``nn.ModuleList``s that hold no ``nn.ModuleList`` themselves (the
     lower, encoder and upper layers; a retrieval group is a container of upper layers, not a block)."""
-    return [child for m in model.modules() if isinstance(m, nn.ModuleList) for child in m
-            if not _has_module_list(child)]
+    return [
+        child for m in model.modules() if isinstance(m, nn.ModuleList) for child in m if not _has_module_list(child)
+    ]
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
@@ -114,7 +115,8 @@ class TorchEngine:
         elif info.world_size > 1:
             self.module = model
             self.model = torch.nn.parallel.DistributedDataParallel(
-                model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
+                model, device_ids=[info.device.index] if info.device.type == "cuda" else None
+            )
         else:
             self.module = self.model = model
         self.optimizer = build_optimizer(self.module, cfg.optim)
@@ -170,12 +172,15 @@ class TorchEngine:
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-            state = {"model": get_model_state_dict(self.model),
-                     "optim": get_optimizer_state_dict(self.model, self.optimizer)}
+            state = {
+                "model": get_model_state_dict(self.model),
+                "optim": get_optimizer_state_dict(self.model, self.optimizer),
+            }
             dcp.save(state, checkpoint_id=str(directory / "dcp"))
         elif self.info.is_main:
-            torch.save({"model": self.module.state_dict(), "optim": self.optimizer.state_dict()},
-                       directory / "state.pt")
+            torch.save(
+                {"model": self.module.state_dict(), "optim": self.optimizer.state_dict()}, directory / "state.pt"
+            )
 
     def load(self, directory: Path) -> None:
         if self.kind == "fsdp":
@@ -186,11 +191,12 @@ class TorchEngine:
                 set_state_dict,
             )
 
-            state = {"model": get_model_state_dict(self.model),
-                     "optim": get_optimizer_state_dict(self.model, self.optimizer)}
+            state = {
+                "model": get_model_state_dict(self.model),
+                "optim": get_optimizer_state_dict(self.model, self.optimizer),
+            }
             dcp.load(state, checkpoint_id=str(directory / "dcp"))
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"])
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         else:
             # weights_only: a checkpoint file never gets to run code when unpickled.
             state = torch.load(directory / "state.pt", map_location=self.info.device, weights_only=True)
@@ -218,7 +224,9 @@ def apply_fsdp(model: nn.Module, cfg: TrainConfig, info: DistInfo, bf16: bool) -
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(info.device.type, (info.world_size,))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    )
     kwargs = {"mesh": mesh, "mp_policy": mp, "reshard_after_forward": cfg.parallel.fsdp_reshard_after_forward}
     for block in blocks(model):
         fully_shard(block, **kwargs)
@@ -276,8 +284,9 @@ class DeepSpeedEngine:
         self.model.save_checkpoint(str(directory / "deepspeed"), tag="state", save_latest=False)
 
     def load(self, directory: Path) -> None:
-        path, _ = self.model.load_checkpoint(str(directory / "deepspeed"), tag="state",
-                                             load_optimizer_states=True, load_lr_scheduler_states=False)
+        path, _ = self.model.load_checkpoint(
+            str(directory / "deepspeed"), tag="state", load_optimizer_states=True, load_lr_scheduler_states=False
+        )
         if path is None:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint under {directory / 'deepspeed'}")
 
@@ -295,4 +304,3 @@ def build_engine(model: nn.Module, cfg: TrainConfig, info: DistInfo, bf16: bool)
     if cfg.parallel.engine == "deepspeed":
         return DeepSpeedEngine(model, cfg, info, bf16)
     return TorchEngine(model, cfg, info, bf16)
-

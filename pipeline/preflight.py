@@ -76,16 +76,21 @@ def check_accelerators(gpus_per_node: int | None, local_rank: int) -> list[str]:
     if not torch.cuda.is_available():
         if gpus_per_node is None:
             return []
-        return [f"accelerators: expected {gpus_per_node} GPUs per node but torch {torch.__version__} sees none "
-                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); for a CPU-only run pass "
-                "--gpus-per-node 0 (CPU_ONLY=1 for launch/slurm/pretrain.sbatch)"]
+        return [
+            f"accelerators: expected {gpus_per_node} GPUs per node but torch {torch.__version__} sees none "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); for a CPU-only run pass "
+            "--gpus-per-node 0 (CPU_ONLY=1 for launch/slurm/pretrain.sbatch)"
+        ]
     count = torch.cuda.device_count()
     if gpus_per_node is not None and count < gpus_per_node:
-        return [f"accelerators: {count} GPUs visible, expected {gpus_per_node} "
-                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"]
+        return [
+            f"accelerators: {count} GPUs visible, expected {gpus_per_node} "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+        ]
     if local_rank >= count:
-        return [f"accelerators: local rank {local_rank} has no GPU ({count} visible); start at most {count} ranks "
-                "per node"]
+        return [
+            f"accelerators: local rank {local_rank} has no GPU ({count} visible); start at most {count} ranks per node"
+        ]
     try:
         (torch.ones(1, device=f"cuda:{local_rank}") + 1).item()
     except RuntimeError as err:
@@ -100,18 +105,25 @@ def check_split(path: str, split: str) -> list[str]:
     split_dir = Path(path) / split
     try:
         index, _ = read_index(split_dir)
-        missing = [i for i, shard in enumerate(index["shards"])
-                   if not any(stat_regular(split_dir, name) is not None for name in index_file_names(shard))]
+        missing = [
+            i
+            for i, shard in enumerate(index["shards"])
+            if not any(stat_regular(split_dir, name) is not None for name in index_file_names(shard))
+        ]
     except UnsafeDatasetError as err:
         return [f"data: {err}"]
     except OSError as err:
         return [f"data: cannot read {split_dir / INDEX_FILENAME}: {err.strerror or err}"]
     if missing:
-        return [f"data: {split_dir}: {len(missing)} shard(s) listed in index.json are missing (first: shard "
-                f"{missing[0]}); re-run data prep"]
+        return [
+            f"data: {split_dir}: {len(missing)} shard(s) listed in index.json are missing (first: shard "
+            f"{missing[0]}); re-run data prep"
+        ]
     if not sum(shard["samples"] for shard in index["shards"]):
-        return [f"data: {split_dir} holds no samples; re-run data prep on more documents (or a larger val_fraction), "
-                "or point data.path at another dataset"]
+        return [
+            f"data: {split_dir} holds no samples; re-run data prep on more documents (or a larger val_fraction), "
+            "or point data.path at another dataset"
+        ]
     return []
 
 
@@ -127,8 +139,10 @@ def check_data(path: str, train_split: str, vocab_size: int, val_split: str | No
         return [f"data: {err}" if path in str(err) else f"data: {path}: {err}"]
     failures = [line for split in (train_split, val_split) if split is not None for line in check_split(path, split)]
     if manifest.tokenizer.vocab_size > vocab_size:
-        failures.append(f"data: the tokenizer of {path} has {manifest.tokenizer.vocab_size} pieces but "
-                        f"model.vocab_size={vocab_size}; set model.vocab_size >= {manifest.tokenizer.vocab_size}")
+        failures.append(
+            f"data: the tokenizer of {path} has {manifest.tokenizer.vocab_size} pieces but "
+            f"model.vocab_size={vocab_size}; set model.vocab_size >= {manifest.tokenizer.vocab_size}"
+        )
     return failures
 
 
@@ -161,8 +175,10 @@ def check_free_disk(run_dir: Path, need_bytes: int) -> list[str]:
         where = where.parent
     free = shutil.disk_usage(where).free
     if free < need_bytes:
-        return [f"free disk: {free / 2**30:.1f} GiB free at {where}, need {need_bytes / 2**30:.1f} GiB "
-                "(checkpoint.keep_last + 1 checkpoints, or --min-free-gb); free space or lower checkpoint.keep_last"]
+        return [
+            f"free disk: {free / 2**30:.1f} GiB free at {where}, need {need_bytes / 2**30:.1f} GiB "
+            "(checkpoint.keep_last + 1 checkpoints, or --min-free-gb); free space or lower checkpoint.keep_last"
+        ]
     return []
 
 
@@ -198,8 +214,11 @@ def clean_stale_shm(shm_dir: Path = Path("/dev/shm"), proc: Path = Path("/proc")
             except OSError as err:  # another user's file: it does not block us, streaming takes a free prefix
                 log.warning("cannot remove stale shared memory %s: %s", path, err.strerror)
     if removed:
-        log.info("removed %d stale shared-memory files from crashed runs: %s", len(removed),
-                 " ".join(p.name for p in removed))
+        log.info(
+            "removed %d stale shared-memory files from crashed runs: %s",
+            len(removed),
+            " ".join(p.name for p in removed),
+        )
     return removed
 
 
@@ -211,8 +230,9 @@ def compare_versions(reports: list[Report]) -> list[str]:
         diff = sorted(k for k in set(ref.versions) | set(r.versions) if ref.versions.get(k) != r.versions.get(k))
         if diff:
             what = ", ".join(f"{k} {r.versions.get(k)} (rank 0 on {ref.host}: {ref.versions.get(k)})" for k in diff)
-            lines.append(f"preflight: {r.host} rank {r.rank}: versions: {what}; install the same environment on "
-                         "every node")
+            lines.append(
+                f"preflight: {r.host} rank {r.rank}: versions: {what}; install the same environment on every node"
+            )
     return lines
 
 
@@ -238,8 +258,10 @@ def _collective_checks(cfg: TrainConfig, info: dist.DistInfo, report: Report) ->
             pass  # rank 0's run_dir is not writable: already reported by check_writable
     dist.barrier()
     if info.local_rank == 0 and not info.is_main and not probe.is_file():
-        report.failures.append(f"checkpoint dir: {cfg.run_dir} is not shared with rank 0's node; every node writes "
-                               "into the same checkpoint, so put run_dir on a shared file system")
+        report.failures.append(
+            f"checkpoint dir: {cfg.run_dir} is not shared with rank 0's node; every node writes "
+            "into the same checkpoint, so put run_dir on a shared file system"
+        )
     dist.barrier()
     if info.is_main:
         probe.unlink(missing_ok=True)
@@ -253,8 +275,9 @@ def _line(report: Report, failure: str) -> str:
     return f"preflight: {report.host} rank {report.rank}: {failure}"
 
 
-def run(cfg: TrainConfig, info: dist.DistInfo, report: Report, gpus_per_node: int | None,
-        min_free_gb: float) -> list[str]:
+def run(
+    cfg: TrainConfig, info: dist.DistInfo, report: Report, gpus_per_node: int | None, min_free_gb: float
+) -> list[str]:
     """All checks of this rank, recorded in ``report``; returns every failure line of the job."""
     report.failures += check_accelerators(gpus_per_node, info.local_rank)
     if info.local_rank == 0:
@@ -271,8 +294,9 @@ def run(cfg: TrainConfig, info: dist.DistInfo, report: Report, gpus_per_node: in
     return _collective_checks(cfg, info, report)
 
 
-def main(config_path: str | None, overrides: list[str], gpus_per_node: int | None, min_free_gb: float,
-         timeout_s: float) -> int:
+def main(
+    config_path: str | None, overrides: list[str], gpus_per_node: int | None, min_free_gb: float, timeout_s: float
+) -> int:
     """Entry point of ``launch/preflight.py``: 0 if every check passed on every rank, 1 if not, 2 on a bad config.
 
     Rank 0 logs every rank's failures at the end. A rank that gets stuck (a collective never completes) logs
@@ -289,9 +313,15 @@ def main(config_path: str | None, overrides: list[str], gpus_per_node: int | Non
     def give_up() -> None:
         for failure in report.failures:
             log.error("%s", _line(report, failure))
-        log.error("%s", _line(report, f"backend: no answer from the other ranks within {timeout_s:.0f} s: a node "
-                                      "or rank is missing, or the network between nodes blocks the backend (check "
-                                      "the rendezvous host/port and NCCL_SOCKET_IFNAME)"))
+        log.error(
+            "%s",
+            _line(
+                report,
+                f"backend: no answer from the other ranks within {timeout_s:.0f} s: a node "
+                "or rank is missing, or the network between nodes blocks the backend (check "
+                "the rendezvous host/port and NCCL_SOCKET_IFNAME)",
+            ),
+        )
         logging.shutdown()
         os._exit(1)  # a collective stuck in C++ cannot be interrupted from Python
 
@@ -304,8 +334,9 @@ def main(config_path: str | None, overrides: list[str], gpus_per_node: int | Non
             # The group's own timeout comes later than the watchdog's, so a hang always ends in the watchdog's line.
             info = dist.init_distributed("none", timeout_s=int(timeout_s) + 60)
         except (RuntimeError, ValueError) as err:
-            log.error("%s", _line(report, f"backend: cannot create the process group: "
-                                          f"{str(err).strip().splitlines()[0]}"))
+            log.error(
+                "%s", _line(report, f"backend: cannot create the process group: {str(err).strip().splitlines()[0]}")
+            )
             return 1
         report.local_rank = info.local_rank
         setup_logging(info.rank)
@@ -318,8 +349,13 @@ def main(config_path: str | None, overrides: list[str], gpus_per_node: int | Non
         if failures:
             log.error("preflight FAILED: %d problem(s); fix them before launching", len(failures))
         else:
-            log.info("preflight OK: %d rank(s), data %s, run_dir %s (%.1f s)", info.world_size, cfg.data.path,
-                     cfg.run_dir, time.perf_counter() - started)
+            log.info(
+                "preflight OK: %d rank(s), data %s, run_dir %s (%.1f s)",
+                info.world_size,
+                cfg.data.path,
+                cfg.run_dir,
+                time.perf_counter() - started,
+            )
     dist.barrier()  # no rank tears the group down while another still has a collective in flight
     dist.destroy()
     return 1 if failures else 0

@@ -100,13 +100,17 @@ def check_no_secrets(cfg: TrainConfig) -> None:
                 walk(value, f"{path}[{i}]")
         elif isinstance(node, str) and node:
             if is_secret_name(path.rsplit(".", 1)[-1]):
-                raise ConfigError(f"config key '{path}' looks like a secret; secrets must come from the environment "
-                                  "(e.g. WANDB_API_KEY), never from the config, which is logged and checkpointed")
+                raise ConfigError(
+                    f"config key '{path}' looks like a secret; secrets must come from the environment "
+                    "(e.g. WANDB_API_KEY), never from the config, which is logged and checkpointed"
+                )
             secret = find_secret(node)
             if secret is not None:
-                raise ConfigError(f"config key '{path}' holds {secret}; secrets must not enter the config (it is "
-                                  "logged, checkpointed and sent to wandb): pass credentials through the environment "
-                                  "variables the library in question reads, never through ${oc.env:...} or a literal")
+                raise ConfigError(
+                    f"config key '{path}' holds {secret}; secrets must not enter the config (it is "
+                    "logged, checkpointed and sent to wandb): pass credentials through the environment "
+                    "variables the library in question reads, never through ${oc.env:...} or a literal"
+                )
 
     walk(OmegaConf.to_container(OmegaConf.structured(cfg)), "")
 
@@ -120,19 +124,25 @@ def _check_tokenizer(cfg: TrainConfig) -> None:
         raise ConfigError(str(err)) from None
     if model is None:
         if cfg.data.needle_mix > 0:
-            raise ConfigError(f"data.needle_mix={cfg.data.needle_mix} needs the tokenizer {path}, which does not "
-                              "exist; set data.needle_mix=0 or point data.path at a prepared dataset")
+            raise ConfigError(
+                f"data.needle_mix={cfg.data.needle_mix} needs the tokenizer {path}, which does not "
+                "exist; set data.needle_mix=0 or point data.path at a prepared dataset"
+            )
         return  # a hand-written MDS dataset without one; the export says so
     import sentencepiece as spm
 
     try:
         pieces = spm.SentencePieceProcessor(model_proto=model).get_piece_size()
     except (RuntimeError, OSError) as err:
-        raise ConfigError(f"{path} is not a readable SentencePiece model ({str(err).splitlines()[0]}); re-run data "
-                          "prep or point data.path at a prepared dataset") from None
+        raise ConfigError(
+            f"{path} is not a readable SentencePiece model ({str(err).splitlines()[0]}); re-run data "
+            "prep or point data.path at a prepared dataset"
+        ) from None
     if pieces > cfg.model.vocab_size:
-        raise ConfigError(f"the tokenizer {path} has {pieces} pieces but model.vocab_size={cfg.model.vocab_size}: "
-                          f"token ids would fall outside the embedding; set model.vocab_size={pieces} (or larger)")
+        raise ConfigError(
+            f"the tokenizer {path} has {pieces} pieces but model.vocab_size={cfg.model.vocab_size}: "
+            f"token ids would fall outside the embedding; set model.vocab_size={pieces} (or larger)"
+        )
 
 
 def _split_size(root: Path, split: str) -> int | None:
@@ -162,9 +172,11 @@ def _check_val_split(cfg: TrainConfig) -> None:
     found = _split_size(root, split)
     if not found:
         what = "has no" if found is None else "has an empty"
-        raise ConfigError(f"train.eval_every={cfg.train.eval_every} but data.path={root} {what} validation split "
-                          f"'{split}' (data.val_split): set train.eval_every=0, or prepare the data with a larger "
-                          "val_fraction / more documents")
+        raise ConfigError(
+            f"train.eval_every={cfg.train.eval_every} but data.path={root} {what} validation split "
+            f"'{split}' (data.val_split): set train.eval_every=0, or prepare the data with a larger "
+            "val_fraction / more documents"
+        )
 
 
 def check_inputs(cfg: TrainConfig) -> None:
@@ -175,15 +187,19 @@ def check_inputs(cfg: TrainConfig) -> None:
     """
     if not is_remote(cfg.data.path):  # a remote dataset is checked as its shards arrive
         if not Path(cfg.data.path).is_dir():
-            raise ConfigError(f"data.path={cfg.data.path} is not a directory; run make prep (or launch/prep.py) "
-                              "and point data.path at its output")
+            raise ConfigError(
+                f"data.path={cfg.data.path} is not a directory; run make prep (or launch/prep.py) "
+                "and point data.path at its output"
+            )
         _check_tokenizer(cfg)
         _check_val_split(cfg)
     foreign = foreign_leftovers(cfg.run_dir)
     if foreign:
-        raise ConfigError(f"{foreign[0]} is not a committed checkpoint and was not written by this trainer (no "
-                          f"{OWNER_FILE}), so it is never deleted; move it out of {foreign[0].parent} and relaunch"
-                          + (f" ({len(foreign) - 1} more like it)" if len(foreign) > 1 else ""))
+        raise ConfigError(
+            f"{foreign[0]} is not a committed checkpoint and was not written by this trainer (no "
+            f"{OWNER_FILE}), so it is never deleted; move it out of {foreign[0].parent} and relaunch"
+            + (f" ({len(foreign) - 1} more like it)" if len(foreign) > 1 else "")
+        )
 
 
 def init_weights_from(model: torch.nn.Module, export_dir: str) -> None:
@@ -201,15 +217,19 @@ def init_weights_from(model: torch.nn.Module, export_dir: str) -> None:
     except (ExportError, FileNotFoundError) as exc:
         raise ConfigError(f"checkpoint.init_from: {exc}") from None
     if exported.arch != model.cfg.arch:
-        raise ConfigError(f"checkpoint.init_from={export_dir!r} holds a model.arch={exported.arch!r} model; "
-                          f"this run builds model.arch={model.cfg.arch!r}")
+        raise ConfigError(
+            f"checkpoint.init_from={export_dir!r} holds a model.arch={exported.arch!r} model; "
+            f"this run builds model.arch={model.cfg.arch!r}"
+        )
     try:
         missing, unexpected = load_model(model, str(weights), strict=False)
     except RuntimeError as exc:  # a tensor of another shape
         raise ConfigError(f"checkpoint.init_from: {weights} does not fit model.*: {exc}") from exc
     if missing or unexpected:
-        raise ConfigError(f"checkpoint.init_from: {weights} does not fit model.*: missing tensors "
-                          f"{sorted(missing)}, unexpected tensors {sorted(unexpected)}")
+        raise ConfigError(
+            f"checkpoint.init_from: {weights} does not fit model.*: missing tensors "
+            f"{sorted(missing)}, unexpected tensors {sorted(unexpected)}"
+        )
     log.info("initial weights from %s", weights)
 
 
@@ -239,15 +259,25 @@ class Trainer:
         self.tokenizer = read_tokenizer(cfg.data.path)  # once, read safely; the needles and every export use it
         cache = cfg.data.cache_dir or str(self.run_dir / "data_cache")
         reader = MDSReader(cfg.data.path, cfg.data.train_split, cache, cfg.data.validate_hash)
-        stream = PackedSequences(reader, cfg.train.seq_len, cfg.seed, cfg.data.shuffle, cfg.data.shuffle_window,
-                                 self.eos_id)
+        stream = PackedSequences(
+            reader, cfg.train.seq_len, cfg.seed, cfg.data.shuffle, cfg.data.shuffle_window, self.eos_id
+        )
         needles = None
         if cfg.data.needle_mix > 0:
-            needles = NeedleInserter(self.tokenizer or Path(cfg.data.path) / TOKENIZER_FILE, cfg.train.seq_len,
-                                     cfg.model.chunk_size)
-        self.batches = RankBatches(stream, cfg.train.global_batch, cfg.train.micro_batch, info.rank,
-                                   info.world_size, needles, cfg.data.needle_mix, cfg.seed,
-                                   cfg.data.needle_answer_weight)
+            needles = NeedleInserter(
+                self.tokenizer or Path(cfg.data.path) / TOKENIZER_FILE, cfg.train.seq_len, cfg.model.chunk_size
+            )
+        self.batches = RankBatches(
+            stream,
+            cfg.train.global_batch,
+            cfg.train.micro_batch,
+            info.rank,
+            info.world_size,
+            needles,
+            cfg.data.needle_mix,
+            cfg.seed,
+            cfg.data.needle_answer_weight,
+        )
         self.data_fingerprint = dataset_fingerprint(reader, cfg.data.path)
         self._val_reader: MDSReader | None = None
         self.fault = faults.from_env()
@@ -271,9 +301,15 @@ class Trainer:
         eng.train(True)
         self._phase = "forward/backward (with the data-parallel gradient reduction)"
         micro = self.batches.next_step_weighted()
-        losses = [eng.micro_step(x.to(self.info.device), self.accum, last=i == len(micro) - 1,
-                                 weights=None if w is None else w.to(self.info.device))
-                  for i, (x, w) in enumerate(micro)]
+        losses = [
+            eng.micro_step(
+                x.to(self.info.device),
+                self.accum,
+                last=i == len(micro) - 1,
+                weights=None if w is None else w.to(self.info.device),
+            )
+            for i, (x, w) in enumerate(micro)
+        ]
         loss = torch.stack(losses).mean().float()
         if self.fault is not None and self.fault.hits("nan_loss", self.step + 1, self.info.rank):
             loss = loss * float("nan")
@@ -288,7 +324,8 @@ class Trainer:
             raise NonFiniteError(
                 f"non-finite loss or gradient norm at step {self.step + 1} on rank(s) {ranks} "
                 f"(this rank: loss={loss.item()}, grad_norm={grad_norm}); stopped before the optimizer step, the "
-                f"last checkpoint in {self.ckpt.root} is intact")
+                f"last checkpoint in {self.ckpt.root} is intact"
+            )
         self._phase = "optimizer step"
         eng.optimizer_step()
         if grad_norm is None:
@@ -303,7 +340,8 @@ class Trainer:
                     f"non-finite gradient norm at step {self.step + 1} on rank(s) "
                     f"{[r for r, f in enumerate(flags) if f]} (loss={loss.item()}, grad_norm={grad_norm}), found by "
                     f"DeepSpeed inside its optimizer step; nothing of this step is saved, the last checkpoint in "
-                    f"{self.ckpt.root} is intact")
+                    f"{self.ckpt.root} is intact"
+                )
         self._phase = "loss all-reduce"
         global_loss = dist.all_reduce_mean(loss).item()
         dt = time.perf_counter() - t0
@@ -314,9 +352,17 @@ class Trainer:
         tps = tokens / dt
         # Retrieval telemetry of this rank's last micro-batch (weight entropy, mean retrieved-chunk distance).
         telemetry = {k: float(v) for k, v in getattr(eng.module, "retrieval_stats", {}).items()}
-        return {"loss": global_loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps, "step_time_s": dt,
-                "mfu": self.flops_per_token * tps / (peak * self.info.world_size) if peak else None,
-                "mem_gb": memory_gb(), "tokens": self.tokens_seen, **telemetry}
+        return {
+            "loss": global_loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": tps,
+            "step_time_s": dt,
+            "mfu": self.flops_per_token * tps / (peak * self.info.world_size) if peak else None,
+            "mem_gb": memory_gb(),
+            "tokens": self.tokens_seen,
+            **telemetry,
+        }
 
     def _val_batches(self) -> tuple[list[torch.Tensor], Exception | None]:
         """This rank's validation micro-batches, or the error reading them; no collective inside, so a bad split
@@ -326,10 +372,12 @@ class Trainer:
             if self._val_reader is None:
                 cache = cfg.data.cache_dir or str(self.run_dir / "data_cache")
                 self._val_reader = MDSReader(cfg.data.path, cfg.data.val_split, cache, cfg.data.validate_hash)
-            stream = PackedSequences(self._val_reader, cfg.train.seq_len, cfg.seed, False, cfg.train.global_batch,
-                                     self.eos_id)
-            batches = RankBatches(stream, cfg.train.global_batch, cfg.train.micro_batch, self.info.rank,
-                                  self.info.world_size)
+            stream = PackedSequences(
+                self._val_reader, cfg.train.seq_len, cfg.seed, False, cfg.train.global_batch, self.eos_id
+            )
+            batches = RankBatches(
+                stream, cfg.train.global_batch, cfg.train.micro_batch, self.info.rank, self.info.world_size
+            )
             return [x for _ in range(cfg.train.eval_batches) for x in batches.next_step()], None
         except Exception as err:  # whatever the reader raises (missing, corrupt, empty split): reported collectively
             return [], err
@@ -361,8 +409,10 @@ class Trainer:
             val = self.evaluate()
         except EvalError as err:
             path = self._collective(f"checkpoint save of step {self.step}", self.save)
-            raise EvalError(f"{err}; step {self.step} was saved first ({path}), so a relaunch resumes there: fix "
-                            f"the '{self.cfg.data.val_split}' split of data.path or set train.eval_every=0") from err
+            raise EvalError(
+                f"{err}; step {self.step} was saved first ({path}), so a relaunch resumes there: fix "
+                f"the '{self.cfg.data.val_split}' split of data.path or set train.eval_every=0"
+            ) from err
         log.info("step %d | val_loss=%.4f", self.step, val)
         if self.metrics is not None:
             self.metrics.event({"event": "eval", "step": self.step, "val_loss": val})
@@ -373,8 +423,9 @@ class Trainer:
         with dist.isolated_rng():  # the model's random init must not advance the training RNG
             model = build_model(self.cfg.model)
         model.load_state_dict(weights)
-        save_pretrained(model, directory, extra={"step": self.step, "seq_len": self.cfg.train.seq_len,
-                                                 "tokenizer": TOKENIZER_FILE})
+        save_pretrained(
+            model, directory, extra={"step": self.step, "seq_len": self.cfg.train.seq_len, "tokenizer": TOKENIZER_FILE}
+        )
         if self.tokenizer is not None:
             (directory / TOKENIZER_FILE).write_bytes(self.tokenizer)
         else:
@@ -386,17 +437,23 @@ class Trainer:
     def save(self) -> Path:
         # The config text keeps ${oc.env:...} in place of values from the environment; every other field is a
         # number, a hash or a name from a fixed set, compared verbatim at resume.
-        state = {"tokens_seen": self.tokens_seen, "data": self.batches.state_dict(),
-                 "model_config": self.cfg.model.to_dict(), "config_yaml": redact(to_yaml(self.cfg)),
-                 "parallel": self._parallel(), "data_fingerprint": self.data_fingerprint}
+        state = {
+            "tokens_seen": self.tokens_seen,
+            "data": self.batches.state_dict(),
+            "model_config": self.cfg.model.to_dict(),
+            "config_yaml": redact(to_yaml(self.cfg)),
+            "parallel": self._parallel(),
+            "data_fingerprint": self.data_fingerprint,
+        }
         return self.ckpt.save(self.step, self.engine, state, self.export if self.cfg.checkpoint.export else None)
 
     def resume(self) -> bool:
         def same_data(path: Path, state: dict[str, Any]) -> None:
             check_fingerprint(state["data_fingerprint"], self.data_fingerprint, str(path))
 
-        found = self.ckpt.restore(self.cfg.checkpoint.resume, self.engine, self.cfg.model.to_dict(),
-                                  self._parallel(), check=same_data)
+        found = self.ckpt.restore(
+            self.cfg.checkpoint.resume, self.engine, self.cfg.model.to_dict(), self._parallel(), check=same_data
+        )
         if found is None:
             return False
         _, state = found
@@ -413,8 +470,12 @@ class Trainer:
         if self._stop_signal is None:
             self._stop_signal = signum
             if signum == signal.SIGINT:
-                log.warning("Ctrl-C: saving a checkpoint after step %d, then exiting with code %d; press Ctrl-C "
-                            "again to stop at once without saving", self.step + 1, EXIT_INTERRUPTED)
+                log.warning(
+                    "Ctrl-C: saving a checkpoint after step %d, then exiting with code %d; press Ctrl-C "
+                    "again to stop at once without saving",
+                    self.step + 1,
+                    EXIT_INTERRUPTED,
+                )
 
     def _stop_requested(self) -> int:
         """Collective: 0 = go on, else the exit code after the save (130 if any rank got a Ctrl-C, whose user
@@ -426,9 +487,16 @@ class Trainer:
 
     def _derived(self) -> dict[str, Any]:
         cfg = self.cfg
-        return {"world_size": self.info.world_size, "grad_accum": self.accum, "tokens_per_step": cfg.tokens_per_step,
-                "total_tokens": cfg.tokens_per_step * cfg.train.max_steps, "params": self.n_params,
-                "flops_per_token": self.flops_per_token, "bf16": self.bf16, "device": str(self.info.device)}
+        return {
+            "world_size": self.info.world_size,
+            "grad_accum": self.accum,
+            "tokens_per_step": cfg.tokens_per_step,
+            "total_tokens": cfg.tokens_per_step * cfg.train.max_steps,
+            "params": self.n_params,
+            "flops_per_token": self.flops_per_token,
+            "bf16": self.bf16,
+            "device": str(self.info.device),
+        }
 
     def _write_resolved_config(self) -> None:
         """``<run_dir>/config.yaml``: the resolved config of the latest start (re-runnable with ``--config``)."""
@@ -462,8 +530,12 @@ class Trainer:
                 if periodic or stop_code or self.step == cfg.train.max_steps:
                     self._collective(f"checkpoint save of step {self.step}", self.save)
                 if stop_code:
-                    log.warning("stop signal received: saved step %d, exiting with code %d%s", self.step, stop_code,
-                                "" if stop_code == EXIT_INTERRUPTED else " for a requeue")
+                    log.warning(
+                        "stop signal received: saved step %d, exiting with code %d%s",
+                        self.step,
+                        stop_code,
+                        "" if stop_code == EXIT_INTERRUPTED else " for a requeue",
+                    )
                     return stop_code
             weights = self.engine.full_state_dict()
             if self.info.is_main:
@@ -481,7 +553,8 @@ class Trainer:
     def _collective_error(self, what: str, err: RuntimeError) -> dist.CollectiveError:
         return dist.CollectiveError(
             f"rank {self.info.rank}: {what} failed: a peer rank died or did not answer within "
-            f"{dist.collective_timeout_s():.0f} s ({dist.TIMEOUT_ENV}): {str(err).splitlines()[0]}")
+            f"{dist.collective_timeout_s():.0f} s ({dist.TIMEOUT_ENV}): {str(err).splitlines()[0]}"
+        )
 
     def _collective(self, what: str, fn: Any) -> Any:
         """Run ``fn``; a communication failure (peer gone, timeout) is re-raised naming ``what``."""
@@ -500,10 +573,14 @@ class Trainer:
         try:
             return self.train_step()
         except torch.OutOfMemoryError:
-            log.error("rank %d: out of memory at step %d with train.micro_batch=%d; lower train.micro_batch (the "
-                      "accumulation steps grow to keep train.global_batch) or enable "
-                      "parallel.activation_checkpointing; nothing of this step was saved", self.info.rank, step,
-                      self.cfg.train.micro_batch)
+            log.error(
+                "rank %d: out of memory at step %d with train.micro_batch=%d; lower train.micro_batch (the "
+                "accumulation steps grow to keep train.global_batch) or enable "
+                "parallel.activation_checkpointing; nothing of this step was saved",
+                self.info.rank,
+                step,
+                self.cfg.train.micro_batch,
+            )
             raise
         except RuntimeError as err:
             if isinstance(err, NonFiniteError) or not dist.is_collective_failure(err):
@@ -546,16 +623,22 @@ def main(config_path: str | None, overrides: list[str]) -> int:
         log.error("data error: %s", err)
         return 2
     except DATASET_ERRORS as err:  # a shard damaged or changed since the start, found when it is first read
-        log.error("data error at step %d (data.path=%s): %s; nothing of this step was saved, the last checkpoint "
-                  "is intact", trainer.step + 1, cfg.data.path, err)
+        log.error(
+            "data error at step %d (data.path=%s): %s; nothing of this step was saved, the last checkpoint is intact",
+            trainer.step + 1,
+            cfg.data.path,
+            err,
+        )
         return 1
     except EvalError as err:
         log.error("%s", err)
         return 1
     except KeyboardInterrupt:
-        log.error("stopped at once by Ctrl-C (a second one, or one before training began): nothing saved since the "
-                  "last committed checkpoint in %s (an interrupted save is removed at the next start)",
-                  Path(cfg.run_dir) / "checkpoints")
+        log.error(
+            "stopped at once by Ctrl-C (a second one, or one before training began): nothing saved since the "
+            "last committed checkpoint in %s (an interrupted save is removed at the next start)",
+            Path(cfg.run_dir) / "checkpoints",
+        )
         return EXIT_INTERRUPTED
     finally:
         dist.destroy()

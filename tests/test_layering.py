@@ -8,8 +8,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN = {
     "kernels": {"model", "pipeline", "launch", "data_prep", "deepspeed", "omegaconf", "streaming", "transformers"},
-    "model": {"pipeline", "launch", "data_prep", "deepspeed", "omegaconf", "streaming", "transformers",
-              "torch.distributed"},
+    "model": {
+        "pipeline",
+        "launch",
+        "data_prep",
+        "deepspeed",
+        "omegaconf",
+        "streaming",
+        "transformers",
+        "torch.distributed",
+    },
     "data_prep": {"kernels", "model", "pipeline", "launch"},
     "pipeline": {"launch"},
 }
@@ -37,7 +45,5 @@ def test_no_forbidden_imports(package):
 
 def test_model_reads_no_environment():
     """Device, ranks and environment belong to the pipeline; the model is a plain nn.Module."""
-    offenders = [
-        str(p.relative_to(ROOT)) for p in (ROOT / "model").rglob("*.py") if "os.environ" in p.read_text()
-    ]
+    offenders = [str(p.relative_to(ROOT)) for p in (ROOT / "model").rglob("*.py") if "os.environ" in p.read_text()]
     assert not offenders, offenders

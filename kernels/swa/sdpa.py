@@ -64,7 +64,8 @@ def sdpa_sliding_window_attention(
     right = n_blocks * block - Tq
 
     def blocks_of(x: torch.Tensor, length: int, step: int) -> torch.Tensor:
-        """``[B, n, HQ, length, D]``: block ``n`` holds rows ``[n * step, n * step + length)`` of ``x [B, T, HQ, D]``."""
+        """``[B, n, HQ, length, D]``: block ``n`` holds rows ``[n * step, n * step + length)`` of
+        ``x [B, T, HQ, D]``."""
         return x.unfold(1, length, step).permute(0, 1, 2, 4, 3)
 
     # Left padding by `window` gives the first blocks a full span; right padding completes the last block.

@@ -41,9 +41,13 @@ def cli(argv: list[str]) -> int:
         if args.step == "tokenizer":
             prepare_tokenizer(cfg, args.num_slices or 1)
         elif args.step == "slice":
-            per_slice = [f"output={slice_dir(cfg, args.index)}", f"num_slices={args.num_slices}",
-                         f"slice_index={args.index}", f"tokenizer.model={slices_root(cfg) / 'tokenizer.model'}",
-                         "tokenizer.vocab_size=null"]
+            per_slice = [
+                f"output={slice_dir(cfg, args.index)}",
+                f"num_slices={args.num_slices}",
+                f"slice_index={args.index}",
+                f"tokenizer.model={slices_root(cfg) / 'tokenizer.model'}",
+                "tokenizer.vocab_size=null",
+            ]
             prep_main(load_config(args.config, [*args.overrides, *per_slice]))
         else:
             merge_slices(cfg, args.num_slices, keep_slices=args.keep_slices)

@@ -22,13 +22,37 @@ import torch
 from model import GCAConfig, GCAForCausalLM, save_pretrained
 
 EVAL = Path(__file__).resolve().parents[2] / "launch" / "eval.py"
-TINY = dict(vocab_size=512, d_model=128, n_heads=4, n_kv_heads=4, ffn_hidden=384, n_lower_layers=2, groups=[2],
-            chunk_size=16, top_k=4, window=64, attn_backend="naive")
+TINY = dict(
+    vocab_size=512,
+    d_model=128,
+    n_heads=4,
+    n_kv_heads=4,
+    ffn_hidden=384,
+    n_lower_layers=2,
+    groups=[2],
+    chunk_size=16,
+    top_k=4,
+    window=64,
+    attn_backend="naive",
+)
 
 
 def _run(export: Path, length: int, out: Path, timeout: int) -> dict:
-    cmd = [sys.executable, str(EVAL), "--checkpoint", str(export), "--task", "passkey", "--out", str(out),
-           f"lengths=[{length}]", "samples=1", "depths=[0.5]", "progress=false", "offload_mb=0"]
+    cmd = [
+        sys.executable,
+        str(EVAL),
+        "--checkpoint",
+        str(export),
+        "--task",
+        "passkey",
+        "--out",
+        str(out),
+        f"lengths=[{length}]",
+        "samples=1",
+        "depths=[0.5]",
+        "progress=false",
+        "offload_mb=0",
+    ]
     try:
         subprocess.run(cmd, check=True, timeout=timeout, capture_output=True, text=True)
     except subprocess.TimeoutExpired:
@@ -36,8 +60,12 @@ def _run(export: Path, length: int, out: Path, timeout: int) -> dict:
     except subprocess.CalledProcessError as err:
         return {"length": length, "error": f"exit {err.returncode}: " + (err.stderr.strip().splitlines() or [""])[-1]}
     result = json.loads((out / "passkey.json").read_text())
-    return {"length": length, "seconds": result["results"][0]["seconds"], "peak_rss_mib": result["peak_rss_mib"],
-            "tokens_per_s": result["results"][0]["tokens_per_s"]}
+    return {
+        "length": length,
+        "seconds": result["results"][0]["seconds"],
+        "peak_rss_mib": result["peak_rss_mib"],
+        "tokens_per_s": result["results"][0]["tokens_per_s"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,8 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         for length in full_lengths:
             # The naive SWA kernel costs O(T * window) whatever T, so the window is fitted to each length.
             full_cfg = GCAConfig(**{**TINY, "window": length})
-            full = save_pretrained(GCAForCausalLM(full_cfg), Path(tmp) / f"full-{length}",
-                                   extra={"train_seq_len": 1024})
+            full = save_pretrained(
+                GCAForCausalLM(full_cfg), Path(tmp) / f"full-{length}", extra={"train_seq_len": 1024}
+            )
             report["full"].append(_run(full, length, Path(tmp) / f"full-out-{length}", args.timeout))
             print(f"full {json.dumps(report['full'][-1])}", flush=True)
     done = {r["length"]: r["seconds"] for r in report["gca"] if "seconds" in r}

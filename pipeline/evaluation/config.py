@@ -65,8 +65,10 @@ class EvalConfigError(ValueError):
 
 KNOWN_KEYS = tuple(f.name for f in fields(EvalConfig))
 TEMPLATE_KEYS = ("needle", "question", "answer", "link")
-QUOTE_HINT = ("values are read as YAML, so quote text with spaces, braces or colons: "
-              "'answer=\" {key}\"' on the command line, answer: \" {key}\" in a --config file")
+QUOTE_HINT = (
+    "values are read as YAML, so quote text with spaces, braces or colons: "
+    '\'answer=" {key}"\' on the command line, answer: " {key}" in a --config file'
+)
 MAX_KEY_DIGITS = 18
 """Keys are drawn as int64: 10**19 no longer fits."""
 
@@ -117,8 +119,11 @@ def _yaml_problem(err: yaml.YAMLError) -> str:
 def _check_key(key: str, where: str) -> None:
     if key not in KNOWN_KEYS:
         hint = difflib.get_close_matches(key, KNOWN_KEYS, n=1)
-        raise EvalConfigError(f"{where}unknown key {key!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
-                              + f"; known keys: {', '.join(KNOWN_KEYS)}")
+        raise EvalConfigError(
+            f"{where}unknown key {key!r}"
+            + (f" (did you mean {hint[0]!r}?)" if hint else "")
+            + f"; known keys: {', '.join(KNOWN_KEYS)}"
+        )
 
 
 def _read_yaml(path: str) -> DictConfig:
@@ -134,8 +139,10 @@ def _read_yaml(path: str) -> DictConfig:
     except OSError:  # OmegaConf raises it for a scalar top level
         node = None
     if not isinstance(node, DictConfig):
-        raise EvalConfigError(f"config file {path}: the top level must be a mapping of eval keys (e.g. "
-                              "'lengths: [1024, 4096]'), not a list or a single value")
+        raise EvalConfigError(
+            f"config file {path}: the top level must be a mapping of eval keys (e.g. "
+            "'lengths: [1024, 4096]'), not a list or a single value"
+        )
     for key in node:
         _check_key(str(key), f"config file {path}: ")
     return node
@@ -146,8 +153,10 @@ def validate(cfg: EvalConfig, chunk_size: int | None = None) -> None:
     if not cfg.lengths or any(n < 2 for n in cfg.lengths):
         raise EvalConfigError(f"lengths={cfg.lengths}: need at least one length, each >= 2")
     if chunk_size is not None and min(cfg.lengths) < chunk_size:
-        raise EvalConfigError(f"lengths={cfg.lengths}: {min(cfg.lengths)} is below one chunk of the model "
-                              f"(chunk_size={chunk_size}); retrieval needs whole chunks")
+        raise EvalConfigError(
+            f"lengths={cfg.lengths}: {min(cfg.lengths)} is below one chunk of the model "
+            f"(chunk_size={chunk_size}); retrieval needs whole chunks"
+        )
     for key in ("samples", "segment", "key_digits", "needles"):
         if getattr(cfg, key) < 1:
             raise EvalConfigError(f"{key}={getattr(cfg, key)} must be >= 1")
@@ -156,11 +165,14 @@ def validate(cfg: EvalConfig, chunk_size: int | None = None) -> None:
     if cfg.seed < 0:
         raise EvalConfigError(f"seed={cfg.seed} must be >= 0")
     if cfg.offload_mb < -1:
-        raise EvalConfigError(f"offload_mb={cfg.offload_mb} must be >= 0 (MiB of chunk K/V kept in RAM) or -1 "
-                              "(everything in RAM)")
+        raise EvalConfigError(
+            f"offload_mb={cfg.offload_mb} must be >= 0 (MiB of chunk K/V kept in RAM) or -1 (everything in RAM)"
+        )
     if cfg.offload_dir is not None and not Path(cfg.offload_dir).is_dir():
-        raise EvalConfigError(f"offload_dir={cfg.offload_dir!r} is not an existing directory; create it or leave "
-                              "it unset (the system temp dir)")
+        raise EvalConfigError(
+            f"offload_dir={cfg.offload_dir!r} is not an existing directory; create it or leave "
+            "it unset (the system temp dir)"
+        )
     if cfg.variant not in VARIANTS:
         raise EvalConfigError(f"variant={cfg.variant!r} is not one of {VARIANTS}")
     if cfg.variant == "multihop" and cfg.needles < 2:

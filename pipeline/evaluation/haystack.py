@@ -109,8 +109,10 @@ class TokenSource:
             return self.filler(n, rng)
         stream = self.prefix(4 * n)  # several windows' worth, so offsets vary between samples
         if len(stream) < n:
-            raise ValueError(f"data={self.data} holds {len(stream)} tokens, fewer than the {n} haystack tokens this "
-                             "length needs; use shorter lengths or data=builtin (unbounded filler)")
+            raise ValueError(
+                f"data={self.data} holds {len(stream)} tokens, fewer than the {n} haystack tokens this "
+                "length needs; use shorter lengths or data=builtin (unbounded filler)"
+            )
         start = int(rng.integers(0, len(stream) - n + 1))
         return stream[start : start + n]
 
@@ -133,8 +135,9 @@ class TokenSource:
             files = [Path(p) for p in self.data.split(",")]
             for p in files:
                 if not p.is_file():
-                    raise FileNotFoundError(f"data={self.data}: {p} is not a file, a directory, an MDS split, "
-                                            "'builtin' or 'stdlib'")
+                    raise FileNotFoundError(
+                        f"data={self.data}: {p} is not a file, a directory, an MDS split, 'builtin' or 'stdlib'"
+                    )
             yield from self._text_docs(files)
 
     def _text_docs(self, files: list[Path], inside: bool = False) -> Iterator[np.ndarray]:

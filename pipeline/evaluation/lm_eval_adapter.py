@@ -42,8 +42,11 @@ class GCALM(LM):
     ) -> None:
         super().__init__()
         # lm_eval passes model_args as text; refuse bad numbers before the model loads, naming the argument.
-        for name, value, low in (("segment", segment, 1), ("max_gen_toks", max_gen_toks, 1),
-                                 ("offload_mb", offload_mb, -1)):
+        for name, value, low in (
+            ("segment", segment, 1),
+            ("max_gen_toks", max_gen_toks, 1),
+            ("offload_mb", offload_mb, -1),
+        ):
             if int(value) < low:
                 raise ValueError(f"--model_args {name}={value} must be >= {low}")
         device = device or "cpu"
@@ -101,13 +104,18 @@ class GCALM(LM):
             until = [until] if isinstance(until, str) else list(until)
             sampling = bool(kwargs.get("do_sample", False))
             ids, text = [], ""
-            for token in generate(self.model, [self.start_id] + self.tok.encode(context),
-                                  int(kwargs.get("max_gen_toks", self.max_gen_toks)),
-                                  temperature=float(kwargs.get("temperature", 1.0)) if sampling else 0.0,
-                                  top_k=int(kwargs.get("top_k", 0) or 0), top_p=float(kwargs.get("top_p", 1.0) or 1.0),
-                                  seed=int(kwargs.get("seed", 0) or 0),
-                                  stop_ids=(self.tok.eos_id,) if self.tok.eos_id is not None else (),
-                                  segment=self.segment, offload_mb=self.offload_mb):
+            for token in generate(
+                self.model,
+                [self.start_id] + self.tok.encode(context),
+                int(kwargs.get("max_gen_toks", self.max_gen_toks)),
+                temperature=float(kwargs.get("temperature", 1.0)) if sampling else 0.0,
+                top_k=int(kwargs.get("top_k", 0) or 0),
+                top_p=float(kwargs.get("top_p", 1.0) or 1.0),
+                seed=int(kwargs.get("seed", 0) or 0),
+                stop_ids=(self.tok.eos_id,) if self.tok.eos_id is not None else (),
+                segment=self.segment,
+                offload_mb=self.offload_mb,
+            ):
                 if token == self.tok.eos_id:
                     break
                 ids.append(token)

@@ -128,16 +128,21 @@ def check_templates(spec: NeedleSpec) -> None:
     for part, needed in used.items():
         text = spec.template(part)
         if not text.strip():
-            raise ValueError(f"{part}={text!r} is empty; give it some text" + (
-                f" with {_braced(needed)}" if needed else ""))
+            raise ValueError(
+                f"{part}={text!r} is empty; give it some text" + (f" with {_braced(needed)}" if needed else "")
+            )
         found = _fields(part, text)
         if found - needed:
-            raise ValueError(f"{part}={text!r}: unknown placeholder(s) {_braced(found - needed)} for "
-                             f"variant={spec.variant} (available: {_braced(needed) or 'none'})")
+            raise ValueError(
+                f"{part}={text!r}: unknown placeholder(s) {_braced(found - needed)} for "
+                f"variant={spec.variant} (available: {_braced(needed) or 'none'})"
+            )
         if needed - found:
-            raise ValueError(f"{part}={text!r} lacks the placeholder(s) {_braced(needed - found)} that "
-                             f"variant={spec.variant} needs: without it the passkey cannot be hidden, asked for or "
-                             "checked, so the score would mean nothing; add it")
+            raise ValueError(
+                f"{part}={text!r} lacks the placeholder(s) {_braced(needed - found)} that "
+                f"variant={spec.variant} needs: without it the passkey cannot be hidden, asked for or "
+                "checked, so the score would mean nothing; add it"
+            )
 
 
 def _braced(names: set[str]) -> str:
@@ -149,8 +154,10 @@ def _render(spec: NeedleSpec, part: str, **values: str) -> str:
     try:
         return text.format(**values)
     except (KeyError, IndexError) as err:
-        raise ValueError(f"{part}={text!r}: unknown placeholder {err} for variant={spec.variant} "
-                         f"(available: {', '.join('{' + k + '}' for k in values)})") from None
+        raise ValueError(
+            f"{part}={text!r}: unknown placeholder {err} for variant={spec.variant} "
+            f"(available: {', '.join('{' + k + '}' for k in values)})"
+        ) from None
 
 
 def _name(rng: np.random.Generator, taken: set[str]) -> str:
@@ -197,8 +204,10 @@ def build_sample(
         others = [enc(_render(spec, "link", name=target_name, next=middle))]
         for _ in range(spec.needles // 2 - 1):  # distractor chains
             start, end = _name(rng, names), _name(rng, names)
-            others += [enc(_render(spec, "link", name=start, next=end)),
-                       enc(_render(spec, "needle", name=end, key=new_key()))]
+            others += [
+                enc(_render(spec, "link", name=start, next=end)),
+                enc(_render(spec, "needle", name=end, key=new_key())),
+            ]
         question = enc(_render(spec, "question", name=target_name))
     answer = enc(_render(spec, "answer", key=key))
     while len(answer) > 1 and not tokenizer.decode(answer[:1]).strip():
@@ -213,15 +222,18 @@ def build_sample(
             if at + len(needle) <= where.question_start and all(at + len(needle) <= lo or at >= hi for lo, hi in taken):
                 break
         else:
-            raise ValueError(f"length={length} is too short to place {len(others) + 1} {spec.variant} needles "
-                             "without overlap; use longer lengths or fewer needles")
+            raise ValueError(
+                f"length={length} is too short to place {len(others) + 1} {spec.variant} needles "
+                "without overlap; use longer lengths or fewer needles"
+            )
         ids[at : at + len(needle)] = needle
         taken.append((at, at + len(needle)))
     ids[where.needle_start : where.needle_start + len(target)] = target
     ids[where.question_start : where.answer_start] = question
     ids[where.answer_start : where.answer_start + len(answer)] = answer
-    return PasskeySample(ids, where.answer_start, len(answer), where.needle_start, len(target),
-                         where.question_start - len(target), key)
+    return PasskeySample(
+        ids, where.answer_start, len(answer), where.needle_start, len(target), where.question_start - len(target), key
+    )
 
 
 def predict_answer(
@@ -288,12 +300,26 @@ def evaluate_passkey(
                 answer = sample.ids[sample.answer_start : sample.answer_start + sample.answer_len].tolist()
                 hits += predicted[0] == answer[0]
                 exact += predicted == answer
-                log.debug("length=%d depth=%.2f key=%s predicted=%r", length, depth, sample.key,
-                          tokenizer.decode(predicted))
+                log.debug(
+                    "length=%d depth=%.2f key=%s predicted=%r", length, depth, sample.key, tokenizer.decode(predicted)
+                )
             seconds = time.perf_counter() - t0
-            rows.append({"length": length, "depth": depth, "accuracy": hits / samples,
-                         "exact_match": exact / samples, "n": samples, "seconds": round(seconds, 3),
-                         "tokens_per_s": round(samples * length / seconds, 1)})
-            log.info("passkey length=%d depth=%.2f: accuracy %.3f, exact %.3f", length, depth, hits / samples,
-                     exact / samples)
+            rows.append(
+                {
+                    "length": length,
+                    "depth": depth,
+                    "accuracy": hits / samples,
+                    "exact_match": exact / samples,
+                    "n": samples,
+                    "seconds": round(seconds, 3),
+                    "tokens_per_s": round(samples * length / seconds, 1),
+                }
+            )
+            log.info(
+                "passkey length=%d depth=%.2f: accuracy %.3f, exact %.3f",
+                length,
+                depth,
+                hits / samples,
+                exact / samples,
+            )
     return rows

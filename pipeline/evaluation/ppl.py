@@ -79,7 +79,16 @@ def evaluate_ppl(
             total, count = total + nll, count + m
         seconds = time.perf_counter() - t0
         mean = total / count
-        rows.append({"length": length, "ppl": math.exp(mean), "nll": mean, "n": n, "tokens": count,
-                     "seconds": round(seconds, 3), "tokens_per_s": round(n * length / seconds, 1)})
+        rows.append(
+            {
+                "length": length,
+                "ppl": math.exp(mean),
+                "nll": mean,
+                "n": n,
+                "tokens": count,
+                "seconds": round(seconds, 3),
+                "tokens_per_s": round(n * length / seconds, 1),
+            }
+        )
         log.info("ppl length=%d: %.3f (%d windows, %.1fs)", length, math.exp(mean), n, seconds)
     return rows

@@ -89,8 +89,9 @@ def run_eval(checkpoint: str, task: str, out: str | Path, overrides: list[str], 
     try:
         _replace_atomically(png, plot)
     except OSError as err:
-        raise EvalOutputError(f"the result is in {json_path}, but {png} could not be written "
-                              f"({err.strerror or err})", result, json_path) from None
+        raise EvalOutputError(
+            f"the result is in {json_path}, but {png} could not be written ({err.strerror or err})", result, json_path
+        ) from None
     log.info("wrote %s and %s", json_path, png)
     return result
 
@@ -104,12 +105,25 @@ def _evaluate(checkpoint: str, task: str, cfg: EvalConfig) -> dict:
     t0 = time.perf_counter()
     if task == "ppl":
         tokens = source.prefix(max(cfg.lengths) * cfg.samples)
-        rows = evaluate_ppl(ckpt.model, tokens, cfg.lengths, cfg.samples, cfg.segment, cfg.offload_mb,
-                            cfg.offload_dir, progress)
+        rows = evaluate_ppl(
+            ckpt.model, tokens, cfg.lengths, cfg.samples, cfg.segment, cfg.offload_mb, cfg.offload_dir, progress
+        )
     else:
-        rows = evaluate_passkey(ckpt.model, ckpt.tokenizer, source, needle_spec(cfg), cfg.lengths, cfg.depths,
-                                cfg.samples, cfg.seed, cfg.segment, ckpt.model.cfg.chunk_size, cfg.offload_mb,
-                                cfg.offload_dir, progress)
+        rows = evaluate_passkey(
+            ckpt.model,
+            ckpt.tokenizer,
+            source,
+            needle_spec(cfg),
+            cfg.lengths,
+            cfg.depths,
+            cfg.samples,
+            cfg.seed,
+            cfg.segment,
+            ckpt.model.cfg.chunk_size,
+            cfg.offload_mb,
+            cfg.offload_dir,
+            progress,
+        )
     if progress:
         progress.close()
     return {
@@ -149,14 +163,18 @@ def prepare_out(out: Path, task: str, data: str) -> list[Path]:
     """
     inside = _inside_data(out, data)
     if inside is not None:
-        raise EvalConfigError(f"--out {out}: lies inside the dataset or data directory {inside}; results are never "
-                              "written into input data, choose another --out")
+        raise EvalConfigError(
+            f"--out {out}: lies inside the dataset or data directory {inside}; results are never "
+            "written into input data, choose another --out"
+        )
     if out.exists() and not out.is_dir():
         raise EvalConfigError(f"--out {out}: exists and is not a directory; pass a directory (created if missing)")
     for name in (f"{task}.json", f"{task}.png"):
         if (out / name).is_dir():
-            raise EvalConfigError(f"--out {out}: {out / name} is a directory, so the result cannot be written "
-                                  "there; move it away or choose another --out")
+            raise EvalConfigError(
+                f"--out {out}: {out / name} is a directory, so the result cannot be written "
+                "there; move it away or choose another --out"
+            )
     created = [p for p in (out, *out.parents) if not p.exists()][::-1]
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -165,8 +183,9 @@ def prepare_out(out: Path, task: str, data: str) -> list[Path]:
         os.unlink(probe)
     except OSError as err:
         _remove_empty(created)
-        raise EvalConfigError(f"--out {out}: cannot write there ({err.strerror or err}); choose a writable "
-                              "directory") from None
+        raise EvalConfigError(
+            f"--out {out}: cannot write there ({err.strerror or err}); choose a writable directory"
+        ) from None
     return created
 
 
@@ -208,7 +227,7 @@ def write_result(result: dict, out: Path, task: str) -> Path:
         with os.fdopen(fd, "w") as f:
             f.write(text)
     except OSError:
-        raise EvalOutputError(f"{problem}, nor a file in the temp dir; the result is printed below",
-                              result, None) from None
+        raise EvalOutputError(
+            f"{problem}, nor a file in the temp dir; the result is printed below", result, None
+        ) from None
     raise EvalOutputError(f"{problem}; the finished result was saved to {rescue}", result, Path(rescue))
-

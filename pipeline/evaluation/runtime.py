@@ -37,15 +37,24 @@ def load_checkpoint(path: str | Path, device: str = "cpu", attn_backend: str | N
     root = Path(path)
     missing = [n for n in ("config.json", "model.safetensors") if not (root / n).is_file()]
     if missing:
-        raise FileNotFoundError(f"checkpoint {path} is not a model export (missing {', '.join(missing)}); "
-                                "pass <run_dir>/export, written by the trainer or model.save_pretrained")
+        raise FileNotFoundError(
+            f"checkpoint {path} is not a model export (missing {', '.join(missing)}); "
+            "pass <run_dir>/export, written by the trainer or model.save_pretrained"
+        )
     cfg, export = read_export_config(root)
     overrides = {"attn_backend": attn_backend} if attn_backend else {}
     model = load_pretrained(root, device=device, **overrides)
     train_seq_len = _train_seq_len(root, export)
     tokenizer = load_tokenizer(root, export, cfg.vocab_size)
-    log.info("loaded %s: %.2fM parameters, chunk %d, window %d, trained at %s tokens, tokenizer %s",
-             path, model.num_parameters() / 1e6, cfg.chunk_size, cfg.window, train_seq_len, tokenizer.name)
+    log.info(
+        "loaded %s: %.2fM parameters, chunk %d, window %d, trained at %s tokens, tokenizer %s",
+        path,
+        model.num_parameters() / 1e6,
+        cfg.chunk_size,
+        cfg.window,
+        train_seq_len,
+        tokenizer.name,
+    )
     return Checkpoint(str(path), model, tokenizer, train_seq_len)
 
 

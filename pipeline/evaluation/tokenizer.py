@@ -69,11 +69,15 @@ def load_tokenizer(checkpoint: str | Path, export: dict, vocab_size: int) -> Sen
         try:
             tok: SentencePieceTokenizer | ByteTokenizer = SentencePieceTokenizer(path)
         except (RuntimeError, OSError) as err:  # sentencepiece's parse error is a bare RuntimeError
-            raise ValueError(f"{path}: not a SentencePiece model ({str(err).splitlines()[0]}); copy the dataset's "
-                             "tokenizer.model into the export again") from None
+            raise ValueError(
+                f"{path}: not a SentencePiece model ({str(err).splitlines()[0]}); copy the dataset's "
+                "tokenizer.model into the export again"
+            ) from None
     else:
         tok = ByteTokenizer()
     if tok.vocab_size > vocab_size:
-        raise ValueError(f"tokenizer {tok.name} has {tok.vocab_size} ids but the model's vocab_size is {vocab_size}"
-                         + ("" if name else " (a model without export.tokenizer is fed UTF-8 bytes)"))
+        raise ValueError(
+            f"tokenizer {tok.name} has {tok.vocab_size} ids but the model's vocab_size is {vocab_size}"
+            + ("" if name else " (a model without export.tokenizer is fed UTF-8 bytes)")
+        )
     return tok

@@ -85,9 +85,13 @@ def _inputs(shape: tuple[int, ...], device: str, dtype: torch.dtype) -> dict[str
     b, hq, h, q, s, r, d = shape
     torch.manual_seed(0)
     mk = lambda *dims: torch.randn(*dims, device=device, dtype=dtype, requires_grad=True)  # noqa: E731
-    return {"q": mk(b, hq, q, d), "k": mk(b, h, r, s, d), "v": mk(b, h, r, s, d),
-            "weights": torch.softmax(torch.randn(b, r, device=device), -1).requires_grad_(True),
-            "do": torch.randn(b, hq, q, d, device=device, dtype=dtype)}
+    return {
+        "q": mk(b, hq, q, d),
+        "k": mk(b, h, r, s, d),
+        "v": mk(b, h, r, s, d),
+        "weights": torch.softmax(torch.randn(b, r, device=device), -1).requires_grad_(True),
+        "do": torch.randn(b, hq, q, d, device=device, dtype=dtype),
+    }
 
 
 def measure(shape: tuple[int, ...], device: str, dtype: torch.dtype) -> dict:
@@ -106,19 +110,26 @@ def measure(shape: tuple[int, ...], device: str, dtype: torch.dtype) -> dict:
     flops = fwd_flops(shape)
     rows = {}
     for name, (fwd, inputs) in impls.items():
-        fwd_ms = time_ms(lambda: fwd())
-        fwd_bwd_ms = time_ms(lambda: torch.autograd.grad(fwd(), inputs, do))
-        rows[name] = {"fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms, "fwd_tflops": flops / fwd_ms * 1e-9,
-                      "fwd_bwd_tflops": flops * 3.5 / fwd_bwd_ms * 1e-9}
+        fwd_ms = time_ms(fwd)
+        fwd_bwd_ms = time_ms(lambda fwd=fwd, inputs=inputs: torch.autograd.grad(fwd(), inputs, do))
+        rows[name] = {
+            "fwd_ms": fwd_ms,
+            "fwd_bwd_ms": fwd_bwd_ms,
+            "fwd_tflops": flops / fwd_ms * 1e-9,
+            "fwd_bwd_tflops": flops * 3.5 / fwd_bwd_ms * 1e-9,
+        }
     with torch.no_grad():
         err = (triton_gca(q, k, v, w).float() - naive_gca(q.float(), k.float(), v.float(), w)).abs().max().item()
     flash_name = "flash_attn_flattened" if "flash_attn_flattened" in rows else "sdpa_flash_flattened"
     tri, naive, dense = rows["triton_gca"], rows["naive_gca"], rows[flash_name]
     return {
-        "shape": dict(zip(("B", "HQ", "H", "Q", "S", "R", "D"), shape)), "dtype": str(dtype).removeprefix("torch."),
+        "shape": dict(zip(("B", "HQ", "H", "Q", "S", "R", "D"), shape)),
+        "dtype": str(dtype).removeprefix("torch."),
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)",
-        "fwd_bwd_flops_convention": "backward = 2.5x forward (recomputed P)", "impls": rows,
-        "flash_reference": flash_name, "max_abs_err_vs_naive": err,
+        "fwd_bwd_flops_convention": "backward = 2.5x forward (recomputed P)",
+        "impls": rows,
+        "flash_reference": flash_name,
+        "max_abs_err_vs_naive": err,
         "speedup_vs_naive": {key: naive[f"{key}_ms"] / tri[f"{key}_ms"] for key in ("fwd", "fwd_bwd")},
         "time_vs_flash": {key: tri[f"{key}_ms"] / dense[f"{key}_ms"] for key in ("fwd", "fwd_bwd")},
     }
@@ -128,9 +139,11 @@ def targets(result: dict, cuda: bool) -> dict:
     """The issue's targets for fwd+bwd; not judged on the interpreter, whose times mean nothing."""
     if not cuda:
         return {"judged": False, "why": "CPU dry run: Triton runs under the interpreter"}
-    return {"judged": True,
-            "speedup_vs_naive_ge_5": result["speedup_vs_naive"]["fwd_bwd"] >= TARGET_SPEEDUP_VS_NAIVE,
-            "time_vs_flash_le_1_3": result["time_vs_flash"]["fwd_bwd"] <= TARGET_TIME_VS_FLASH}
+    return {
+        "judged": True,
+        "speedup_vs_naive_ge_5": result["speedup_vs_naive"]["fwd_bwd"] >= TARGET_SPEEDUP_VS_NAIVE,
+        "time_vs_flash_le_1_3": result["time_vs_flash"]["fwd_bwd"] <= TARGET_TIME_VS_FLASH,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,8 +38,12 @@ def main(argv: list[str] | None = None) -> int:
         log.error("error: %s", err)
         return 1
     peak = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
-    probe = {"rows": result["results"], "peak_rss_mib": result.get("peak_rss_mib"), "peak_gpu_mib": peak,
-             "seconds": result.get("seconds")}
+    probe = {
+        "rows": result["results"],
+        "peak_rss_mib": result.get("peak_rss_mib"),
+        "peak_gpu_mib": peak,
+        "seconds": result.get("seconds"),
+    }
     Path(args.out, "probe.json").write_text(json.dumps(probe, indent=2) + "\n")
     log.info("%s", json.dumps(probe))
     return 0

@@ -30,9 +30,11 @@ STATUSES = ("ok", "failed", "timeout", "skipped")
 def machine() -> dict:
     """What ran the check: interpreter, torch/triton/CUDA versions and the device (read by a subprocess, so this
     process never initializes CUDA before its stages do)."""
-    probe = ("import json, torch, triton; c = torch.cuda.is_available(); print(json.dumps({'torch': "
-             "torch.__version__, 'triton': triton.__version__, 'cuda': torch.version.cuda, 'cuda_available': c, "
-             "'device': torch.cuda.get_device_name() if c else None, 'device_count': torch.cuda.device_count()}))")
+    probe = (
+        "import json, torch, triton; c = torch.cuda.is_available(); print(json.dumps({'torch': "
+        "torch.__version__, 'triton': triton.__version__, 'cuda': torch.version.cuda, 'cuda_available': c, "
+        "'device': torch.cuda.get_device_name() if c else None, 'device_count': torch.cuda.device_count()}))"
+    )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     if done.returncode != 0:
         return {"python": platform.python_version(), "probe_error": redact(done.stderr[-500:])}
@@ -60,9 +62,15 @@ class Runner:
         self.start = time.monotonic()
         self.results: dict[str, dict] = {}
         self.log_path = out / "gpu-check.log"
-        self.report = {"schema": SCHEMA, "mode": "cuda" if plan.cuda else "cpu-dry-run",
-                       "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                       "budget_s": budget_s, "work_dir": str(plan.work), "machine": machine(), "stages": self.results}
+        self.report = {
+            "schema": SCHEMA,
+            "mode": "cuda" if plan.cuda else "cpu-dry-run",
+            "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "budget_s": budget_s,
+            "work_dir": str(plan.work),
+            "machine": machine(),
+            "stages": self.results,
+        }
 
     def left_s(self) -> float:
         return self.budget_s - (time.monotonic() - self.start)
@@ -107,8 +115,14 @@ class Runner:
         stage_log.parent.mkdir(parents=True, exist_ok=True)
         begin = time.monotonic()
         with stage_log.open("w") as sink:
-            proc = subprocess.Popen(stage.cmd, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT,
-                                    env=self.stage_env(stage), start_new_session=True)
+            proc = subprocess.Popen(
+                stage.cmd,
+                cwd=ROOT,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                env=self.stage_env(stage),
+                start_new_session=True,
+            )
             try:
                 rc = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -123,8 +137,12 @@ class Runner:
         try:
             return {**result, "status": "ok", "numbers": stage.parse()}
         except (StageError, OSError, ValueError, KeyError, IndexError) as err:
-            return {**result, "status": "failed", "reason": f"{type(err).__name__}: {err}",
-                    "log_tail": _tail(stage_log)}
+            return {
+                **result,
+                "status": "failed",
+                "reason": f"{type(err).__name__}: {err}",
+                "log_tail": _tail(stage_log),
+            }
 
     def run(self, stages: list[Stage]) -> dict:
         self.log_path.write_text("")
@@ -135,8 +153,10 @@ class Runner:
             self.log(f"== stage {stage.name}: {stage.what}\n$ {' '.join(stage.cmd)}")
             self.results[stage.name] = self.run_stage(stage)
             res = self.results[stage.name]
-            self.log(f"== stage {stage.name}: {res['status']} in {res['seconds']} s"
-                     + (f" ({res['reason']})" if "reason" in res else ""))
+            self.log(
+                f"== stage {stage.name}: {res['status']} in {res['seconds']} s"
+                + (f" ({res['reason']})" if "reason" in res else "")
+            )
             self.write()
         self.log(f"== gpu-check done in {self.report['seconds']} s: {json.dumps(self.report['summary'])}")
         return self.report

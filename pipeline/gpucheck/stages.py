@@ -68,8 +68,9 @@ def _read_json(path: Path) -> dict:
 
 def gpu_test_files() -> list[str]:
     """Test files that carry the ``gpu`` marker (collecting only them keeps the tier's imports to its own)."""
-    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
-                  if "pytest.mark.gpu" in p.read_text())
+    return sorted(
+        str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py") if "pytest.mark.gpu" in p.read_text()
+    )
 
 
 def _junit_counts(path: Path) -> dict:
@@ -85,8 +86,15 @@ def _junit_counts(path: Path) -> dict:
 
 
 def prep_stage(plan: Plan) -> Stage:
-    cmd = [plan.python, "launch/prep.py", "--config", DATA_CONFIG, f"output={plan.data}",
-           f"num_proc={max(1, min(os.cpu_count() or 1, 16))}", "progress=false"]
+    cmd = [
+        plan.python,
+        "launch/prep.py",
+        "--config",
+        DATA_CONFIG,
+        f"output={plan.data}",
+        f"num_proc={max(1, min(os.cpu_count() or 1, 16))}",
+        "progress=false",
+    ]
     if plan.given_data:
         cmd = [plan.python, "-c", f"print('using the prepared dataset {plan.data}')"]
 
@@ -95,40 +103,76 @@ def prep_stage(plan: Plan) -> Stage:
         splits = manifest.get("splits", {})
         return {f"{split}_tokens": splits.get(split, {}).get("tokens") for split in ("train", "val")}
 
-    return Stage("prep", "the built-in corpus (Python stdlib) -> SentencePiece 4096 -> MDS shards",
-                 cmd, 120 if plan.cuda else 240, parse)
+    return Stage(
+        "prep",
+        "the built-in corpus (Python stdlib) -> SentencePiece 4096 -> MDS shards",
+        cmd,
+        120 if plan.cuda else 240,
+        parse,
+    )
 
 
 def kernel_stage(plan: Plan) -> Stage:
     out = plan.work / "kernel_bench.json"
     cmd = [plan.python, "-m", "pipeline.gpucheck.kernel_bench", "--out", str(out)] + ([] if plan.cuda else ["--tiny"])
-    what = ("fused GCA fwd and fwd+bwd vs naive vs FlashAttention on the flattened R*S keys "
-            "(B=512 HQ=12 Q=64 S=64 R=8 D=64 bf16)" if plan.cuda else "the same at tiny fp32 shapes, interpreter")
+    what = (
+        "fused GCA fwd and fwd+bwd vs naive vs FlashAttention on the flattened R*S keys "
+        "(B=512 HQ=12 Q=64 S=64 R=8 D=64 bf16)"
+        if plan.cuda
+        else "the same at tiny fp32 shapes, interpreter"
+    )
     env = {} if plan.cuda else {"TRITON_INTERPRET": "1"}  # read when the kernels module is imported
     return Stage("kernel_bench", what, cmd, 120 if plan.cuda else 180, lambda: _read_json(out), env=env)
 
 
 def gpu_tests_stage(plan: Plan) -> Stage:
     junit = plan.work / "gpu-tests.xml"
-    cmd = [plan.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", f"--junitxml={junit}",
-           *gpu_test_files()]
+    cmd = [
+        plan.python,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        "gpu",
+        f"--junitxml={junit}",
+        *gpu_test_files(),
+    ]
     what = "pytest -m gpu: kernels natively in bf16/fp16/fp32, GPU sliding window, model-level Triton vs reference"
     if not plan.cuda:
         what += " (no CUDA: the tier collects and skips itself)"
     return Stage("gpu_tests", what, cmd, 180 if plan.cuda else 120, lambda: _junit_counts(junit))
 
 
-TINY_MODEL = ["model.d_model=64", "model.n_heads=2", "model.n_kv_heads=2", "model.ffn_hidden=128",
-              "model.n_lower_layers=1", "model.groups=[1]", "model.n_encoder_layers=1", "model.chunk_size=16",
-              "model.top_k=2", "model.window=32", "train.seq_len=256", "precision.dtype=auto"]
+TINY_MODEL = [
+    "model.d_model=64",
+    "model.n_heads=2",
+    "model.n_kv_heads=2",
+    "model.ffn_hidden=128",
+    "model.n_lower_layers=1",
+    "model.groups=[1]",
+    "model.n_encoder_layers=1",
+    "model.chunk_size=16",
+    "model.top_k=2",
+    "model.window=32",
+    "train.seq_len=256",
+    "precision.dtype=auto",
+]
 TRAIN_VARIANTS = {
     # name: (engine overrides, model overrides, what)
     "train_gca_zero1": (["parallel.engine=deepspeed", "parallel.zero_stage=1"], [], "GCA, DeepSpeed ZeRO-1"),
     "train_gca_fsdp2": (["parallel.engine=fsdp", "parallel.zero_stage=0"], [], "GCA, FSDP2"),
-    "train_swa_zero1": (["parallel.engine=deepspeed", "parallel.zero_stage=1"], ["model.arch=swa"],
-                        "same-size sliding-window model (model.arch=swa), DeepSpeed ZeRO-1"),
-    "train_full_zero1": (["parallel.engine=deepspeed", "parallel.zero_stage=1"], ["model.arch=swa", "FULL"],
-                         "full causal attention (model.arch=swa with model.window=train.seq_len), ZeRO-1"),
+    "train_swa_zero1": (
+        ["parallel.engine=deepspeed", "parallel.zero_stage=1"],
+        ["model.arch=swa"],
+        "same-size sliding-window model (model.arch=swa), DeepSpeed ZeRO-1",
+    ),
+    "train_full_zero1": (
+        ["parallel.engine=deepspeed", "parallel.zero_stage=1"],
+        ["model.arch=swa", "FULL"],
+        "full causal attention (model.arch=swa with model.window=train.seq_len), ZeRO-1",
+    ),
 }
 
 
@@ -148,12 +192,14 @@ def train_metrics(run_dir: Path) -> dict:
     third = max(1, len(losses) // 3)
     mfu = [r["mfu"] for r in steady if r.get("mfu") is not None]
     numbers = {
-        "steps": len(rows), "tokens_per_step": rows[0].get("tokens"),
+        "steps": len(rows),
+        "tokens_per_step": rows[0].get("tokens"),
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
         "step_time_s": statistics.median(r["step_time_s"] for r in steady),
         "mfu_sparse_aware": statistics.median(mfu) if mfu else None,
         "peak_mem_gb": max(r.get("mem_gb", 0.0) for r in rows),
-        "loss_first": losses[0], "loss_last": losses[-1],
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
         "loss_finite": all(math.isfinite(x) for x in losses),
         "loss_falling": statistics.fmean(losses[-third:]) < statistics.fmean(losses[:third]),
     }
@@ -170,11 +216,28 @@ def train_stage(plan: Plan, name: str) -> Stage:
     shape = [] if plan.cuda else TINY_MODEL
     steps = plan.steps if plan.cuda else 4
     export = "true" if name == "train_gca_zero1" else "false"  # the passkey stage reads this export
-    cmd = [plan.python, "launch/pretrain.py", "--config", TRAIN_CONFIG, f"run_dir={run_dir}",
-           f"data.path={plan.data}", f"model.vocab_size={VOCAB}", *shape, *model, *engine,
-           f"train.max_steps={steps}", "train.micro_batch=1", "train.global_batch=1", "train.eval_every=0",
-           "schedule.warmup_steps=3", "checkpoint.every=0", f"checkpoint.export={export}",
-           "logging.every=1", "logging.progress=false", "logging.wandb=false"]
+    cmd = [
+        plan.python,
+        "launch/pretrain.py",
+        "--config",
+        TRAIN_CONFIG,
+        f"run_dir={run_dir}",
+        f"data.path={plan.data}",
+        f"model.vocab_size={VOCAB}",
+        *shape,
+        *model,
+        *engine,
+        f"train.max_steps={steps}",
+        "train.micro_batch=1",
+        "train.global_batch=1",
+        "train.eval_every=0",
+        "schedule.warmup_steps=3",
+        "checkpoint.every=0",
+        f"checkpoint.export={export}",
+        "logging.every=1",
+        "logging.progress=false",
+        "logging.wandb=false",
+    ]
     what = f"{what}, {'bf16, seq 16380, activation checkpointing' if plan.cuda else 'tiny fp32 model, seq 256'}"
     env = {} if plan.cuda else {"DS_ACCELERATOR": "cpu"}
     return Stage(name, what, cmd, 120 if plan.cuda else 240, lambda: train_metrics(run_dir), ("prep",), env)
@@ -184,18 +247,37 @@ def passkey_stage(plan: Plan) -> Stage:
     out = plan.work / "passkey"
     export = plan.export or str(plan.work / "train" / "train_gca_zero1" / "export")
     length = 1_048_576 if plan.cuda else 65_536
-    cmd = [plan.python, "-m", "pipeline.gpucheck.passkey_probe", "--checkpoint", export, "--out", str(out),
-           f"lengths=[{length}]", "samples=1", "depths=[0.5]", "data=builtin", "progress=false",
-           f"device={'cuda' if plan.cuda else 'cpu'}", f"offload_mb={-1 if plan.cuda else 1024}"]
+    cmd = [
+        plan.python,
+        "-m",
+        "pipeline.gpucheck.passkey_probe",
+        "--checkpoint",
+        export,
+        "--out",
+        str(out),
+        f"lengths=[{length}]",
+        "samples=1",
+        "depths=[0.5]",
+        "data=builtin",
+        "progress=false",
+        f"device={'cuda' if plan.cuda else 'cpu'}",
+        f"offload_mb={-1 if plan.cuda else 1024}",
+    ]
     what = f"passkey at {length:,} tokens with {'the carried export' if plan.export else 'the ZeRO-1 run export'}"
 
     def parse() -> dict:
         probe = _read_json(out / "probe.json")
         row = probe["rows"][0]
-        return {"length": row.get("length"), "accuracy": row.get("accuracy"), "tokens_per_s": row.get("tokens_per_s"),
-                "seconds": row.get("seconds"), "peak_gpu_mib": probe.get("peak_gpu_mib"),
-                "peak_rss_mib": probe.get("peak_rss_mib"), "export": export,
-                "accuracy_meaningful": bool(plan.export)}
+        return {
+            "length": row.get("length"),
+            "accuracy": row.get("accuracy"),
+            "tokens_per_s": row.get("tokens_per_s"),
+            "seconds": row.get("seconds"),
+            "peak_gpu_mib": probe.get("peak_gpu_mib"),
+            "peak_rss_mib": probe.get("peak_rss_mib"),
+            "export": export,
+            "accuracy_meaningful": bool(plan.export),
+        }
 
     needs = () if plan.export else ("train_gca_zero1",)
     return Stage("passkey", what, cmd, 150 if plan.cuda else 180, parse, needs)
@@ -204,13 +286,18 @@ def passkey_stage(plan: Plan) -> Stage:
 def build(plan: Plan) -> list[Stage]:
     """The stages in the order they run: the cheapest proofs first, so a short budget still returns them."""
     stages = [prep_stage(plan), kernel_stage(plan), gpu_tests_stage(plan), train_stage(plan, "train_gca_zero1")]
-    stages += [train_stage(plan, "train_gca_fsdp2"), train_stage(plan, "train_swa_zero1"), passkey_stage(plan),
-               train_stage(plan, "train_full_zero1")]
+    stages += [
+        train_stage(plan, "train_gca_fsdp2"),
+        train_stage(plan, "train_swa_zero1"),
+        passkey_stage(plan),
+        train_stage(plan, "train_full_zero1"),
+    ]
     return stages
 
 
 def summary(results: dict[str, dict]) -> dict:
     """Ratios across stages: GCA vs SWA vs full-attention step time (same engine), the kernel targets."""
+
     def step(name: str) -> float | None:
         res = results.get(name, {})
         return res.get("numbers", {}).get("step_time_s") if res.get("status") == "ok" else None

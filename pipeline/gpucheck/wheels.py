@@ -85,8 +85,10 @@ def fits(filename: str, python_version: str) -> bool:
     _, _, pys, abis, plats = wheel_fields(filename)
     py_ok = any(p in ("py3", cp) for p in pys.split("."))
     abi_ok = any(a in ("none", "abi3", cp) for a in abis.split("."))
-    plat_ok = any(p == "any" or p == "linux_x86_64" or (p.startswith("manylinux") and p.endswith("_x86_64"))
-                  for p in plats.split("."))
+    plat_ok = any(
+        p == "any" or p == "linux_x86_64" or (p.startswith("manylinux") and p.endswith("_x86_64"))
+        for p in plats.split(".")
+    )
     return py_ok and abi_ok and plat_ok
 
 
@@ -96,15 +98,16 @@ def wheels_in(dest: Path) -> dict[str, tuple[str, str]]:
     for path in sorted(dest.glob("*.whl")):
         name, version, *_ = wheel_fields(path.name)
         if normalize(name) in found:
-            raise WheelError(f"{dest}: two wheels of {name}: {found[normalize(name)][1]} and {path.name}; "
-                             "remove the one that is not pinned in configs/gpu/wheels.txt")
+            raise WheelError(
+                f"{dest}: two wheels of {name}: {found[normalize(name)][1]} and {path.name}; "
+                "remove the one that is not pinned in configs/gpu/wheels.txt"
+            )
         found[normalize(name)] = (version, path.name)
     return found
 
 
 def _pip(args: list[str], what: str, env: dict[str, str] | None = None, python: str = sys.executable) -> None:
-    done = subprocess.run([python, "-m", "pip", *args], capture_output=True, text=True, env=env,
-                          timeout=PIP_TIMEOUT_S)
+    done = subprocess.run([python, "-m", "pip", *args], capture_output=True, text=True, env=env, timeout=PIP_TIMEOUT_S)
     if done.returncode != 0:
         lines = [ln for ln in (done.stderr + done.stdout).splitlines() if ln.strip()] or ["(no output)"]
         errors = [ln for ln in lines if ln.startswith("ERROR")] or lines
@@ -112,8 +115,19 @@ def _pip(args: list[str], what: str, env: dict[str, str] | None = None, python: 
 
 
 def _download_binary(pin: Pin, python_version: str, into: Path) -> bool:
-    args = ["download", "--quiet", "--no-deps", "--only-binary=:all:", "--python-version", python_version,
-            "--implementation", "cp", "--dest", str(into), f"{pin.name}=={pin.version}"]
+    args = [
+        "download",
+        "--quiet",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        python_version,
+        "--implementation",
+        "cp",
+        "--dest",
+        str(into),
+        f"{pin.name}=={pin.version}",
+    ]
     for platform in PLATFORMS:
         args[1:1] = ["--platform", platform]
     try:
@@ -127,13 +141,19 @@ def _download_binary(pin: Pin, python_version: str, into: Path) -> bool:
 
 def _build_from_sdist(pin: Pin, python: str, into: Path, env: dict[str, str] | None) -> None:
     sdists = into / "sdist"
-    _pip(["download", "--quiet", "--no-deps", "--no-binary=:all:", "--dest", str(sdists),
-          f"{pin.name}=={pin.version}"], f"pip download of the {pin.name}=={pin.version} sdist")
+    _pip(
+        ["download", "--quiet", "--no-deps", "--no-binary=:all:", "--dest", str(sdists), f"{pin.name}=={pin.version}"],
+        f"pip download of the {pin.name}=={pin.version} sdist",
+    )
     (sdist,) = sdists.iterdir()
     # Pure builds run without build isolation: deepspeed's setup.py imports torch, which only this venv has.
     isolation = ["--no-build-isolation"] if pin.build == "pure" else []
-    _pip(["wheel", "--quiet", "--no-deps", *isolation, "--wheel-dir", str(into), str(sdist)],
-         f"building a wheel of {pin.name}=={pin.version} with {python}", env=env, python=python)
+    _pip(
+        ["wheel", "--quiet", "--no-deps", *isolation, "--wheel-dir", str(into), str(sdist)],
+        f"building a wheel of {pin.name}=={pin.version} with {python}",
+        env=env,
+        python=python,
+    )
 
 
 def target_python(python_version: str, given: str | None) -> str:
@@ -148,8 +168,13 @@ def target_python(python_version: str, given: str | None) -> str:
     if not found:
         raise WheelError(f"a native build needs CPython {python_version}: no python{python_version} on PATH; {fix}")
     probe = "import sys; print(sys.executable, '%d.%d' % sys.version_info[:2])"
-    done = subprocess.run([found, "-c", probe], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYENV_VERSION": python_version})
+    done = subprocess.run(
+        [found, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYENV_VERSION": python_version},
+    )
     executable, _, version = done.stdout.strip().rpartition(" ")
     if done.returncode != 0 or version != python_version:
         raise WheelError(f"{found} does not run CPython {python_version}; {fix}")
@@ -167,8 +192,10 @@ def fetch(pin: Pin, python_version: str, dest: Path, python: str | None) -> str:
         (wheel,) = work.glob("*.whl")
         name, version, *_ = wheel_fields(wheel.name)
         if normalize(name) != pin.key or version != pin.version or not fits(wheel.name, python_version):
-            raise WheelError(f"{pin.name}=={pin.version}: got {wheel.name}, which is not that version for "
-                             f"CPython {python_version} on Linux x86-64")
+            raise WheelError(
+                f"{pin.name}=={pin.version}: got {wheel.name}, which is not that version for "
+                f"CPython {python_version} on Linux x86-64"
+            )
         shutil.move(str(wheel), dest / wheel.name)
         return wheel.name
 
@@ -180,37 +207,44 @@ def check_dest(pins: list[Pin], dest: Path, python_version: str, max_mib: float)
     for key, (version, filename) in present.items():
         pin = wanted.get(key)
         if pin is None or pin.version != version or not fits(filename, python_version):
-            why = "is not in configs/gpu/wheels.txt" if pin is None else f"is not {pin.name}=={pin.version} " \
-                  f"for CPython {python_version}"
+            why = (
+                "is not in configs/gpu/wheels.txt"
+                if pin is None
+                else f"is not {pin.name}=={pin.version} for CPython {python_version}"
+            )
             raise WheelError(f"{dest / filename} {why}; remove it (pip refuses two versions of one package)")
     missing = sorted(set(wanted) - set(present))
     if missing:
         raise WheelError(f"{dest}: no wheel for {', '.join(missing)}")
     total = sum((dest / filename).stat().st_size for _, filename in present.values())
     if total > max_mib * 2**20:
-        raise WheelError(f"{dest}: the wheels take {total / 2**20:.1f} MiB, over --max-mib {max_mib} (the "
-                         "device tool carries 64 MiB for the whole working tree)")
+        raise WheelError(
+            f"{dest}: the wheels take {total / 2**20:.1f} MiB, over --max-mib {max_mib} (the "
+            "device tool carries 64 MiB for the whole working tree)"
+        )
     return total
 
 
-def collect(pins: list[Pin], python_version: str, dest: Path, python: str | None = None,
-            max_mib: float = 40.0) -> int:
+def collect(pins: list[Pin], python_version: str, dest: Path, python: str | None = None, max_mib: float = 40.0) -> int:
     """Fetch every missing wheel into ``dest`` and check the result; returns the total size in bytes."""
     dest.mkdir(parents=True, exist_ok=True)
     check_stale = wheels_in(dest)  # refuse a foreign wheel before spending time on downloads
     wanted = {p.key for p in pins}
     for key, (_, filename) in check_stale.items():
         if key not in wanted:
-            raise WheelError(f"{dest / filename} is not in configs/gpu/wheels.txt; remove it (everything in "
-                             f"{dest} is installed on the GPU machine)")
+            raise WheelError(
+                f"{dest / filename} is not in configs/gpu/wheels.txt; remove it (everything in "
+                f"{dest} is installed on the GPU machine)"
+            )
     for pin in pins:
         have = check_stale.get(pin.key)
         if have and have[0] == pin.version and fits(have[1], python_version):
             log.info("  have  %s", have[1])
             continue
         if have:
-            raise WheelError(f"{dest / have[1]} is not {pin.name}=={pin.version} for CPython {python_version}; "
-                             "remove it")
+            raise WheelError(
+                f"{dest / have[1]} is not {pin.name}=={pin.version} for CPython {python_version}; remove it"
+            )
         log.info("  fetch %s==%s%s", pin.name, pin.version, f" (build={pin.build})" if pin.build else "")
         log.info("        %s", fetch(pin, python_version, dest, python))
     return check_dest(pins, dest, python_version, max_mib)

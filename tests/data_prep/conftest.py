@@ -107,8 +107,9 @@ def read_split(tmp_path: Path) -> ReadSplit:
         from streaming import StreamingDataset
 
         cache = tmp_path / f"cache{next(counter)}"
-        ds = StreamingDataset(remote=str(split_dir), local=str(cache), shuffle=False, batch_size=1,
-                              validate_hash="xxh64")
+        ds = StreamingDataset(
+            remote=str(split_dir), local=str(cache), shuffle=False, batch_size=1, validate_hash="xxh64"
+        )
         return [ds[i] for i in range(len(ds))]
 
     return read

@@ -23,8 +23,9 @@ from data_prep.format import (
 )
 from data_prep.safe_files import UnsafeDatasetError
 
-_TOKENIZER = TokenizerInfo(sha256="ab" * 32, vocab_size=400, model_type="bpe", trained=True, unk_id=0, bos_id=1,
-                           eos_id=2, pad_id=-1)
+_TOKENIZER = TokenizerInfo(
+    sha256="ab" * 32, vocab_size=400, model_type="bpe", trained=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1
+)
 _MANIFEST = Manifest(
     format_version=FORMAT_VERSION,
     token_dtype="uint16",

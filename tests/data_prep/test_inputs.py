@@ -23,21 +23,29 @@ def messy(tmp_path):
     """A corpus with one good document per file plus every kind of bad record."""
     root = tmp_path / "messy"
     root.mkdir()
-    good = ["first good document with some words in it", "second good one\nover two lines",
-            "third good document, from parquet"]
+    good = [
+        "first good document with some words in it",
+        "second good one\nover two lines",
+        "third good document, from parquet",
+    ]
     (root / "ok.txt").write_text(good[0])
     (root / "empty.txt").write_text("  \n\t\n")
     (root / "utf16.txt").write_bytes("a UTF-16 file".encode("utf-16"))
-    (root / "recs.jsonl").write_bytes(b"\n".join([
-        json.dumps({"text": good[1]}).encode(),
-        b'{"text": "unterminated',           # line 2: malformed JSON
-        json.dumps({"body": "x"}).encode(),  # line 3: no text field
-        json.dumps({"text": 123}).encode(),  # line 4: text is not a string
-        b'{"text": "bad \xff byte"}',        # line 5: not UTF-8
-        json.dumps({"text": ""}).encode(),   # line 6: empty
-        b"",                                 # a blank line is not a record
-        json.dumps(["not", "an", "object"]).encode(),  # line 8
-    ]) + b"\n")
+    (root / "recs.jsonl").write_bytes(
+        b"\n".join(
+            [
+                json.dumps({"text": good[1]}).encode(),
+                b'{"text": "unterminated',  # line 2: malformed JSON
+                json.dumps({"body": "x"}).encode(),  # line 3: no text field
+                json.dumps({"text": 123}).encode(),  # line 4: text is not a string
+                b'{"text": "bad \xff byte"}',  # line 5: not UTF-8
+                json.dumps({"text": ""}).encode(),  # line 6: empty
+                b"",  # a blank line is not a record
+                json.dumps(["not", "an", "object"]).encode(),  # line 8
+            ]
+        )
+        + b"\n"
+    )
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -48,10 +56,16 @@ def messy(tmp_path):
 def test_bad_records_are_skipped_counted_and_located(run_prep, messy, read_split, tmp_path, caplog, join_documents):
     root, good = messy
     manifest = run_prep(inputs=[str(root)], val_fraction=0.0, **{"tokenizer__vocab_size": 300})
-    assert manifest.skipped == {"bad_field_type": 1, "empty": 2, "malformed_json": 2, "missing_field": 2,
-                                "non_utf8": 2}
-    for where in ("recs.jsonl:2", "recs.jsonl:3", "recs.jsonl:4", "recs.jsonl:5", "recs.jsonl:8", "utf16.txt",
-                  "rows.parquet:row2"):
+    assert manifest.skipped == {"bad_field_type": 1, "empty": 2, "malformed_json": 2, "missing_field": 2, "non_utf8": 2}
+    for where in (
+        "recs.jsonl:2",
+        "recs.jsonl:3",
+        "recs.jsonl:4",
+        "recs.jsonl:5",
+        "recs.jsonl:8",
+        "utf16.txt",
+        "rows.parquet:row2",
+    ):
         assert where in caplog.text
     sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "out" / "tokenizer.model"))
     docs = join_documents(read_split(tmp_path / "out" / "train"))
@@ -103,8 +117,9 @@ def test_long_document_is_split_into_pieces_exactly(
     text = "".join(corpus[1])
     (tmp_path / "long.txt").write_text(text)
     assert len(tokenize.segments(text, tokenize.SEGMENT_CHARS)) > 10
-    manifest = run_prep(inputs=[str(tmp_path / "long.txt"), str(corpus[0] / "a.jsonl")], max_piece_tokens=1000,
-                        val_fraction=0.0)
+    manifest = run_prep(
+        inputs=[str(tmp_path / "long.txt"), str(corpus[0] / "a.jsonl")], max_piece_tokens=1000, val_fraction=0.0
+    )
     sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "out" / "tokenizer.model"))
     samples = read_split(tmp_path / "out" / "train")
     assert max(len(s["tokens"]) for s in samples) == 1000
@@ -183,8 +198,14 @@ def test_shipped_configs_load():
 
 
 def test_cli_reports_one_line_errors(tmp_path):
-    cmd = [sys.executable, str(REPO / "launch" / "prep.py"), "--config", str(REPO / "configs/data/default.yaml"),
-           "tokenizer.vocab_sise=8", f"output={tmp_path / 'o'}"]
+    cmd = [
+        sys.executable,
+        str(REPO / "launch" / "prep.py"),
+        "--config",
+        str(REPO / "configs/data/default.yaml"),
+        "tokenizer.vocab_sise=8",
+        f"output={tmp_path / 'o'}",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
@@ -228,6 +249,9 @@ def test_hf_source_without_network(run_prep, monkeypatch, tmp_path, corpus):
     assert calls[-1] == ("some/books", "en", "train", "abc123", True)
     assert manifest.skipped == {"bad_field_type": 1} and manifest.inputs[0].path == "hf:some/books/en:train@abc123"
     assert sum(s.documents for s in manifest.splits.values()) == 30
-    with pytest.raises(InputError, match=r"^hf:missing/dataset:train: cannot load dataset \(FileNotFoundError: "
-                                         r"Couldn't find a dataset script or data files\)$"):
+    with pytest.raises(
+        InputError,
+        match=r"^hf:missing/dataset:train: cannot load dataset \(FileNotFoundError: "
+        r"Couldn't find a dataset script or data files\)$",
+    ):
         run_prep(output=tmp_path / "o2", inputs=["hf:missing/dataset"])

@@ -25,8 +25,9 @@ def _config(out: Path, corpus_dir: Path, **extra: object) -> PrepConfig:
     """The sliced run's config as the user writes it (settings as in `run_prep`; no per-slice overrides)."""
     settings = {"tokenizer.vocab_size": 400, "val_fraction": 0.2, "progress": False, "shard_size_bytes": 16384}
     settings.update(extra)
-    return load_config(None, [f"output={out}", f"input={json.dumps([str(corpus_dir)])}"]
-                       + [f"{k}={v}" for k, v in settings.items()])
+    return load_config(
+        None, [f"output={out}", f"input={json.dumps([str(corpus_dir)])}"] + [f"{k}={v}" for k, v in settings.items()]
+    )
 
 
 def _cli() -> Callable[[list[str]], int]:
@@ -37,8 +38,14 @@ def _make_slices(corpus_dir: Path, out: Path, val_fraction: float = 0.2, **extra
     """The tokenizer step and all slices of a 3-slice run, through the CLI the SLURM array runs."""
     cli = _cli()
     cfg = _config(out, corpus_dir, val_fraction=val_fraction, **extra)
-    args = [f"output={cfg.output}", f"input={json.dumps([str(corpus_dir)])}", "tokenizer.vocab_size=400",
-            f"val_fraction={val_fraction}", "progress=false", "shard_size_bytes=16384"]
+    args = [
+        f"output={cfg.output}",
+        f"input={json.dumps([str(corpus_dir)])}",
+        "tokenizer.vocab_size=400",
+        f"val_fraction={val_fraction}",
+        "progress=false",
+        "shard_size_bytes=16384",
+    ]
     args += [f"{k}={v}" for k, v in extra.items()]
     assert cli(["tokenizer", *args]) == 0
     for i in range(SLICES):
@@ -59,15 +66,19 @@ def _slice_has_val(cfg: PrepConfig, index: int) -> bool:
 
 
 # val_fraction 0.05: slice 1 (five books) gets no val document, so it has no val/ directory; 0: no slice has one.
-@pytest.mark.parametrize(("val_fraction", "val_slices"), [(0.2, [0, 1, 2]), (0.05, [0, 2]), (0.0, [])],
-                         ids=["val-in-every-slice", "one-slice-without-val", "no-val-anywhere"])
+@pytest.mark.parametrize(
+    ("val_fraction", "val_slices"),
+    [(0.2, [0, 1, 2]), (0.05, [0, 2]), (0.0, [])],
+    ids=["val-in-every-slice", "one-slice-without-val", "no-val-anywhere"],
+)
 def test_merge_equals_a_single_run(val_fraction, val_slices, corpus, run_prep, read_split, join_documents, tmp_path):
     sliced = _make_slices(corpus[0], tmp_path / "merged", val_fraction)
     assert [i for i in range(SLICES) if _slice_has_val(sliced, i)] == val_slices
     out = Path(sliced.output)
     shutil.copyfile(slices_root(sliced) / "tokenizer.model", tmp_path / "tok.model")  # the merge deletes the slices
-    slice_shards = sum(len(json.loads((slice_dir(sliced, i) / "train/index.json").read_text())["shards"])
-                       for i in range(SLICES))
+    slice_shards = sum(
+        len(json.loads((slice_dir(sliced, i) / "train/index.json").read_text())["shards"]) for i in range(SLICES)
+    )
     merged = merge_slices(sliced, SLICES)
     assert not slices_root(sliced).exists()
     single = run_prep(output=tmp_path / "single", tokenizer__model=tmp_path / "tok.model", val_fraction=val_fraction)
@@ -106,8 +117,11 @@ def test_merge_names_the_missing_slice(sliced):
 
 def test_merge_refuses_a_split_the_manifest_promises_but_that_is_gone(sliced):
     shutil.rmtree(slice_dir(sliced, 2) / "val")
-    with pytest.raises(InputError, match=r"slice-00002/val/index.json is missing, but the slice's manifest records "
-                                         "samples in that split; rerun that slice"):
+    with pytest.raises(
+        InputError,
+        match=r"slice-00002/val/index.json is missing, but the slice's manifest records "
+        "samples in that split; rerun that slice",
+    ):
         merge_slices(sliced, SLICES)
     assert not Path(sliced.output).exists() and not any(Path(sliced.output).parent.glob(".merged.tmp-*"))
 
@@ -123,8 +137,19 @@ def test_merge_refuses_slices_without_a_training_document(corpus, tmp_path):
 
 def test_merge_cli_reports_one_line(sliced, capsys):
     cli = runpy.run_path(str(REPO / "launch/slurm/prep_slices.py"))["cli"]
-    assert cli(["merge", "--num-slices", "4", f"output={sliced.output}", f"input={json.dumps(list(sliced.input))}",
-                "tokenizer.vocab_size=400"]) == 2
+    assert (
+        cli(
+            [
+                "merge",
+                "--num-slices",
+                "4",
+                f"output={sliced.output}",
+                f"input={json.dumps(list(sliced.input))}",
+                "tokenizer.vocab_size=400",
+            ]
+        )
+        == 2
+    )
     assert capsys.readouterr().err.startswith("prep_slices merge: error: slices 3 of 4 in ")
 
 
@@ -155,8 +180,9 @@ def test_slicing_needs_a_shared_tokenizer(tmp_path):
     model = tmp_path / "m.model"
     model.write_bytes(b"x")
     with pytest.raises(ConfigError, match=r"slice_index=2: must be in \[0, num_slices=2\)"):
-        load_config(None, [f"output={tmp_path / 'o'}", "input=x", f"tokenizer.model={model}", "num_slices=2",
-                           "slice_index=2"])
+        load_config(
+            None, [f"output={tmp_path / 'o'}", "input=x", f"tokenizer.model={model}", "num_slices=2", "slice_index=2"]
+        )
 
 
 def test_more_slices_than_files(run_prep, corpus, tmp_path):
@@ -190,8 +216,20 @@ def test_merge_refuses_a_hostile_slice_in_one_line(hostile, sliced, tmp_path, ca
         expected = f"shard 0 zip_data: shard file name '{hostile}.zstd' is not a plain relative path"
     before = sorted((p.name, p.lstat().st_size) for p in split.iterdir())
     cli = runpy.run_path(str(REPO / "launch/slurm/prep_slices.py"))["cli"]
-    assert cli(["merge", "--num-slices", str(SLICES), f"output={sliced.output}",
-                f"input={json.dumps(list(sliced.input))}", "tokenizer.vocab_size=400", "val_fraction=0.2"]) == 2
+    assert (
+        cli(
+            [
+                "merge",
+                "--num-slices",
+                str(SLICES),
+                f"output={sliced.output}",
+                f"input={json.dumps(list(sliced.input))}",
+                "tokenizer.vocab_size=400",
+                "val_fraction=0.2",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.startswith("prep_slices merge: error: ") and expected in err and err.count("\n") == 1, err
     assert not Path(sliced.output).exists() and not any(Path(sliced.output).parent.glob(".merged.tmp-*"))
@@ -213,8 +251,11 @@ def test_overwrite_never_deletes_an_unmarked_slices_directory(corpus, tmp_path):
     (root / "tokenizer.model").write_text("someone's model")
     before = _tree(root)
     cfg = _config(tmp_path / "merged", corpus[0], overwrite="true")
-    with pytest.raises(OutputExistsError, match=f"^{root} has no .prep-slices marker, so the tokenizer step of a "
-                                                "sliced run did not create it; nothing was deleted"):
+    with pytest.raises(
+        OutputExistsError,
+        match=f"^{root} has no .prep-slices marker, so the tokenizer step of a "
+        "sliced run did not create it; nothing was deleted",
+    ):
         prepare_tokenizer(cfg, SLICES)
     assert _tree(root) == before
 
@@ -224,8 +265,11 @@ def test_overwrite_keeps_slices_holding_foreign_files(sliced):
     root = slices_root(sliced)
     (root / "slice-00001" / "train" / "mine.txt").write_text("inside a slice")  # the slice is no longer all prep's
     before = _tree(root)
-    with pytest.raises(OutputExistsError, match=rf"^{root} holds files a sliced run did not write \(slice-00001\); "
-                                                "nothing was deleted"):
+    with pytest.raises(
+        OutputExistsError,
+        match=rf"^{root} holds files a sliced run did not write \(slice-00001\); "
+        "nothing was deleted",
+    ):
         prepare_tokenizer(dataclasses.replace(sliced, overwrite=True), SLICES)
     assert _tree(root) == before
 
@@ -280,8 +324,10 @@ def test_merge_work_directories_are_marked_and_only_marked_ones_are_removed(slic
     own = out.with_name(f".merged.tmp-{os.getpid()}")
     own.mkdir()
     (own / "mine.txt").write_text("not prep's")
-    with pytest.raises(OutputExistsError, match=f"^output {own} is named like this run's work directory but was not "
-                                                "made by prep; nothing was deleted"):
+    with pytest.raises(
+        OutputExistsError,
+        match=f"^output {own} is named like this run's work directory but was not made by prep; nothing was deleted",
+    ):
         merge_slices(sliced, SLICES)
     assert (own / "mine.txt").read_text() == "not prep's" and (foreign / "mine.txt").read_text() == "not prep's"
     assert not out.exists() and all(slice_dir(sliced, i).is_dir() for i in range(SLICES))
@@ -321,8 +367,20 @@ def test_merge_refuses_a_slice_manifest_that_is_a_link_or_fifo(kind, sliced, tmp
     shutil.copyfile(manifest, copy)
     manifest.unlink()
     manifest.symlink_to(copy) if kind == "symlink" else os.mkfifo(manifest)
-    assert _cli()(["merge", "--num-slices", str(SLICES), f"output={sliced.output}",
-                   f"input={json.dumps(list(sliced.input))}", "tokenizer.vocab_size=400", "val_fraction=0.2"]) == 2
+    assert (
+        _cli()(
+            [
+                "merge",
+                "--num-slices",
+                str(SLICES),
+                f"output={sliced.output}",
+                f"input={json.dumps(list(sliced.input))}",
+                "tokenizer.vocab_size=400",
+                "val_fraction=0.2",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     what = "a symbolic link" if kind == "symlink" else "a FIFO"
     assert err.startswith(f"prep_slices merge: error: slice-00001: {manifest} is {what}, not a regular file"), err
@@ -335,8 +393,9 @@ def test_prep_array_steps_by_hand(corpus, read_split, run_prep, tmp_path):
     tokens of a single run with its tokenizer, and the slices are gone."""
     out = tmp_path / "merged"
     config = tmp_path / "prep.yaml"
-    config.write_text(f"output: {out}\ninput: {corpus[0]}\nval_fraction: 0.1\nprogress: false\n"
-                      "shard_size_bytes: 16384\n")
+    config.write_text(
+        f"output: {out}\ninput: {corpus[0]}\nval_fraction: 0.1\nprogress: false\nshard_size_bytes: 16384\n"
+    )
     cli, common = _cli(), ["--config", str(config), "tokenizer.vocab_size=320"]
     assert cli(["tokenizer", "--num-slices", str(SLICES), *common]) == 0
     for i in range(SLICES):
@@ -347,8 +406,9 @@ def test_prep_array_steps_by_hand(corpus, read_split, run_prep, tmp_path):
     assert not out.with_name("merged.slices").exists()
     run_prep(output=tmp_path / "single", tokenizer__model=out / "tokenizer.model", val_fraction=0.1)
     for split in ("train", "val"):
-        tokens = [[t for s in read_split(root / split) for t in s["tokens"].tolist()]
-                  for root in (out, tmp_path / "single")]
+        tokens = [
+            [t for s in read_split(root / split) for t in s["tokens"].tolist()] for root in (out, tmp_path / "single")
+        ]
         assert len(tokens[0]) == manifest.splits[split].tokens > 0
         assert tokens[0] == tokens[1], split
 
@@ -356,8 +416,19 @@ def test_prep_array_steps_by_hand(corpus, read_split, run_prep, tmp_path):
 def test_merge_cli_error_keeps_environment_values_out(sliced, capsys, monkeypatch):
     """An output taken from the environment may be a secret place: the one error line shows its interpolation."""
     monkeypatch.setenv("GCA_TEST_MERGE_OUT", sliced.output)
-    assert _cli()(["merge", "--num-slices", "4", "output=${oc.env:GCA_TEST_MERGE_OUT}",
-                   f"input={json.dumps(list(sliced.input))}", "tokenizer.vocab_size=400"]) == 2
+    assert (
+        _cli()(
+            [
+                "merge",
+                "--num-slices",
+                "4",
+                "output=${oc.env:GCA_TEST_MERGE_OUT}",
+                f"input={json.dumps(list(sliced.input))}",
+                "tokenizer.vocab_size=400",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.startswith("prep_slices merge: error: slices 3 of 4 in ${oc.env:GCA_TEST_MERGE_OUT}.slices are "), err
     assert sliced.output not in err

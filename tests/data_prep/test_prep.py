@@ -20,9 +20,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _shard_bytes(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and p.name != "manifest.json"
-            and p.name != COMPLETE_MARKER}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != "manifest.json" and p.name != COMPLETE_MARKER
+    }
 
 
 def test_round_trip_and_counts(run_prep, corpus, read_split, tmp_path, join_documents):
@@ -40,7 +42,10 @@ def test_round_trip_and_counts(run_prep, corpus, read_split, tmp_path, join_docu
         docs = join_documents(samples)
         stats = manifest.splits[split]
         assert (stats.documents, stats.pieces, stats.tokens) == (
-            len(docs), len(samples), sum(len(t) for t in docs.values()))
+            len(docs),
+            len(samples),
+            sum(len(t) for t in docs.values()),
+        )
         decoded[split] = {sp.decode(tokens) for tokens in docs.values()}
         assert all(sp.encode(text) == docs[i] for i, text in zip(docs, map(sp.decode, docs.values())))
     texts = set(corpus[1])
@@ -121,7 +126,7 @@ def test_crash_during_overwrite_keeps_old_dataset(run_prep, tmp_path, monkeypatc
 
 def test_killed_process_leaves_no_complete_output_and_rerun_cleans_up(corpus, tmp_path):
     out = tmp_path / "out"
-    script = textwrap.dedent(f"""
+    script = textwrap.dedent("""
         import os, sys
         from data_prep import shard
         from data_prep.config import load_config
@@ -142,8 +147,9 @@ def test_killed_process_leaves_no_complete_output_and_rerun_cleans_up(corpus, tm
     assert not (leftovers[0] / COMPLETE_MARKER).exists() and not out.exists()
     with pytest.raises(IncompleteDatasetError):
         read_manifest(leftovers[0])
-    proc = subprocess.run([sys.executable, str(REPO / "launch" / "prep.py"), *args], cwd=REPO, timeout=120,
-                          capture_output=True)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "launch" / "prep.py"), *args], cwd=REPO, timeout=120, capture_output=True
+    )
     assert proc.returncode == 0, proc.stderr.decode()[-2000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], "the stale temporary was removed"
     read_manifest(out)

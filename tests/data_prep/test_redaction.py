@@ -58,8 +58,18 @@ def test_show_env_values_reveals_env_values_but_never_secrets(fresh, monkeypatch
     assert redaction.redact(text) == "run visible-run-name key <redacted:WANDB_API_KEY> <redacted>"
 
 
-@pytest.mark.parametrize("secret", [HF, AWS, GH, JWT, "sk-" + "x" * 40, "xoxb-123456789012-abcdefghij",
-                                    "-----BEGIN RSA PRIVATE KEY-----\nMIIEow\nabc\n-----END RSA PRIVATE KEY-----"])
+@pytest.mark.parametrize(
+    "secret",
+    [
+        HF,
+        AWS,
+        GH,
+        JWT,
+        "sk-" + "x" * 40,
+        "xoxb-123456789012-abcdefghij",
+        "-----BEGIN RSA PRIVATE KEY-----\nMIIEow\nabc\n-----END RSA PRIVATE KEY-----",
+    ],
+)
 def test_known_secret_shapes_are_redacted_without_any_environment(secret):
     out = redaction.redact(f"value=({secret}) end")
     assert secret not in out and out == "value=(<redacted>) end"
@@ -67,8 +77,10 @@ def test_known_secret_shapes_are_redacted_without_any_environment(secret):
 
 def test_url_passwords_are_redacted_and_plain_urls_kept():
     assert redaction.redact("s3://user:pa55word@host/bucket") == "s3://user:<redacted>@host/bucket"
-    assert redaction.redact("https://example.org:8443/x and git@github.com:a/b") == \
-        "https://example.org:8443/x and git@github.com:a/b"
+    assert (
+        redaction.redact("https://example.org:8443/x and git@github.com:a/b")
+        == "https://example.org:8443/x and git@github.com:a/b"
+    )
 
 
 def test_hashes_and_paths_are_not_mistaken_for_secrets():
@@ -92,8 +104,10 @@ def test_config_files_keep_the_interpolation_not_the_value(fresh, monkeypatch):
 def test_redact_tree_covers_keys_values_and_nesting(fresh, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "tok-1234567890")
     tree = {"a": ["x tok-1234567890", 3, {"tok-1234567890": None}], "b": (HF,)}
-    assert redaction.redact_tree(tree) == {"a": ["x <redacted:HF_TOKEN>", 3, {"<redacted:HF_TOKEN>": None}],
-                                           "b": ("<redacted>",)}
+    assert redaction.redact_tree(tree) == {
+        "a": ["x <redacted:HF_TOKEN>", 3, {"<redacted:HF_TOKEN>": None}],
+        "b": ("<redacted>",),
+    }
 
 
 def test_log_filter_redacts_messages_args_and_tracebacks(fresh, monkeypatch, capsys):

@@ -22,8 +22,20 @@ def _launch(name):
 def test_eval_writes_json_and_plot(tiny_export, tmp_path, task):
     lengths = "lengths=[400,800]" if task == "passkey" else "lengths=[256,512]"
     extra = ["depths=[0,1]", "variant=multi", "samples=1", "needles=2"] if task == "passkey" else ["samples=2"]
-    rc = _launch("eval")(["--checkpoint", str(tiny_export), "--task", task, "--out", str(tmp_path),
-                          lengths, "segment=100", "progress=false", *extra])
+    rc = _launch("eval")(
+        [
+            "--checkpoint",
+            str(tiny_export),
+            "--task",
+            task,
+            "--out",
+            str(tmp_path),
+            lengths,
+            "segment=100",
+            "progress=false",
+            *extra,
+        ]
+    )
     assert rc == 0
     result = json.loads((tmp_path / f"{task}.json").read_text())
     assert result["task"] == task and result["checkpoint"] == str(tiny_export) and result["train_seq_len"] == 128
@@ -33,12 +45,15 @@ def test_eval_writes_json_and_plot(tiny_export, tmp_path, task):
     assert (tmp_path / f"{task}.png").stat().st_size > 1000
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["lengths=[8,64]"], "below one chunk"),
-    (["lenghts=[64]"], "unknown key 'lenghts' (did you mean 'lengths'?)"),
-    (["variant=double"], "variant='double' is not one of"),
-    (["samples=many"], "samples"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["lengths=[8,64]"], "below one chunk"),
+        (["lenghts=[64]"], "unknown key 'lenghts' (did you mean 'lengths'?)"),
+        (["variant=double"], "variant='double' is not one of"),
+        (["samples=many"], "samples"),
+    ],
+)
 def test_eval_errors_name_the_key(tiny_export, tmp_path, capsys, args, message):
     rc = _launch("eval")(["--checkpoint", str(tiny_export), "--task", "ppl", "--out", str(tmp_path), *args])
     assert rc == 2
@@ -58,10 +73,12 @@ def test_yaml_config_files_load():
 
 
 def test_generate_streams_text(tiny_export, capsys):
-    rc = _launch("generate")(["--checkpoint", str(tiny_export), "--prompt", "Hello", "--max-new-tokens", "5",
-                              "--top-k", "20", "--seed", "3"])
+    rc = _launch("generate")(
+        ["--checkpoint", str(tiny_export), "--prompt", "Hello", "--max-new-tokens", "5", "--top-k", "20", "--seed", "3"]
+    )
     first = capsys.readouterr().out
     assert rc == 0 and first.endswith("\n")
-    _launch("generate")(["--checkpoint", str(tiny_export), "--prompt", "Hello", "--max-new-tokens", "5",
-                         "--top-k", "20", "--seed", "3"])
+    _launch("generate")(
+        ["--checkpoint", str(tiny_export), "--prompt", "Hello", "--max-new-tokens", "5", "--top-k", "20", "--seed", "3"]
+    )
     assert capsys.readouterr().out == first  # seeded sampling is reproducible

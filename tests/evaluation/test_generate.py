@@ -25,4 +25,4 @@ def test_greedy_generation_equals_full_forward_argmax(tiny_model):
     for _ in range(4):
         with torch.no_grad():
             ids.append(int(tiny_model(torch.tensor([ids])).logits[0, -1].argmax()))
-    assert out == ids[len(prompt):]
+    assert out == ids[len(prompt) :]

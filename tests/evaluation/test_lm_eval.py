@@ -31,7 +31,7 @@ def _hand_logprob(model, ids, first):
 
 def test_loglikelihood_matches_full_forward(lm):
     req = SimpleNamespace(args=("The river is", " wide and calm."))
-    (score, greedy), = lm.loglikelihood([req], disable_tqdm=True)
+    ((score, greedy),) = lm.loglikelihood([req], disable_tqdm=True)
     ctx = [ord("\n")] + list(b"The river is")
     ids = ctx + list(b" wide and calm.")
     assert score == pytest.approx(_hand_logprob(lm.model, ids, len(ctx)), rel=1e-5)
@@ -41,8 +41,9 @@ def test_loglikelihood_matches_full_forward(lm):
 
 
 def test_generate_until_stops(lm):
-    (text,) = lm.generate_until([SimpleNamespace(args=("Once", {"until": ["\n"], "max_gen_toks": 12}))],
-                                disable_tqdm=True)
+    (text,) = lm.generate_until(
+        [SimpleNamespace(args=("Once", {"until": ["\n"], "max_gen_toks": 12}))], disable_tqdm=True
+    )
     assert isinstance(text, str) and "\n" not in text and len(text.encode("utf-8", "replace")) <= 12 * 3
 
 
@@ -62,8 +63,12 @@ def test_local_task_through_simple_evaluate(tiny_export, tmp_path, monkeypatch):
         "doc_to_text: '{{q}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{label}}'\n"
         "metric_list:\n  - metric: acc\n"
     )
-    out = lm_eval.simple_evaluate(model="gca", model_args=f"checkpoint={tiny_export}", tasks=["toy_mc"],
-                                  task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False))
+    out = lm_eval.simple_evaluate(
+        model="gca",
+        model_args=f"checkpoint={tiny_export}",
+        tasks=["toy_mc"],
+        task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
+    )
     acc = out["results"]["toy_mc"]["acc,none"]
     assert 0.0 <= acc <= 1.0 and not math.isnan(acc)
     assert os.environ["HF_DATASETS_OFFLINE"] == "1"

@@ -11,9 +11,26 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _peak_rss(export, length, out):
-    subprocess.run([sys.executable, str(ROOT / "launch" / "eval.py"), "--checkpoint", str(export), "--task",
-                    "passkey", "--out", str(out), f"lengths=[{length}]", "samples=1", "depths=[0.5]",
-                    "progress=false", "offload_mb=0", "segment=2048"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "launch" / "eval.py"),
+            "--checkpoint",
+            str(export),
+            "--task",
+            "passkey",
+            "--out",
+            str(out),
+            f"lengths=[{length}]",
+            "samples=1",
+            "depths=[0.5]",
+            "progress=false",
+            "offload_mb=0",
+            "segment=2048",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return json.loads((out / "passkey.json").read_text())["peak_rss_mib"]
 
 

@@ -2,13 +2,12 @@
 
 import numpy as np
 import pytest
+from eval_stubs import InductionOracle, RandomDigits, Recorder
 
 from pipeline.evaluation.haystack import TokenSource
 from pipeline.evaluation.passkey import NeedleSpec, build_sample, evaluate_passkey, predict_answer
 from pipeline.evaluation.tokenizer import ByteTokenizer
 from pipeline.needle import NEEDLE
-
-from eval_stubs import InductionOracle, RandomDigits, Recorder
 
 TOK = ByteTokenizer()
 
@@ -61,15 +60,35 @@ def test_answer_never_in_the_input(source):
 
 @pytest.mark.parametrize("variant", ["single", "multi"])
 def test_copying_oracle_scores_100(source, variant):
-    rows = evaluate_passkey(InductionOracle(), TOK, source, NeedleSpec(variant), lengths=[512, 2048],
-                            depths=[0.0, 0.5, 1.0], samples=3, seed=0, segment=300, chunk_size=16)
+    rows = evaluate_passkey(
+        InductionOracle(),
+        TOK,
+        source,
+        NeedleSpec(variant),
+        lengths=[512, 2048],
+        depths=[0.0, 0.5, 1.0],
+        samples=3,
+        seed=0,
+        segment=300,
+        chunk_size=16,
+    )
     assert [(r["length"], r["depth"]) for r in rows] == [(L, d) for L in (512, 2048) for d in (0.0, 0.5, 1.0)]
     assert all(r["accuracy"] == 1.0 and r["exact_match"] == 1.0 and r["n"] == 3 for r in rows)
 
 
 def test_random_model_scores_chance(source):
-    rows = evaluate_passkey(RandomDigits(), TOK, source, NeedleSpec("single"), lengths=[160], depths=[0.5],
-                            samples=300, seed=0, segment=4096, chunk_size=16)
+    rows = evaluate_passkey(
+        RandomDigits(),
+        TOK,
+        source,
+        NeedleSpec("single"),
+        lengths=[160],
+        depths=[0.5],
+        samples=300,
+        seed=0,
+        segment=4096,
+        chunk_size=16,
+    )
     # first key digit is uniform over 1..9, the guess over 0..9: expected accuracy 0.1, 300 draws
     assert 0.04 < rows[0]["accuracy"] < 0.17
     assert rows[0]["exact_match"] < 0.01

@@ -15,15 +15,22 @@ from pipeline.evaluation.tokenizer import ByteTokenizer, SentencePieceTokenizer
 
 @pytest.fixture
 def sp_export(tmp_path):
-    from model import GCAForCausalLM
-
     from eval_stubs import tiny_config
 
-    lines = [f"The pass key is {i * 7919 % 100000}. Remember it. The river walked over the old bridge."
-             for i in range(300)]
+    from model import GCAForCausalLM
+
+    lines = [
+        f"The pass key is {i * 7919 % 100000}. Remember it. The river walked over the old bridge." for i in range(300)
+    ]
     model = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model, vocab_size=320,
-                                   model_type="bpe", byte_fallback=True, num_threads=1)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_writer=model,
+        vocab_size=320,
+        model_type="bpe",
+        byte_fallback=True,
+        num_threads=1,
+    )
     model_512 = GCAForCausalLM(tiny_config(vocab_size=512))
     export = save_pretrained(model_512, tmp_path / "export", extra={"tokenizer": "tokenizer.model"})
     (export / "tokenizer.model").write_bytes(model.getvalue())
@@ -48,9 +55,9 @@ def test_missing_tokenizer_file(tiny_model, tmp_path):
 
 
 def test_bytes_need_256_ids(tmp_path):
-    from model import GCAForCausalLM
-
     from eval_stubs import tiny_config
+
+    from model import GCAForCausalLM
 
     export = save_pretrained(GCAForCausalLM(tiny_config(vocab_size=100)), tmp_path / "e")
     with pytest.raises(ValueError, match="has 256 ids but the model's vocab_size is 100"):

@@ -17,8 +17,16 @@ from pipeline.gpucheck.stages import gpu_test_files
 pytestmark = [pytest.mark.gpucheck, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-STAGES = ["prep", "kernel_bench", "gpu_tests", "train_gca_zero1", "train_gca_fsdp2", "train_swa_zero1", "passkey",
-          "train_full_zero1"]
+STAGES = [
+    "prep",
+    "kernel_bench",
+    "gpu_tests",
+    "train_gca_zero1",
+    "train_gca_fsdp2",
+    "train_swa_zero1",
+    "passkey",
+    "train_full_zero1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -26,16 +34,25 @@ def dry_run(tmp_path_factory) -> dict:
     base = tmp_path_factory.mktemp("gpu-check")
     out, work = base / "out", base / "work"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "launch/gpu_check.py", "--cpu", "--out", str(out), "--work", str(work)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    done = subprocess.run(
+        [sys.executable, "launch/gpu_check.py", "--cpu", "--out", str(out), "--work", str(work)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     report = json.loads((out / "gpu-check.json").read_text())
     return {"rc": done.returncode, "stderr": done.stderr, "report": report, "out": out, "work": work}
 
 
 def test_every_stage_runs_ok_on_cpu(dry_run):
     report = dry_run["report"]
-    not_ok = {n: {k: r.get(k) for k in ("status", "reason", "log_tail")} for n, r in report["stages"].items()
-              if r["status"] != "ok"}
+    not_ok = {
+        n: {k: r.get(k) for k in ("status", "reason", "log_tail")}
+        for n, r in report["stages"].items()
+        if r["status"] != "ok"
+    }
     assert not not_ok, json.dumps(not_ok, indent=1)[-6000:]
     assert dry_run["rc"] == 0, dry_run["stderr"][-2000:]
     assert list(report["stages"]) == STAGES
@@ -80,9 +97,24 @@ def test_kernel_passkey_prep_and_test_tier_numbers(dry_run):
     manifest = json.loads((dry_run["work"] / "data" / "manifest.json").read_text())
     assert stages["prep"]["numbers"]["train_tokens"] == manifest["splits"]["train"]["tokens"] > 1_000_000
 
-    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                                "-m", "gpu", *gpu_test_files()], cwd=ROOT, capture_output=True, text=True,
-                               timeout=300)
+    collected = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "gpu",
+            *gpu_test_files(),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     n_gpu = sum(1 for ln in collected.stdout.splitlines() if "::" in ln)
     tier = stages["gpu_tests"]["numbers"]
     assert n_gpu > 0 and tier["tests"] == tier["skipped"] == n_gpu and tier["passed"] == 0

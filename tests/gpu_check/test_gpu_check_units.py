@@ -21,8 +21,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_wheel_list_pins_one_version_of_each_and_no_gpu_stack():
     pins = wheels.read_pins()
-    lock = {wheels.normalize(ln.split("==")[0]): ln.split("==")[1].strip()
-            for ln in (ROOT / "requirements.lock").read_text().splitlines() if "==" in ln and not ln.startswith("#")}
+    lock = {
+        wheels.normalize(ln.split("==")[0]): ln.split("==")[1].strip()
+        for ln in (ROOT / "requirements.lock").read_text().splitlines()
+        if "==" in ln and not ln.startswith("#")
+    }
     assert {p.key for p in pins} >= {"deepspeed", "omegaconf", "mosaicml_streaming", "pydantic", "pydantic_core"}
     assert not [p for p in pins if p.key.startswith(("torch", "triton", "nvidia"))]
     assert {p.key: p.version for p in pins} == {p.key: lock[p.key] for p in pins}  # the versions we test with
@@ -71,23 +74,37 @@ def test_runner_time_boxes_isolates_failures_and_skips_dependants(tmp_path):
     def bad_numbers() -> dict:
         raise StageError("metrics.jsonl has no training steps")
 
-    stages = [_stage("ok", "print('fine')"), _stage("crash", "import sys; print('boom'); sys.exit(3)"),
-              _stage("slow", slow, box=2), _stage("after_crash", "print(1)", needs=("crash",)),
-              _stage("silent_failure", "print(1)", parse=bad_numbers), _stage("last", "print('still runs')")]
+    stages = [
+        _stage("ok", "print('fine')"),
+        _stage("crash", "import sys; print('boom'); sys.exit(3)"),
+        _stage("slow", slow, box=2),
+        _stage("after_crash", "print(1)", needs=("crash",)),
+        _stage("silent_failure", "print(1)", parse=bad_numbers),
+        _stage("last", "print('still runs')"),
+    ]
     plan = Plan(cuda=False, work=tmp_path / "work", python=sys.executable)
     start = time.monotonic()
     report = Runner(plan, tmp_path / "out", budget_s=120).run(stages)
     assert time.monotonic() - start < 60
     res = report["stages"]
     assert {n: r["status"] for n, r in res.items()} == {
-        "ok": "ok", "crash": "failed", "slow": "timeout", "after_crash": "skipped", "silent_failure": "failed",
-        "last": "ok"}
+        "ok": "ok",
+        "crash": "failed",
+        "slow": "timeout",
+        "after_crash": "skipped",
+        "silent_failure": "failed",
+        "last": "ok",
+    }
     assert res["crash"]["exit_code"] == 3 and res["crash"]["log_tail"] == ["boom"]
     assert "needs crash" in res["after_crash"]["reason"]
     assert "no training steps" in res["silent_failure"]["reason"]
     on_disk = json.loads((tmp_path / "out" / "gpu-check.json").read_text())
     assert on_disk["stages"] == json.loads(json.dumps(res)) and on_disk["summary"]["stages_not_ok"] == [
-        "after_crash", "crash", "silent_failure", "slow"]
+        "after_crash",
+        "crash",
+        "silent_failure",
+        "slow",
+    ]
     time.sleep(5)
     assert not marker.exists(), "a timed-out stage's child survived"
 
@@ -105,15 +122,24 @@ def test_gpu_tier_files_are_the_marked_ones():
     assert all("pytest.mark.gpu" in (ROOT / f).read_text() for f in files)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--export", "no/such/export"], "--export no/such/export is not a model export"),
-    (["--data", "."], "--data . is not a complete prepared dataset"),
-    (["--budget-s", "0"], "--budget-s 0.0 must be > 0"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--export", "no/such/export"], "--export no/such/export is not a model export"),
+        (["--data", "."], "--data . is not a complete prepared dataset"),
+        (["--budget-s", "0"], "--budget-s 0.0 must be > 0"),
+    ],
+)
 def test_bad_arguments_stop_before_any_work(tmp_path, args, message):
     out = tmp_path / "out"
-    done = subprocess.run([sys.executable, "launch/gpu_check.py", "--cpu", "--out", str(out), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [sys.executable, "launch/gpu_check.py", "--cpu", "--out", str(out), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [f"gpu-check: error: {done.stderr.split('error: ', 1)[1].strip()}"]
     assert message in done.stderr

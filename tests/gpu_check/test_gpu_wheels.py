@@ -36,8 +36,18 @@ LOCAL_VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
 LOCAL_WHEELS = ROOT / "build" / "gpu-wheels" / f"cp{LOCAL_VERSION.replace('.', '')}"
 GPU_WHEELS = ROOT / ".whl"
 # The GPU machine's install command, word for word apart from the target folder and the wheel folder.
-PIP_TARGET = ["-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
-              "--upgrade", "--target"]
+PIP_TARGET = [
+    "-m",
+    "pip",
+    "install",
+    "-q",
+    "--no-index",
+    "--no-deps",
+    "--no-compile",
+    "--no-cache-dir",
+    "--upgrade",
+    "--target",
+]
 TIMEOUT_S = 600
 
 
@@ -46,8 +56,10 @@ def _run(cmd: list[str], env: dict[str, str], cwd: Path = ROOT) -> subprocess.Co
 
 
 def _collect(python_version: str, dest: Path) -> None:
-    done = _run([sys.executable, "-m", "pipeline.gpucheck.wheels", "--python-version", python_version,
-                 "--dest", str(dest)], env=dict(os.environ))
+    done = _run(
+        [sys.executable, "-m", "pipeline.gpucheck.wheels", "--python-version", python_version, "--dest", str(dest)],
+        env=dict(os.environ),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -80,17 +92,25 @@ def gpu_env(tmp_path_factory) -> dict:
     venv = base / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=TIMEOUT_S)
     python = venv / "bin" / "python"
-    purelib = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                   env={"PATH": os.environ["PATH"]}).stdout.strip()
+    purelib = _run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        env={"PATH": os.environ["PATH"]},
+    ).stdout.strip()
     Path(purelib, "gpu_image.pth").write_text(str(base / "image") + "\n")
     site = base / "site"
-    done = _run([sys.executable, *PIP_TARGET, str(site), *map(str, sorted(LOCAL_WHEELS.glob("*.whl")))],
-                env=dict(os.environ))
+    done = _run(
+        [sys.executable, *PIP_TARGET, str(site), *map(str, sorted(LOCAL_WHEELS.glob("*.whl")))], env=dict(os.environ)
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), "OMP_NUM_THREADS": "1",
-           "TRITON_INTERPRET": "1", "PYTHONPATH": f"{site}:{ROOT}", "TMPDIR": str(base)}
-    return {"python": str(python), "env": env, "site": site, "image": base / "image", "linked": linked,
-            "base": base}
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": os.environ.get("HOME", "/tmp"),
+        "OMP_NUM_THREADS": "1",
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": f"{site}:{ROOT}",
+        "TMPDIR": str(base),
+    }
+    return {"python": str(python), "env": env, "site": site, "image": base / "image", "linked": linked, "base": base}
 
 
 def test_image_alone_lacks_the_carried_packages(gpu_env):
@@ -154,13 +174,45 @@ def test_carried_wheels_run_prep_training_and_eval(gpu_env, tmp_path):
     data, run = tmp_path / "data", tmp_path / "run"
     python, env = gpu_env["python"], gpu_env["env"]
     steps = [
-        [python, "launch/prep.py", f"input={corpus}", f"output={data}", "tokenizer.vocab_size=320",
-         "val_fraction=0.1", "num_proc=1", "progress=false"],
-        [python, "launch/pretrain.py", "--config", "configs/train/debug.yaml", f"run_dir={run}",
-         f"data.path={data}", "model.vocab_size=320", "train.max_steps=2", "schedule.warmup_steps=1",
-         "train.eval_every=0", "logging.progress=false", "checkpoint.every=0"],
-        [python, "launch/eval.py", "--checkpoint", str(run / "export"), "--task", "passkey", "--out",
-         str(tmp_path / "eval"), "lengths=[512]", "samples=1", "depths=[0.5]", "data=builtin", "progress=false"],
+        [
+            python,
+            "launch/prep.py",
+            f"input={corpus}",
+            f"output={data}",
+            "tokenizer.vocab_size=320",
+            "val_fraction=0.1",
+            "num_proc=1",
+            "progress=false",
+        ],
+        [
+            python,
+            "launch/pretrain.py",
+            "--config",
+            "configs/train/debug.yaml",
+            f"run_dir={run}",
+            f"data.path={data}",
+            "model.vocab_size=320",
+            "train.max_steps=2",
+            "schedule.warmup_steps=1",
+            "train.eval_every=0",
+            "logging.progress=false",
+            "checkpoint.every=0",
+        ],
+        [
+            python,
+            "launch/eval.py",
+            "--checkpoint",
+            str(run / "export"),
+            "--task",
+            "passkey",
+            "--out",
+            str(tmp_path / "eval"),
+            "lengths=[512]",
+            "samples=1",
+            "depths=[0.5]",
+            "data=builtin",
+            "progress=false",
+        ],
     ]
     for cmd in steps:
         done = _run(cmd, env)
@@ -172,8 +224,21 @@ def test_carried_wheels_run_prep_training_and_eval(gpu_env, tmp_path):
 
 def test_gpu_test_tier_collects_in_the_image(gpu_env):
     """`pytest -m gpu` (the first stage of `make gpu-check`) imports its modules; without CUDA they skip."""
-    done = _run([gpu_env["python"], "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
-                 "tests/kernels/test_gca_triton_gpu.py", "tests/kernels/test_swa_gpu.py"], gpu_env["env"])
+    done = _run(
+        [
+            gpu_env["python"],
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "gpu",
+            "tests/kernels/test_gca_triton_gpu.py",
+            "tests/kernels/test_swa_gpu.py",
+        ],
+        gpu_env["env"],
+    )
     assert done.returncode == 0, done.stdout[-3000:]
     assert " skipped" in done.stdout and "error" not in done.stdout.lower()
 

@@ -16,9 +16,21 @@ T = 2048
 
 
 def _config(backend: str) -> GCAConfig:
-    return GCAConfig(vocab_size=512, d_model=256, n_heads=4, n_kv_heads=2, ffn_hidden=512, n_lower_layers=2,
-                     groups=[2], n_encoder_layers=1, chunk_size=63, top_k=8, window=256, attn_backend=backend,
-                     gumbel_topk=False)
+    return GCAConfig(
+        vocab_size=512,
+        d_model=256,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=512,
+        n_lower_layers=2,
+        groups=[2],
+        n_encoder_layers=1,
+        chunk_size=63,
+        top_k=8,
+        window=256,
+        attn_backend=backend,
+        gumbel_topk=False,
+    )
 
 
 def _pair() -> tuple[GCAForCausalLM, GCAForCausalLM, torch.Tensor]:

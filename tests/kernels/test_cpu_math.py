@@ -38,7 +38,6 @@ def test_flush_reaches_all_threads_only_when_called_first():
     assert 0 < _nonzero("late") < 1 << 22
 
 
-
 _ALLOC_PROBE = textwrap.dedent(
     """
     import sys, torch

@@ -3,8 +3,12 @@
 import pytest
 import torch
 
-from kernels.swa import alibi_slopes, naive_sliding_window_attention, sdpa_sliding_window_attention, \
-    sliding_window_attention
+from kernels.swa import (
+    alibi_slopes,
+    naive_sliding_window_attention,
+    sdpa_sliding_window_attention,
+    sliding_window_attention,
+)
 
 
 def _leaves(B, Tq, Tk, HQ, H, D, dtype=torch.float64):
@@ -53,8 +57,9 @@ def test_dispatch_picks_sdpa_on_cpu_and_naive_on_request():
     slopes = alibi_slopes(2).double()
     args = dict(window=8, alibi_slopes=slopes)
     assert torch.equal(sliding_window_attention(q, k, v, **args), sdpa_sliding_window_attention(q, k, v, **args))
-    assert torch.equal(sliding_window_attention(q, k, v, backend="naive", **args),
-                       naive_sliding_window_attention(q, k, v, **args))
+    assert torch.equal(
+        sliding_window_attention(q, k, v, backend="naive", **args), naive_sliding_window_attention(q, k, v, **args)
+    )
     with pytest.raises(ValueError, match="backend='flash' is not one of"):
         sliding_window_attention(q, k, v, backend="flash", **args)
 

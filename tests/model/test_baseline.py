@@ -6,8 +6,22 @@ from model import GCAConfig, SlidingWindowLM, build_model, load_pretrained, save
 
 
 def _config(**kw) -> GCAConfig:
-    return GCAConfig(**{**dict(arch="swa", vocab_size=50, d_model=32, n_heads=2, n_kv_heads=2, window=5,
-                               n_lower_layers=1, groups=[1], n_encoder_layers=1), **kw})
+    return GCAConfig(
+        **{
+            **dict(
+                arch="swa",
+                vocab_size=50,
+                d_model=32,
+                n_heads=2,
+                n_kv_heads=2,
+                window=5,
+                n_lower_layers=1,
+                groups=[1],
+                n_encoder_layers=1,
+            ),
+            **kw,
+        }
+    )
 
 
 def test_receptive_field_is_layers_times_window():

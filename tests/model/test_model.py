@@ -10,8 +10,18 @@ VOCAB = 64
 
 def tiny_config(**overrides) -> GCAConfig:
     base = dict(
-        vocab_size=VOCAB, d_model=32, n_heads=4, n_kv_heads=2, ffn_hidden=64, n_lower_layers=1, groups=[1, 1],
-        n_encoder_layers=1, chunk_size=4, top_k=2, window=6, attn_backend="naive",
+        vocab_size=VOCAB,
+        d_model=32,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=64,
+        n_lower_layers=1,
+        groups=[1, 1],
+        n_encoder_layers=1,
+        chunk_size=4,
+        top_k=2,
+        window=6,
+        attn_backend="naive",
     )
     return GCAConfig(**{**base, **overrides})
 

@@ -10,8 +10,19 @@ pytestmark = pytest.mark.kernels
 
 def _config(backend: str) -> GCAConfig:
     return GCAConfig(
-        vocab_size=48, d_model=32, n_heads=2, n_kv_heads=1, ffn_hidden=48, n_lower_layers=1, groups=[1],
-        n_encoder_layers=1, chunk_size=5, top_k=2, window=8, attn_backend=backend, gumbel_topk=False,
+        vocab_size=48,
+        d_model=32,
+        n_heads=2,
+        n_kv_heads=1,
+        ffn_hidden=48,
+        n_lower_layers=1,
+        groups=[1],
+        n_encoder_layers=1,
+        chunk_size=5,
+        top_k=2,
+        window=8,
+        attn_backend=backend,
+        gumbel_topk=False,
     )
 
 
@@ -26,7 +37,9 @@ def test_logits_and_gradients_match_naive_backend():
     out_naive.loss.backward()
     out_triton.loss.backward()
     for (name, p_naive), p_triton in zip(naive.named_parameters(), triton.parameters()):
-        torch.testing.assert_close(p_triton.grad, p_naive.grad, rtol=1e-3, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            p_triton.grad, p_naive.grad, rtol=1e-3, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 def test_streaming_decode_uses_the_kernel_and_matches():

@@ -27,8 +27,13 @@ def write_mds(root: Path, split: str, n_docs: int, seed: int, size_limit: int = 
     rng = np.random.default_rng(seed)
     succ = np.random.default_rng(0).permutation(np.arange(2, VOCAB))
     docs = []
-    with MDSWriter(out=str(root / split), columns=fmt.mds_columns("uint16"), compression="zstd",
-                   size_limit=size_limit, hashes=["xxh64"]) as writer:
+    with MDSWriter(
+        out=str(root / split),
+        columns=fmt.mds_columns("uint16"),
+        compression="zstd",
+        size_limit=size_limit,
+        hashes=["xxh64"],
+    ) as writer:
         for doc_id in range(n_docs):
             length = int(rng.integers(40, 200))
             tokens = np.empty(length, dtype=np.uint16)
@@ -49,12 +54,24 @@ def _tokenizer_bytes() -> bytes:
 
     words = "the grass is green the sky is blue here we go again".split()
     rng = np.random.default_rng(0)
-    lines = [" ".join(rng.choice(words, 12)) + NEEDLE.format(key=rng.integers(10000, 99999)) + QUESTION
-             for _ in range(400)]
+    lines = [
+        " ".join(rng.choice(words, 12)) + NEEDLE.format(key=rng.integers(10000, 99999)) + QUESTION for _ in range(400)
+    ]
     out = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=out, vocab_size=VOCAB,
-                                   model_type="bpe", byte_fallback=False, eos_id=EOS, bos_id=-1, pad_id=-1,
-                                   unk_id=0, num_threads=1, minloglevel=2, hard_vocab_limit=False)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_writer=out,
+        vocab_size=VOCAB,
+        model_type="bpe",
+        byte_fallback=False,
+        eos_id=EOS,
+        bos_id=-1,
+        pad_id=-1,
+        unk_id=0,
+        num_threads=1,
+        minloglevel=2,
+        hard_vocab_limit=False,
+    )
     return out.getvalue()
 
 
@@ -84,13 +101,31 @@ def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_overrides(run_dir: Path, data: Path, **extra: object) -> list[str]:
     """Overrides for a ~0.05M-parameter model on ``tiny_data`` (CPU, naive backend, a few ms per step)."""
     base = {
-        "run_dir": str(run_dir), "data.path": str(data), "seed": 7,
-        "model.vocab_size": VOCAB, "model.d_model": 32, "model.n_heads": 2, "model.n_kv_heads": 2,
-        "model.ffn_hidden": 64, "model.n_lower_layers": 1, "model.groups": "[1]", "model.n_encoder_layers": 1,
-        "model.chunk_size": 8, "model.top_k": 2, "model.window": 16, "model.attn_backend": "naive",
-        "train.seq_len": 64, "train.micro_batch": 2, "train.global_batch": 4, "train.max_steps": 8,
-        "optim.lr": 3e-3, "optim.min_lr": 3e-4, "schedule.warmup_steps": 2,
-        "data.shuffle_window": 8, "logging.every": 1, "logging.progress": False,
+        "run_dir": str(run_dir),
+        "data.path": str(data),
+        "seed": 7,
+        "model.vocab_size": VOCAB,
+        "model.d_model": 32,
+        "model.n_heads": 2,
+        "model.n_kv_heads": 2,
+        "model.ffn_hidden": 64,
+        "model.n_lower_layers": 1,
+        "model.groups": "[1]",
+        "model.n_encoder_layers": 1,
+        "model.chunk_size": 8,
+        "model.top_k": 2,
+        "model.window": 16,
+        "model.attn_backend": "naive",
+        "train.seq_len": 64,
+        "train.micro_batch": 2,
+        "train.global_batch": 4,
+        "train.max_steps": 8,
+        "optim.lr": 3e-3,
+        "optim.min_lr": 3e-4,
+        "schedule.warmup_steps": 2,
+        "data.shuffle_window": 8,
+        "logging.every": 1,
+        "logging.progress": False,
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]

@@ -21,13 +21,21 @@ def test_pooling_and_artefacts(tmp_path):
         {"length": 1024, "depth": 1.0, "accuracy": 0.0, "exact_match": 0.0, "n": 6},
     ]
     _write(tmp_path / "eval/gca/passkey_0/passkey.json", rows)
-    _write(tmp_path / "eval/gca/passkey_1/passkey.json",
-           [{"length": 1048576, "depth": 0.5, "accuracy": 0.5, "exact_match": 0.5, "n": 10}])
+    _write(
+        tmp_path / "eval/gca/passkey_1/passkey.json",
+        [{"length": 1048576, "depth": 0.5, "accuracy": 0.5, "exact_match": 0.5, "n": 10}],
+    )
     _write(tmp_path / "eval/gca/ppl/ppl.json", [{"length": 1024, "ppl": 12.5, "n": 3}])
     report = write_report(tmp_path, ["gca"], {"train-gca": 10.0, "passkey-gca-0": 5.0})
     merged = json.loads((tmp_path / "passkey.json").read_text())["results"]
-    assert merged[0] == {"model": "gca", "length": 1024, "accuracy": 2 / 8, "exact_match": 1 / 8, "n": 8,
-                         "seconds": 0.0}
+    assert merged[0] == {
+        "model": "gca",
+        "length": 1024,
+        "accuracy": 2 / 8,
+        "exact_match": 1 / 8,
+        "n": 8,
+        "seconds": 0.0,
+    }
     assert merged[1]["length"] == 1048576 and merged[1]["n"] == 10
     assert "| gca | 25% (12%, n=8) | 50% (50%, n=10) |" in report
     assert "| total | 15 s |" in report
@@ -68,8 +76,10 @@ def test_environment_values_stay_out_of_errors_and_the_saved_demo_config(tmp_pat
 def test_curriculum_stages_chain_their_weights(tmp_path, monkeypatch):
     from pipeline import demo
 
-    cfg, _ = load_demo_config(Path(__file__).resolve().parents[2] / "configs/demo/demo.yaml",
-                              [f"run_dir={tmp_path}", "models=[gca,baseline,ablation]"])
+    cfg, _ = load_demo_config(
+        Path(__file__).resolve().parents[2] / "configs/demo/demo.yaml",
+        [f"run_dir={tmp_path}", "models=[gca,baseline,ablation]"],
+    )
     assert [s.name for s in cfg.train_stages] == ["short", "long"]
     calls = []
     monkeypatch.setattr(demo.Stages, "run", lambda self, name, cmd, done, env=None: calls.append((name, cmd)))

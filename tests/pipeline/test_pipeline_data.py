@@ -73,14 +73,18 @@ def test_resume_rejects_a_different_stream(reader):
 
 
 def test_epochs_cover_every_token_and_continue(reader):
-    total = int(sum(len(reader.sample(s, i)[0]) for s in range(reader.num_shards)
-                    for i in range(reader.samples_per_shard[s])))
+    total = int(
+        sum(len(reader.sample(s, i)[0]) for s in range(reader.num_shards) for i in range(reader.samples_per_shard[s]))
+    )
     stream = PackedSequences(reader, SEQ, seed=0, shuffle=True, window=4, eos_id=None)
     n_seq = total // SEQ
     seqs, _ = stream.next(n_seq + 5)  # crosses into epoch 1 without error
     epoch0 = np.sort(seqs[: total // SEQ].reshape(-1))
-    everything = np.sort(np.concatenate([reader.sample(s, i)[0] for s in range(reader.num_shards)
-                                         for i in range(reader.samples_per_shard[s])]).astype(np.int64))
+    everything = np.sort(
+        np.concatenate(
+            [reader.sample(s, i)[0] for s in range(reader.num_shards) for i in range(reader.samples_per_shard[s])]
+        ).astype(np.int64)
+    )
     assert np.array_equal(np.bincount(epoch0, minlength=64) <= np.bincount(everything, minlength=64), np.ones(64, bool))
     assert stream.state_dict()["cursor"]["epoch"] == 1
 
@@ -126,4 +130,4 @@ def test_needles_are_deterministic_and_well_formed(reader, tiny_data):
     assert 0 < marked < GLOBAL
     stream2 = PackedSequences(reader, SEQ * 2, seed=0, shuffle=True, window=8, eos_id=None)
     rank1 = RankBatches(stream2, GLOBAL, MICRO, 1, 2, needles, needle_mix=0.5, seed=9)
-    assert torch.equal(torch.cat(rank1.next_step()), batch[GLOBAL // 2:])
+    assert torch.equal(torch.cat(rank1.next_step()), batch[GLOBAL // 2 :])

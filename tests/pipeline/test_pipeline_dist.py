@@ -44,15 +44,23 @@ def launch(engine: str, args: list[str], fault: str | None = None, timeout: int 
     if "deepspeed" in " ".join(ENGINES[engine]):
         cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port())]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+        ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     env.pop("PIPE_FAULT", None)
     if fault:
         env["PIPE_FAULT"] = fault
     # A timeout is a failure (subprocess raises), never a skip.
-    return subprocess.run(cmd + LAUNCH + ENGINES[engine] + args, capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=REPO)
+    return subprocess.run(
+        cmd + LAUNCH + ENGINES[engine] + args, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO
+    )
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +72,9 @@ def reference(tmp_path_factory, tiny_data, overrides):
 
 
 @pytest.mark.parametrize("engine", ["fsdp", "zero1", "zero2", "zero3", "ddp"])
-def test_two_ranks_match_one_process_and_resume_exactly(engine, tmp_path, tiny_data, reference, overrides, metrics,
-                                                        clean_shm):
+def test_two_ranks_match_one_process_and_resume_exactly(
+    engine, tmp_path, tiny_data, reference, overrides, metrics, clean_shm
+):
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     base = BASE
     proc = launch(engine, overrides(straight, tiny_data, **base))

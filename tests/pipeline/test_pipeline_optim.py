@@ -11,8 +11,20 @@ from pipeline.optim import build_optimizer, lr_at, param_groups, set_lr
 
 
 def test_param_groups_split():
-    cfg = GCAConfig(vocab_size=64, d_model=32, n_heads=2, n_kv_heads=2, ffn_hidden=64, n_lower_layers=1, groups=[1],
-                    chunk_size=8, top_k=2, window=16, attn_backend="naive", gca_output_bias=True)
+    cfg = GCAConfig(
+        vocab_size=64,
+        d_model=32,
+        n_heads=2,
+        n_kv_heads=2,
+        ffn_hidden=64,
+        n_lower_layers=1,
+        groups=[1],
+        chunk_size=8,
+        top_k=2,
+        window=16,
+        attn_backend="naive",
+        gca_output_bias=True,
+    )
     model = GCAForCausalLM(cfg)
     decay, no_decay = param_groups(model, 0.1)
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
@@ -20,7 +32,9 @@ def test_param_groups_split():
     assert all(n.endswith(".weight") for n in decay["names"])
     named = dict(model.named_parameters())
     assert all(named[n].ndim >= 2 for n in decay["names"])
-    assert any(n.endswith("norm.weight") for n in no_decay["names"]) and any(n.endswith(".bias") for n in no_decay["names"])
+    assert any(n.endswith("norm.weight") for n in no_decay["names"]) and any(
+        n.endswith(".bias") for n in no_decay["names"]
+    )
     assert len(decay["names"]) + len(no_decay["names"]) == len(named)
     opt = build_optimizer(model, OptimConfig(weight_decay=0.1))
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
@@ -40,7 +54,7 @@ def test_schedule_closed_form(warmup):
     progress = [(k - warmup) / (n - 1 - warmup) for k in range(warmup, n)]
     expected = [1e-4 + 0.45e-3 * (1 + math.cos(math.pi * p)) for p in progress]
     assert lrs[warmup:] == pytest.approx(expected)
-    assert all(a >= b for a, b in zip(lrs[warmup:], lrs[warmup + 1:]))
+    assert all(a >= b for a, b in zip(lrs[warmup:], lrs[warmup + 1 :]))
     assert min(lrs[warmup:]) == pytest.approx(1e-4)
 
 

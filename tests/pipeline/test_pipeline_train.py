@@ -25,8 +25,17 @@ def ckpts(run_dir: Path) -> list[str]:
 
 def test_loss_goes_down(tmp_path, tiny_data, overrides, metrics):
     run = tmp_path / "run"
-    assert main(None, overrides(run, tiny_data, **{"train.max_steps": 40, "optim.lr": 1e-2, "optim.min_lr": 1e-3,
-                                                   "checkpoint.export": False})) == 0
+    assert (
+        main(
+            None,
+            overrides(
+                run,
+                tiny_data,
+                **{"train.max_steps": 40, "optim.lr": 1e-2, "optim.min_lr": 1e-3, "checkpoint.export": False},
+            ),
+        )
+        == 0
+    )
     losses = [m["loss"] for m in metrics(run).values()]
     assert len(losses) == 40
     assert sum(losses[-5:]) / 5 < losses[0] - 0.4, losses
@@ -54,7 +63,7 @@ def test_exact_resume_after_signal(tmp_path, tiny_data, overrides, metrics, monk
     sa = torch.load(a / "checkpoints/step_00000008/state.pt", weights_only=True)
     sb = torch.load(b / "checkpoints/step_00000008/state.pt", weights_only=True)
     for (ka, va), (kb, vb) in zip(sa["optim"]["state"].items(), sb["optim"]["state"].items()):
-        assert all(torch.equal(va[n], vb[n]) for n in va), ka
+        assert ka == kb and all(torch.equal(va[n], vb[n]) for n in va), ka
     ta = json.loads((a / "checkpoints/step_00000008/trainer_state.json").read_text())
     tb = json.loads((b / "checkpoints/step_00000008/trainer_state.json").read_text())
     assert ta["data"] == tb["data"] and ta["tokens_seen"] == tb["tokens_seen"]
@@ -94,8 +103,17 @@ def test_nan_stops_before_the_optimizer_step(tmp_path, tiny_data, overrides, mon
 
 def test_keep_last_and_uncommitted_saves_are_ignored(tmp_path, tiny_data, overrides):
     run = tmp_path / "run"
-    assert main(None, overrides(run, tiny_data, **{"train.max_steps": 5, "checkpoint.every": 1,
-                                                   "checkpoint.keep_last": 2, "checkpoint.export": False})) == 0
+    assert (
+        main(
+            None,
+            overrides(
+                run,
+                tiny_data,
+                **{"train.max_steps": 5, "checkpoint.every": 1, "checkpoint.keep_last": 2, "checkpoint.export": False},
+            ),
+        )
+        == 0
+    )
     assert ckpts(run) == ["step_00000004", "step_00000005"]
     again = overrides(run, tiny_data, **{"train.max_steps": 6, "checkpoint.keep_last": 2})
     # An uncommitted directory this trainer did not write: the run refuses to start and leaves it as it is.
@@ -135,10 +153,23 @@ def test_debug_config_runs_from_the_command_line(tmp_path, tiny_data):
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, str(REPO / "launch/pretrain.py"), "--config", str(REPO / "configs/train/debug.yaml"),
-         f"run_dir={run}", f"data.path={tiny_data}", "model.vocab_size=64", "train.max_steps=4",
-         "train.eval_every=2", "logging.progress=false"],
-        capture_output=True, text=True, timeout=170, env=env)
+        [
+            sys.executable,
+            str(REPO / "launch/pretrain.py"),
+            "--config",
+            str(REPO / "configs/train/debug.yaml"),
+            f"run_dir={run}",
+            f"data.path={tiny_data}",
+            "model.vocab_size=64",
+            "train.max_steps=4",
+            "train.eval_every=2",
+            "logging.progress=false",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "git " in proc.stderr and "tokens_per_step=1024" in proc.stderr and "val_loss=" in proc.stderr
     assert (run / "export/model.safetensors").is_file()
@@ -182,8 +213,9 @@ def test_needle_answer_weight_is_a_weighted_mean_over_the_answer_tokens(tmp_path
     # Independent reference: per-token cross-entropy, answer positions found from the weights.
     model = trainer.engine.module.eval()  # no Gumbel noise: every forward below sees the same retrieval
     with torch.no_grad():
-        ce = torch.nn.functional.cross_entropy(model(x).logits[:, :-1].flatten(0, 1), x[:, 1:].flatten(),
-                                               reduction="none").view(x.shape[0], -1)
+        ce = torch.nn.functional.cross_entropy(
+            model(x).logits[:, :-1].flatten(0, 1), x[:, 1:].flatten(), reduction="none"
+        ).view(x.shape[0], -1)
         answer = w[:, 1:] == 5.0
         assert (answer.sum(1) > 0).all() and (w[:, 1:][~answer] == 1.0).all()
         expected = (ce.sum() + 4.0 * ce[answer].sum()) / (ce.numel() + 4.0 * answer.sum())

@@ -25,11 +25,16 @@ def _prepared(tmp_path: Path, tiny_data: Path, vocab: int = 64) -> Path:
     root = tmp_path / "data"
     shutil.copytree(tiny_data, root)
     manifest = fmt.Manifest(
-        format_version=fmt.FORMAT_VERSION, token_dtype="uint16",
-        tokenizer=fmt.TokenizerInfo(sha256="0" * 64, vocab_size=vocab, model_type="bpe", trained=True, unk_id=0,
-                                    bos_id=-1, eos_id=1, pad_id=-1),
+        format_version=fmt.FORMAT_VERSION,
+        token_dtype="uint16",
+        tokenizer=fmt.TokenizerInfo(
+            sha256="0" * 64, vocab_size=vocab, model_type="bpe", trained=True, unk_id=0, bos_id=-1, eos_id=1, pad_id=-1
+        ),
         splits={s: fmt.SplitStats(documents=1, pieces=1, tokens=1, index_sha256="0" * 64) for s in fmt.SPLITS},
-        skipped={}, inputs=[], config={})
+        skipped={},
+        inputs=[],
+        config={},
+    )
     data = manifest.to_json().encode()
     (root / fmt.MANIFEST_FILENAME).write_bytes(data)
     (root / fmt.COMPLETE_MARKER).write_text(hashlib.sha256(data).hexdigest() + "\n")
@@ -48,8 +53,7 @@ def test_data_check(tmp_path, tiny_data):
     for shard in (root / "val").glob("shard.00001.*"):
         shard.unlink()
     [line] = preflight.check_data(str(root), "train", 64, val_split="val")
-    assert line == (f"data: {root}/val: 1 shard(s) listed in index.json are missing (first: shard 1); "
-                    "re-run data prep")
+    assert line == (f"data: {root}/val: 1 shard(s) listed in index.json are missing (first: shard 1); re-run data prep")
     (root / fmt.MANIFEST_FILENAME).write_text("{}")
     [line] = preflight.check_data(str(root), "train", 64)
     assert line.startswith(f"data: {root}/manifest.json does not match {root}/_COMPLETE")
@@ -102,11 +106,15 @@ def test_stale_shared_memory_is_removed_unless_in_use(tmp_path):
 
 def test_version_mismatch_names_rank_host_and_package():
     ref = {"torch": "2.13.0", "deepspeed": "0.19.8", "git": "abc"}
-    reports = [preflight.Report("n0", 0, 0, ref), preflight.Report("n0", 1, 1, dict(ref)),
-               preflight.Report("n1", 2, 0, {**ref, "torch": "2.12.0", "git": "abd"})]
+    reports = [
+        preflight.Report("n0", 0, 0, ref),
+        preflight.Report("n0", 1, 1, dict(ref)),
+        preflight.Report("n1", 2, 0, {**ref, "torch": "2.12.0", "git": "abd"}),
+    ]
     assert preflight.compare_versions(reports) == [
         "preflight: n1 rank 2: versions: git abd (rank 0 on n0: abc), torch 2.12.0 (rank 0 on n0: 2.13.0); "
-        "install the same environment on every node"]
+        "install the same environment on every node"
+    ]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answers")
@@ -143,11 +151,28 @@ def _free_port() -> int:
 def test_a_missing_rank_ends_in_one_line_not_a_hang(tmp_path, tiny_data, overrides):
     """Rank 0 of a 2-rank job whose rank 1 never comes: the watchdog reports and exits 1."""
     data = _prepared(tmp_path, tiny_data)
-    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, str(REPO / "launch/preflight.py"), "--timeout-s", "4", "--min-free-gb", "0",
-           "--gpus-per-node", "0", "--config", str(REPO / "configs/train/debug.yaml"),
-           *overrides(tmp_path / "run", data)]
+    env = {
+        **os.environ,
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "OMP_NUM_THREADS": "1",
+    }
+    cmd = [
+        sys.executable,
+        str(REPO / "launch/preflight.py"),
+        "--timeout-s",
+        "4",
+        "--min-free-gb",
+        "0",
+        "--gpus-per-node",
+        "0",
+        "--config",
+        str(REPO / "configs/train/debug.yaml"),
+        *overrides(tmp_path / "run", data),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "[ERROR]" in line]

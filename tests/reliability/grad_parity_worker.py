@@ -1,6 +1,7 @@
 """T16 worker (run by test_reliability_grad_parity_dist.py under torchrun, 2 ranks): one fp64 step of the tiny
-GCA model with uneven shapes, each rank on its half of a fixed global batch, through the trainer's own engines
-(DDP, FSDP2). Rank 0 writes the full (gathered) gradients before and after clipping and the gradient norm, per engine."""
+GCA model with uneven shapes, each rank on its half of a fixed global batch, through the trainer's own
+engines (DDP, FSDP2). Rank 0 writes the full (gathered) gradients before and after clipping and the gradient
+norm, per engine."""
 
 from __future__ import annotations
 
@@ -15,9 +16,21 @@ from pipeline import dist
 from pipeline.config import load_config
 from pipeline.parallel import TorchEngine
 
-MODEL = ["model.vocab_size=67", "model.d_model=20", "model.n_heads=2", "model.n_kv_heads=2", "model.ffn_hidden=37",
-         "model.n_lower_layers=1", "model.groups=[1]", "model.n_encoder_layers=1", "model.chunk_size=8",
-         "model.top_k=2", "model.window=16", "model.attn_backend=naive", "model.gumbel_topk=false"]
+MODEL = [
+    "model.vocab_size=67",
+    "model.d_model=20",
+    "model.n_heads=2",
+    "model.n_kv_heads=2",
+    "model.ffn_hidden=37",
+    "model.n_lower_layers=1",
+    "model.groups=[1]",
+    "model.n_encoder_layers=1",
+    "model.chunk_size=8",
+    "model.top_k=2",
+    "model.window=16",
+    "model.attn_backend=naive",
+    "model.gumbel_topk=false",
+]
 """Odd vocabulary and MLP sizes, so FSDP2 shards rows unevenly (torchtitan #1136)."""
 GLOBAL_BATCH, SEQ_LEN = 4, 64
 
@@ -43,8 +56,18 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def run(engine: str, info: dist.DistInfo) -> dict[str, torch.Tensor]:
-    cfg = load_config(None, ["run_dir=unused-run", "data.path=unused-data", *MODEL, f"parallel.engine={engine}",
-                             f"train.global_batch={GLOBAL_BATCH}", "train.micro_batch=2"], info.world_size)
+    cfg = load_config(
+        None,
+        [
+            "run_dir=unused-run",
+            "data.path=unused-data",
+            *MODEL,
+            f"parallel.engine={engine}",
+            f"train.global_batch={GLOBAL_BATCH}",
+            "train.micro_batch=2",
+        ],
+        info.world_size,
+    )
     eng = TorchEngine(model(), cfg, info, bf16=False)
     per = GLOBAL_BATCH // info.world_size
     mine = batch()[info.rank * per : (info.rank + 1) * per]

@@ -36,6 +36,7 @@ CONFIG = str(REPO / "configs/train/debug.yaml")
 
 # -- data ------------------------------------------------------------------------------------------------------
 
+
 def write_split(root: Path, split: str, n_docs: int, seed: int, size_limit: int = 4096) -> fmt.SplitStats:
     """``n_docs`` documents of a fixed Markov chain (learnable in a few steps), 40-200 tokens, 1-3 pieces each."""
     ensure_streaming_importable()
@@ -44,8 +45,13 @@ def write_split(root: Path, split: str, n_docs: int, seed: int, size_limit: int 
     rng = np.random.default_rng(seed)
     succ = np.random.default_rng(0).permutation(np.arange(2, VOCAB))
     pieces = tokens_total = 0
-    with MDSWriter(out=str(root / split), columns=fmt.mds_columns("uint16"), compression="zstd",
-                   size_limit=size_limit, hashes=["sha256", "xxh64"]) as writer:
+    with MDSWriter(
+        out=str(root / split),
+        columns=fmt.mds_columns("uint16"),
+        compression="zstd",
+        size_limit=size_limit,
+        hashes=["sha256", "xxh64"],
+    ) as writer:
         for doc_id in range(n_docs):
             length = int(rng.integers(40, 200))
             tokens = np.empty(length, dtype=np.uint16)
@@ -66,9 +72,19 @@ def tokenizer_bytes() -> bytes:
     words = "the grass is green the sky is blue here we go again".split()
     rng = np.random.default_rng(0)
     out = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(" ".join(rng.choice(words, 12)) for _ in range(300)),
-                                   model_writer=out, vocab_size=VOCAB, model_type="bpe", eos_id=EOS, bos_id=-1,
-                                   pad_id=-1, unk_id=0, num_threads=1, minloglevel=2, hard_vocab_limit=False)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(" ".join(rng.choice(words, 12)) for _ in range(300)),
+        model_writer=out,
+        vocab_size=VOCAB,
+        model_type="bpe",
+        eos_id=EOS,
+        bos_id=-1,
+        pad_id=-1,
+        unk_id=0,
+        num_threads=1,
+        minloglevel=2,
+        hard_vocab_limit=False,
+    )
     return out.getvalue()
 
 
@@ -78,10 +94,25 @@ def write_dataset(root: Path, n_train: int = 200, n_val: int = 20) -> Path:
     splits = {"train": write_split(root, "train", n_train, seed=1), "val": write_split(root, "val", n_val, seed=2)}
     model = tokenizer_bytes()
     (root / fmt.TOKENIZER_FILENAME).write_bytes(model)
-    info = fmt.TokenizerInfo(sha256=hashlib.sha256(model).hexdigest(), vocab_size=VOCAB, model_type="bpe",
-                             trained=True, unk_id=0, bos_id=-1, eos_id=EOS, pad_id=-1)
-    manifest = fmt.Manifest(format_version=fmt.FORMAT_VERSION, token_dtype="uint16", tokenizer=info, splits=splits,
-                            skipped={}, inputs=[], config={"source": "tests/reliability"})
+    info = fmt.TokenizerInfo(
+        sha256=hashlib.sha256(model).hexdigest(),
+        vocab_size=VOCAB,
+        model_type="bpe",
+        trained=True,
+        unk_id=0,
+        bos_id=-1,
+        eos_id=EOS,
+        pad_id=-1,
+    )
+    manifest = fmt.Manifest(
+        format_version=fmt.FORMAT_VERSION,
+        token_dtype="uint16",
+        tokenizer=info,
+        splits=splits,
+        skipped={},
+        inputs=[],
+        config={"source": "tests/reliability"},
+    )
     data = manifest.to_json().encode()
     (root / fmt.MANIFEST_FILENAME).write_bytes(data)
     (root / fmt.COMPLETE_MARKER).write_text(hashlib.sha256(data).hexdigest() + "\n")
@@ -90,17 +121,39 @@ def write_dataset(root: Path, n_train: int = 200, n_val: int = 20) -> Path:
 
 # -- runs ------------------------------------------------------------------------------------------------------
 
+
 def overrides(run_dir: Path, data_dir: Path, **extra: object) -> list[str]:
     """A ~0.05M-parameter GCA model on the test data (naive backend, a few ms per step on CPU)."""
     base = {
-        "run_dir": str(run_dir), "data.path": str(data_dir), "seed": 7,
-        "model.vocab_size": VOCAB, "model.d_model": 32, "model.n_heads": 2, "model.n_kv_heads": 2,
-        "model.ffn_hidden": 64, "model.n_lower_layers": 1, "model.groups": "[1]", "model.n_encoder_layers": 1,
-        "model.chunk_size": 8, "model.top_k": 2, "model.window": 16, "model.attn_backend": "naive",
-        "train.seq_len": 64, "train.micro_batch": 2, "train.global_batch": 4, "train.max_steps": 8,
-        "train.eval_every": 0, "optim.lr": 3e-3, "optim.min_lr": 3e-4, "schedule.warmup_steps": 2,
-        "data.shuffle_window": 8, "logging.every": 1, "logging.progress": False,
-        "checkpoint.every": 4, "checkpoint.keep_last": 10, "checkpoint.export": False,
+        "run_dir": str(run_dir),
+        "data.path": str(data_dir),
+        "seed": 7,
+        "model.vocab_size": VOCAB,
+        "model.d_model": 32,
+        "model.n_heads": 2,
+        "model.n_kv_heads": 2,
+        "model.ffn_hidden": 64,
+        "model.n_lower_layers": 1,
+        "model.groups": "[1]",
+        "model.n_encoder_layers": 1,
+        "model.chunk_size": 8,
+        "model.top_k": 2,
+        "model.window": 16,
+        "model.attn_backend": "naive",
+        "train.seq_len": 64,
+        "train.micro_batch": 2,
+        "train.global_batch": 4,
+        "train.max_steps": 8,
+        "train.eval_every": 0,
+        "optim.lr": 3e-3,
+        "optim.min_lr": 3e-4,
+        "schedule.warmup_steps": 2,
+        "data.shuffle_window": 8,
+        "logging.every": 1,
+        "logging.progress": False,
+        "checkpoint.every": 4,
+        "checkpoint.keep_last": 10,
+        "checkpoint.export": False,
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
@@ -121,8 +174,9 @@ def run_process(cmd: list[str], timeout: float, fault: str | None = None, env: d
     if fault:
         full_env["PIPE_FAULT"] = fault
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, cwd=REPO,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, cwd=REPO, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -132,17 +186,31 @@ def run_process(cmd: list[str], timeout: float, fault: str | None = None, env: d
     return Result(proc.returncode, out, time.monotonic() - t0)
 
 
-def train_ranks(nproc: int, args: list[str], fault: str | None = None, timeout: float = 180,
-                env: dict[str, str] | None = None) -> Result:
+def train_ranks(
+    nproc: int, args: list[str], fault: str | None = None, timeout: float = 180, env: dict[str, str] | None = None
+) -> Result:
     """``torchrun --standalone --nproc_per_node nproc launch/pretrain.py`` (gloo on CPU); no restarts. Standalone
     rendezvous binds its own free port, so concurrent test runs on the machine cannot race for one."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           "--max-restarts", "0", str(REPO / "launch/pretrain.py"), "--config", CONFIG, *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        "--max-restarts",
+        "0",
+        str(REPO / "launch/pretrain.py"),
+        "--config",
+        CONFIG,
+        *args,
+    ]
     return run_process(cmd, timeout, fault, env)
 
 
-def train_process(args: list[str], fault: str | None = None, timeout: float = 120,
-                  env: dict[str, str] | None = None) -> Result:
+def train_process(
+    args: list[str], fault: str | None = None, timeout: float = 120, env: dict[str, str] | None = None
+) -> Result:
     """One ``python launch/pretrain.py`` process."""
     cmd = [sys.executable, str(REPO / "launch/pretrain.py"), "--config", CONFIG, *args]
     return run_process(cmd, timeout, fault, env)

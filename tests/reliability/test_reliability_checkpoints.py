@@ -58,8 +58,7 @@ def test_t03_torn_save_is_never_selected(point, straight, data, tmp_path, monkey
     assert main(None, args) == 0
     assert committed(run) == ["step_00000012"]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000012"]
-    start = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
-             if '"start_step"' in line]
+    start = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"start_step"' in line]
     assert [s["start_step"] for s in start] == [0, 4], "resumed from step 4, not from the torn step 8"
     assert_same_steps(straight, run, range(1, 13))
     assert_same_checkpoint(straight / "checkpoints/step_00000012", run / "checkpoints/step_00000012")
@@ -130,8 +129,11 @@ def test_t04_fallback_to_previous_verified_checkpoint(two_checkpoints, data, cap
         assert trainer.train() == 0
     assert "failed verification" in caplog.text and "falling back to the previous checkpoint" in caplog.text
     assert "step_00000004" in caplog.text
-    starts = [json.loads(line)["start_step"] for line in (two_checkpoints / "metrics.jsonl").read_text().splitlines()
-              if '"start_step"' in line]
+    starts = [
+        json.loads(line)["start_step"]
+        for line in (two_checkpoints / "metrics.jsonl").read_text().splitlines()
+        if '"start_step"' in line
+    ]
     assert starts == [0, 4]
 
 
@@ -158,12 +160,18 @@ def test_t05_keep_last_n(data, tmp_path, monkeypatch, caplog):
     assert "could not delete old checkpoint" in caplog.text and "step_00000002" in caplog.text
     # Its marker went first, so the undeletable directory is no longer a checkpoint (removed at the next start).
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
-        "step_00000002", "step_00000006", "step_00000007", "step_00000008"]
+        "step_00000002",
+        "step_00000006",
+        "step_00000007",
+        "step_00000008",
+    ]
     purged = [n for n in removed if n.startswith("step_") and not n.endswith(".tmp")]  # not the reader's cache
     assert purged == [f"step_{s:08d}" for s in (1, 3, 4, 5)], purged
     monkeypatch.setattr(checkpoint.shutil, "rmtree", real_rmtree)
-    assert main(None, overrides(run, data, **{"checkpoint.every": 1, "checkpoint.keep_last": 1,
-                                              "train.max_steps": 9})) == 0
+    assert (
+        main(None, overrides(run, data, **{"checkpoint.every": 1, "checkpoint.keep_last": 1, "train.max_steps": 9}))
+        == 0
+    )
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000009"]
 
 
@@ -180,13 +188,26 @@ def _reparallel(run: Path, engine: str, zero_stage: int, world_size: int) -> Pat
     return ckpt
 
 
-@pytest.mark.parametrize("engine, zero_stage, world, current, match", [
-    ("deepspeed", 2, 2, {"engine": "deepspeed", "zero_stage": 2},
-     r"DeepSpeed ZeRO-2 optimizer state partitioned over 2 ranks; this run has 1\. Resume with 2 ranks"),
-    ("none", 0, 1, {"engine": "fsdp", "zero_stage": 0},
-     r"written by parallel\.engine=none \(zero_stage=0\), this run uses parallel\.engine=fsdp"),
-    ("deepspeed", 1, 1, {"engine": "deepspeed", "zero_stage": 3}, r"zero_stage=1\), this run uses .*zero_stage=3"),
-])
+@pytest.mark.parametrize(
+    "engine, zero_stage, world, current, match",
+    [
+        (
+            "deepspeed",
+            2,
+            2,
+            {"engine": "deepspeed", "zero_stage": 2},
+            r"DeepSpeed ZeRO-2 optimizer state partitioned over 2 ranks; this run has 1\. Resume with 2 ranks",
+        ),
+        (
+            "none",
+            0,
+            1,
+            {"engine": "fsdp", "zero_stage": 0},
+            r"written by parallel\.engine=none \(zero_stage=0\), this run uses parallel\.engine=fsdp",
+        ),
+        ("deepspeed", 1, 1, {"engine": "deepspeed", "zero_stage": 3}, r"zero_stage=1\), this run uses .*zero_stage=3"),
+    ],
+)
 def test_t07_layouts_that_cannot_be_resharded_are_refused(engine, zero_stage, world, current, match, two_checkpoints):
     """T7's refusal half (the re-sharding runs are in test_reliability_world_size_dist.py): DeepSpeed ZeRO-1/2/3
     optimizer partitions cannot move to another world size here, and no engine reads another engine's format."""

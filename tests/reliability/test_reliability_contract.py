@@ -30,6 +30,7 @@ GOLDEN_V1 = Path(__file__).parent / "fixtures" / "golden_v1"
 
 # -- T14 -----------------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("fault, shown", [("nan_loss:step=5", "loss=nan"), ("inf_grad:step=5", "grad_norm=(inf|nan)")])
 def test_t14_nonfinite_stops_before_the_update(fault, shown, data, tmp_path, monkeypatch):
     """The run stops at step 5 before the optimizer step: the error names the step and rank, nothing of step 5 is
@@ -50,17 +51,21 @@ def test_t14_nonfinite_stops_before_the_update(fault, shown, data, tmp_path, mon
 
 # -- T20 -----------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("extra, drop, message", [
-    ({"train.max_step": 5}, None, "unknown config key 'train.max_step'.*did you mean 'train.max_steps'"),
-    ({"optim.weight_decy": 0.1}, None, "did you mean 'optim.weight_decay'"),
-    ({"train.global_batch": "8x"}, None, "config key 'train.global_batch' has a wrong value"),
-    ({}, "data.path", "config key 'data.path' is required"),
-    ({"train.global_batch": 6, "train.micro_batch": 4}, None, "train.global_batch=6 must be divisible by"),
-    ({"model.top_k": 9}, None, "model.top_k=9 is larger than the number of chunks per sequence"),
-    ({"checkpoint.keep_last": 0}, None, "checkpoint.keep_last must be >= 1"),
-    ({"checkpoint.every": -1}, None, "checkpoint.every must be >= 0"),
-    ({"model.d_model": 30, "model.n_heads": 4}, None, "model.d_model=30 must be divisible by model.n_heads=4"),
-])
+
+@pytest.mark.parametrize(
+    "extra, drop, message",
+    [
+        ({"train.max_step": 5}, None, "unknown config key 'train.max_step'.*did you mean 'train.max_steps'"),
+        ({"optim.weight_decy": 0.1}, None, "did you mean 'optim.weight_decay'"),
+        ({"train.global_batch": "8x"}, None, "config key 'train.global_batch' has a wrong value"),
+        ({}, "data.path", "config key 'data.path' is required"),
+        ({"train.global_batch": 6, "train.micro_batch": 4}, None, "train.global_batch=6 must be divisible by"),
+        ({"model.top_k": 9}, None, "model.top_k=9 is larger than the number of chunks per sequence"),
+        ({"checkpoint.keep_last": 0}, None, "checkpoint.keep_last must be >= 1"),
+        ({"checkpoint.every": -1}, None, "checkpoint.every must be >= 0"),
+        ({"model.d_model": 30, "model.n_heads": 4}, None, "model.d_model=30 must be divisible by model.n_heads=4"),
+    ],
+)
 def test_t20_bad_config_fails_before_anything_starts(extra, drop, message, data, tmp_path, caplog):
     run = tmp_path / "run"
     args = [a for a in overrides(run, data, **extra) if drop is None or not a.startswith(drop + "=")]
@@ -83,8 +88,11 @@ def test_t20_keep_last_one_and_end_only_saves_are_valid(data, tmp_path):
 def test_t20_architecture_mismatch_lists_every_differing_field(data, tmp_path):
     run = tmp_path / "run"
     assert main(None, overrides(run, data, **{"train.max_steps": 4})) == 0
-    with pytest.raises(CheckpointError, match=r"different architecture: model\.ffn_hidden: checkpoint 64 vs config 96, "
-                                              r"model\.window: checkpoint 16 vs config 8"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"different architecture: model\.ffn_hidden: checkpoint 64 vs config 96, "
+        r"model\.window: checkpoint 16 vs config 8",
+    ):
         main(None, overrides(run, data, **{"model.window": 8, "model.ffn_hidden": 96}))
 
 
@@ -119,9 +127,14 @@ def test_t23_export_loads_in_a_fresh_process_without_trainer_code(data, tmp_path
 
     out = tmp_path / "logits.safetensors"
     save_file({"x": x}, str(out) + ".in")
-    proc = subprocess.run([sys.executable, "-c", _EVAL_SCRIPT, str(export), str(out)], cwd=REPO, timeout=120,
-                          capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
-                                                               "PYTHONPATH": str(REPO)})
+    proc = subprocess.run(
+        [sys.executable, "-c", _EVAL_SCRIPT, str(export), str(out)],
+        cwd=REPO,
+        timeout=120,
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     trainer.engine.module.eval()
     with torch.no_grad():
@@ -136,12 +149,16 @@ def test_t23_checkpoint_of_the_previous_release_fails_with_a_migration_error(dat
     assert json.loads((ckpt / "trainer_state.json").read_text())["format"] == 1
     recipe = json.loads((GOLDEN_V1 / "recipe.json").read_text())
     args = overrides(tmp_path / "run", data, **{**recipe["overrides"], "checkpoint.resume": str(ckpt)})
-    with pytest.raises(CheckpointError, match=r"trainer state format 1 was written by an older release .*"
-                                              r"version migration"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"trainer state format 1 was written by an older release .*"
+        r"version migration",
+    ):
         main(None, args)
 
 
 # -- the fault-injection mechanism itself --------------------------------------------------------------------------
+
 
 def test_fault_injection_is_off_by_default_and_strict(monkeypatch):
     from pipeline import faults
@@ -151,8 +168,14 @@ def test_fault_injection_is_off_by_default_and_strict(monkeypatch):
     plan = faults.from_env()
     assert plan is not None and plan.hits("sigusr1", 5, 1) and not plan.hits("sigusr1", 5, 0)
     assert plan.find("exit_during_save", 8, 0).options == {"at": "renamed"}
-    for bad in ("nan_los:step=3", "kill:rank=1", "kill:step=3:when=now", "exit_during_save:step=2:at=never",
-                "signal_during_save:step=2:sig=hup", "hang:step=x"):
+    for bad in (
+        "nan_los:step=3",
+        "kill:rank=1",
+        "kill:step=3:when=now",
+        "exit_during_save:step=2:at=never",
+        "signal_during_save:step=2:sig=hup",
+        "hang:step=x",
+    ):
         monkeypatch.setenv("PIPE_FAULT", bad)
         with pytest.raises(ValueError, match="PIPE_FAULT"):
             faults.from_env()

@@ -52,6 +52,7 @@ def _steps(batches: RankBatches, n: int) -> list[np.ndarray]:
 
 # -- T8 ------------------------------------------------------------------------------------------------------------
 
+
 def test_t08_resume_at_every_step_including_the_exact_epoch_end():
     """5 shards of uneven samples (320 tokens = 40 sequences of 8 = exactly 20 steps of 2): resuming after any of
     the 60 steps (3 epochs; mid-window, window ends, the epoch ends at 20 and 40) continues the identical stream;
@@ -82,11 +83,15 @@ def test_t08_real_dataset_resume_mid_epoch_and_across_the_epoch_boundary(data):
     """The real MDS reader, unshuffled and shuffled: resume points inside the first epoch and right after the
     boundary give the same stream as reading straight through."""
     reader = MDSReader(str(data), "train", None)
-    total = sum(int(reader.sample(s, i)[0].size) + 1 for s in range(reader.num_shards)
-                for i in range(int(reader.samples_per_shard[s])))  # +1 upper bound for EOS separators
+    total = sum(
+        int(reader.sample(s, i)[0].size) + 1
+        for s in range(reader.num_shards)
+        for i in range(int(reader.samples_per_shard[s]))
+    )  # +1 upper bound for EOS separators
     steps = total // (4 * 64) + 3  # crosses into epoch 2
     for shuffle in (False, True):
-        def fresh() -> RankBatches:
+
+        def fresh(shuffle: bool = shuffle) -> RankBatches:
             return RankBatches(PackedSequences(reader, 64, seed=7, shuffle=shuffle, window=8, eos_id=1), 4, 2, 0, 1)
 
         straight = _steps(fresh(), steps)
@@ -100,6 +105,7 @@ def test_t08_real_dataset_resume_mid_epoch_and_across_the_epoch_boundary(data):
 
 # -- T9 ------------------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("resume_at", [0, 37, 500])
 def test_t09_elastic_partition(resume_at):
     """1000 samples, global batch 12: world sizes 1, 2, 3, 4, 6 see identical global batches (each rank a
@@ -107,8 +113,10 @@ def test_t09_elastic_partition(resume_at):
     reader = FakeReader([[5] * 100 for _ in range(10)])  # 1000 samples of 5 tokens = 1000 sequences of 5
 
     def ranks(world: int) -> list[RankBatches]:
-        return [RankBatches(PackedSequences(reader, 5, seed=11, shuffle=True, window=10, eos_id=None), 12, 1, r, world)
-                for r in range(world)]
+        return [
+            RankBatches(PackedSequences(reader, 5, seed=11, shuffle=True, window=10, eos_id=None), 12, 1, r, world)
+            for r in range(world)
+        ]
 
     def global_batches(parts: list[RankBatches], n: int) -> list[np.ndarray]:
         return [np.concatenate([_steps(p, 1)[0] for p in parts]) for _ in range(n)]
@@ -133,6 +141,7 @@ def test_t09_elastic_partition(resume_at):
 
 
 # -- T10 -----------------------------------------------------------------------------------------------------------
+
 
 def _first_shard(data_dir: Path) -> int:
     reader = MDSReader(str(data_dir), "train", None)
@@ -163,8 +172,11 @@ def test_t10_corrupt_extracted_shard_is_caught_by_the_trainer(data_copy, tmp_pat
     with caplog.at_level(logging.ERROR):
         assert main(None, overrides(tmp_path / "run", data_copy)) == 1
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    assert len(errors) == 1 and re.search(rf"data error at step 1 .*Checksum failure: .*shard\.{shard:05d}\.mds: "
-                                          "xxh64", errors[0]), errors
+    assert len(errors) == 1 and re.search(
+        rf"data error at step 1 .*Checksum failure: .*shard\.{shard:05d}\.mds: "
+        "xxh64",
+        errors[0],
+    ), errors
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
@@ -176,9 +188,19 @@ def _other_tokenizer() -> bytes:
 
     out = io.BytesIO()
     lines = [f"other words for model {i} and more text {i * 7}" for i in range(300)]
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=out, vocab_size=64, model_type="bpe",
-                                   eos_id=1, bos_id=-1, pad_id=-1, unk_id=0, num_threads=1, minloglevel=2,
-                                   hard_vocab_limit=False)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_writer=out,
+        vocab_size=64,
+        model_type="bpe",
+        eos_id=1,
+        bos_id=-1,
+        pad_id=-1,
+        unk_id=0,
+        num_threads=1,
+        minloglevel=2,
+        hard_vocab_limit=False,
+    )
     return out.getvalue()
 
 
@@ -203,12 +225,16 @@ def test_t10_dataset_fingerprint_mismatch_on_resume(change, data_copy, tmp_path,
     with caplog.at_level(logging.ERROR):
         assert main(None, overrides(run, data_copy, **{"train.max_steps": 8})) == 2
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    assert len(errors) == 1 and re.search(rf"dataset fingerprint mismatch: .*{key}: checkpoint {old[key]} vs now "
-                                          rf"[0-9a-f]{{64}}", errors[0]), errors
+    assert len(errors) == 1 and re.search(
+        rf"dataset fingerprint mismatch: .*{key}: checkpoint {old[key]} vs now "
+        rf"[0-9a-f]{{64}}",
+        errors[0],
+    ), errors
     assert committed(run) == ["step_00000004"]
 
 
 # -- T11 -----------------------------------------------------------------------------------------------------------
+
 
 def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
     return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")}

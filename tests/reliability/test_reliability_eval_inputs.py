@@ -47,15 +47,28 @@ EVAL, GENERATE = _cli("eval"), _cli("generate")
 def export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-init export with the byte tokenizer (no tokenizer file), the way the trainer writes one."""
     torch.manual_seed(0)
-    cfg = GCAConfig(vocab_size=256, d_model=64, n_heads=2, n_kv_heads=2, ffn_hidden=128, n_lower_layers=1,
-                    groups=[1], chunk_size=16, top_k=2, window=32, attn_backend="naive")
-    return save_pretrained(GCAForCausalLM(cfg).eval(), tmp_path_factory.mktemp("eval_inputs") / "export",
-                           extra={"train_seq_len": 64})
+    cfg = GCAConfig(
+        vocab_size=256,
+        d_model=64,
+        n_heads=2,
+        n_kv_heads=2,
+        ffn_hidden=128,
+        n_lower_layers=1,
+        groups=[1],
+        chunk_size=16,
+        top_k=2,
+        window=32,
+        attn_backend="naive",
+    )
+    return save_pretrained(
+        GCAForCausalLM(cfg).eval(), tmp_path_factory.mktemp("eval_inputs") / "export", extra={"train_seq_len": 64}
+    )
 
 
 @pytest.fixture
 def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fail the test if an evaluation starts."""
+
     def ran(*args, **kwargs):
         raise AssertionError("the evaluation ran although the input was bad")
 
@@ -66,6 +79,7 @@ def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def no_load(monkeypatch: pytest.MonkeyPatch, no_work: None) -> None:
     """Fail the test if the export is even loaded."""
+
     def loaded(*args, **kwargs):
         raise AssertionError("the export was loaded although the input was bad")
 
@@ -174,18 +188,21 @@ def test_a_finished_result_survives_an_output_directory_that_vanished(export, tm
 # --- passkey templates and numeric keys ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("args", "fragments"), [
-    (["needle= The pass key is 12345. "], ["needle=", "lacks the placeholder(s) {key}"]),
-    (["answer= 12345"], ["answer=", "lacks the placeholder(s) {key}"]),
-    (["variant=multi", "question= What is the special magic number?"], ["question=", "{name}"]),
-    (["variant=multihop", 'link=" {name} leads somewhere. "'], ["link=", "{next}"]),
-    (["needle= The pass key is {key. "], ["needle=", "expected '}'"]),
-    (["question= What is the pass key {key}?"], ["question=", "unknown placeholder(s) {key}"]),
-    (['link=" {name} leads to {next}. "'], ["link=", "only variant=multihop"]),
-    (['needle="  "'], ["needle=", "is empty"]),
-    (["needle= The pass key is: {key}. "], ["needle=", "not a valid value", "quote text"]),
-    (["answer={key}"], ["answer: ", "quote text"]),
-])
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["needle= The pass key is 12345. "], ["needle=", "lacks the placeholder(s) {key}"]),
+        (["answer= 12345"], ["answer=", "lacks the placeholder(s) {key}"]),
+        (["variant=multi", "question= What is the special magic number?"], ["question=", "{name}"]),
+        (["variant=multihop", 'link=" {name} leads somewhere. "'], ["link=", "{next}"]),
+        (["needle= The pass key is {key. "], ["needle=", "expected '}'"]),
+        (["question= What is the pass key {key}?"], ["question=", "unknown placeholder(s) {key}"]),
+        (['link=" {name} leads to {next}. "'], ["link=", "only variant=multihop"]),
+        (['needle="  "'], ["needle=", "is empty"]),
+        (["needle= The pass key is: {key}. "], ["needle=", "not a valid value", "quote text"]),
+        (["answer={key}"], ["answer: ", "quote text"]),
+    ],
+)
 def test_passkey_template_without_its_placeholder_is_refused(args, fragments, export, tmp_path, capsys, no_load):
     assert _eval(export, tmp_path / "out", "lengths=[256]", "samples=1", *args, task="passkey") == 2
     line = _one_error_line(capsys.readouterr().err)
@@ -195,48 +212,58 @@ def test_passkey_template_without_its_placeholder_is_refused(args, fragments, ex
 
 def test_custom_templates_with_their_placeholders_run(export, tmp_path):
     """The control for the refusals above: the same keys, with placeholders, evaluate."""
-    args = ['needle=" The code word is {key}. "', 'question=" What is the code word? The code word is"',
-            'answer=" {key}"', "depths=[0.5]"]
+    args = [
+        'needle=" The code word is {key}. "',
+        'question=" What is the code word? The code word is"',
+        'answer=" {key}"',
+        "depths=[0.5]",
+    ]
     assert _eval(export, tmp_path / "out", "lengths=[256]", "samples=1", *args, task="passkey") == 0
     result = json.loads((tmp_path / "out" / "passkey.json").read_text())
     assert result["config"]["needle"] == " The code word is {key}. " and result["results"][0]["n"] == 1
 
 
-@pytest.mark.parametrize(("arg", "fragment"), [
-    ("lengths=[0]", "lengths=[0]"),
-    ("lengths=[-64]", "lengths=[-64]"),
-    ("samples=0", "samples=0"),
-    ("samples=-3", "samples=-3"),
-    ("segment=0", "segment=0"),
-    ("depths=[nan]", "depths=[nan]"),
-    ("depths=[inf]", "depths=[inf]"),
-    ("depths=[1.5]", "depths=[1.5]"),
-    ("depths=[-0.1]", "depths=[-0.1]"),
-    ("key_digits=0", "key_digits=0"),
-    ("key_digits=19", "key_digits=19"),
-    ("needles=0", "needles=0"),
-    ("seed=-1", "seed=-1"),
-    ("offload_mb=-2", "offload_mb=-2"),
-    ("offload_dir=/nonexistent/spill", "offload_dir='/nonexistent/spill'"),
-    ("device=gpu", "device='gpu'"),
-    ("samples=1.5", "samples"),
-    ("lengths=[inf]", "lengths"),
-])
+@pytest.mark.parametrize(
+    ("arg", "fragment"),
+    [
+        ("lengths=[0]", "lengths=[0]"),
+        ("lengths=[-64]", "lengths=[-64]"),
+        ("samples=0", "samples=0"),
+        ("samples=-3", "samples=-3"),
+        ("segment=0", "segment=0"),
+        ("depths=[nan]", "depths=[nan]"),
+        ("depths=[inf]", "depths=[inf]"),
+        ("depths=[1.5]", "depths=[1.5]"),
+        ("depths=[-0.1]", "depths=[-0.1]"),
+        ("key_digits=0", "key_digits=0"),
+        ("key_digits=19", "key_digits=19"),
+        ("needles=0", "needles=0"),
+        ("seed=-1", "seed=-1"),
+        ("offload_mb=-2", "offload_mb=-2"),
+        ("offload_dir=/nonexistent/spill", "offload_dir='/nonexistent/spill'"),
+        ("device=gpu", "device='gpu'"),
+        ("samples=1.5", "samples"),
+        ("lengths=[inf]", "lengths"),
+    ],
+)
 def test_bad_numbers_and_values_name_key_and_value(arg, fragment, export, tmp_path, capsys, no_load):
     assert _eval(export, tmp_path / "out", "lengths=[256]", arg, task="passkey") == 2
     assert fragment in _one_error_line(capsys.readouterr().err)
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize(("arg", "fragment"), [
-    ("--temperature=nan", "temperature=nan"),
-    ("--temperature=-1", "temperature=-1"),
-    ("--top-p=0", "top_p=0"),
-    ("--top-k=-1", "top_k=-1"),
-    ("--max-new-tokens=0", "--max-new-tokens 0"),
-    ("--offload-mb=-5", "--offload-mb -5"),
-    ("--device=gpu", "'gpu'"),
-])
+@pytest.mark.parametrize(
+    ("arg", "fragment"),
+    [
+        ("--temperature=nan", "temperature=nan"),
+        ("--temperature=-1", "temperature=-1"),
+        ("--top-p=0", "top_p=0"),
+        ("--top-k=-1", "top_k=-1"),
+        ("--max-new-tokens=0", "--max-new-tokens 0"),
+        ("--offload-mb=-5", "--offload-mb -5"),
+        ("--device=gpu", "'gpu'"),
+    ],
+)
 def test_generate_checks_its_options_before_loading(arg, fragment, export, capsys, monkeypatch):
     loads = []
     monkeypatch.setitem(GENERATE.__globals__, "load_checkpoint", lambda *a, **k: loads.append(a))
@@ -247,18 +274,23 @@ def test_generate_checks_its_options_before_loading(arg, fragment, export, capsy
 # --- the --config file -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("text", "fragment"), [
-    ("- 1024\n- 4096\n", "the top level must be a mapping"),
-    ("4096\n", "the top level must be a mapping"),
-    ("lengths: [1024,\n", "not valid YAML"),
-    (b"\xff\xfe\x00lengths", "not UTF-8"),
-    ("lenghts: [1024]\n", "unknown key 'lenghts' (did you mean 'lengths'?)"),
-])
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("- 1024\n- 4096\n", "the top level must be a mapping"),
+        ("4096\n", "the top level must be a mapping"),
+        ("lengths: [1024,\n", "not valid YAML"),
+        (b"\xff\xfe\x00lengths", "not UTF-8"),
+        ("lenghts: [1024]\n", "unknown key 'lenghts' (did you mean 'lengths'?)"),
+    ],
+)
 def test_config_file_that_is_not_a_mapping_of_keys_is_one_line(text, fragment, export, tmp_path, capsys, no_load):
     config = tmp_path / "eval.yaml"
     config.write_bytes(text if isinstance(text, bytes) else text.encode())
-    assert EVAL(["--checkpoint", str(export), "--task", "ppl", "--out", str(tmp_path / "out"),
-                 "--config", str(config)]) == 2
+    assert (
+        EVAL(["--checkpoint", str(export), "--task", "ppl", "--out", str(tmp_path / "out"), "--config", str(config)])
+        == 2
+    )
     line = _one_error_line(capsys.readouterr().err)
     assert f"config file {config}" in line and fragment in line
 
@@ -319,10 +351,23 @@ def _damage(export: Path, case: str, marker: Path) -> str:
     return "config.json" if case.startswith("config") else "model.safetensors"
 
 
-EXPORT_DAMAGE = ["garbage_weights", "pickle_renamed", "bare_pickle_renamed", "truncated_weights", "empty_weights",
-                 "trailing_bytes", "weights_of_another_model", "config_missing", "config_not_json", "config_a_list",
-                 "config_model_not_an_object", "config_not_utf8", "config_export_not_an_object",
-                 "config_bad_model_value", "tokenizer_not_sentencepiece"]
+EXPORT_DAMAGE = [
+    "garbage_weights",
+    "pickle_renamed",
+    "bare_pickle_renamed",
+    "truncated_weights",
+    "empty_weights",
+    "trailing_bytes",
+    "weights_of_another_model",
+    "config_missing",
+    "config_not_json",
+    "config_a_list",
+    "config_model_not_an_object",
+    "config_not_utf8",
+    "config_export_not_an_object",
+    "config_bad_model_value",
+    "tokenizer_not_sentencepiece",
+]
 
 
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol")
@@ -376,9 +421,25 @@ def test_environment_values_never_reach_output_or_results(export, secret_corpus,
     config = tmp_path / "eval.yaml"
     config.write_text("data: ${oc.env:GCA_EVAL_DATA}\nlengths: [64]\nsamples: 2\n")
     process = tmp_path / "out_process"
-    proc = subprocess.run([sys.executable, str(REPO / "launch/eval.py"), "--checkpoint", str(export), "--task", "ppl",
-                           "--out", str(process), "--config", str(config)], cwd=REPO, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "launch/eval.py"),
+            "--checkpoint",
+            str(export),
+            "--task",
+            "ppl",
+            "--out",
+            str(process),
+            "--config",
+            str(config),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0 and "loaded" in proc.stderr, proc.stderr
     assert SECRET not in proc.stdout + proc.stderr + _files_text(process)
     for out in (cli, process):

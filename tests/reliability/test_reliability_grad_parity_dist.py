@@ -37,8 +37,18 @@ def reference() -> dict[str, torch.Tensor]:
 
 
 def test_t16_two_ranks_match_one_process_in_fp64(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts",
-           "0", str(Path(__file__).parent / "grad_parity_worker.py"), str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "--max-restarts",
+        "0",
+        str(Path(__file__).parent / "grad_parity_worker.py"),
+        str(tmp_path),
+    ]
     result = run_process(cmd, timeout=180, env={"PYTHONPATH": str(REPO)})
     assert result.returncode == 0, result.output[-4000:]
     ref = reference()
@@ -48,5 +58,6 @@ def test_t16_two_ranks_match_one_process_in_fp64(tmp_path):
         torch.testing.assert_close(got["norm"], ref["norm"], rtol=1e-9, atol=0, msg=f"{engine}: grad norm")
         for name in ref:
             scale = float(ref[name].abs().max())
-            torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6 * scale,
-                                       msg=lambda m, n=name, e=engine: f"{e}: {n}: {m}")
+            torch.testing.assert_close(
+                got[name], ref[name], rtol=1e-5, atol=1e-6 * scale, msg=lambda m, n=name, e=engine: f"{e}: {n}: {m}"
+            )

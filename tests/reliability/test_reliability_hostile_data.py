@@ -37,6 +37,7 @@ pytestmark = pytest.mark.reliability
 
 # -- helpers ---------------------------------------------------------------------------------------------------
 
+
 def snapshot(root: Path) -> dict[str, tuple]:
     """Everything observable about ``root``: per entry its type and mode, size, mtime and content hash (regular
     files) or target (symbolic links). Symbolic links are not followed."""
@@ -58,6 +59,7 @@ def snapshot(root: Path) -> dict[str, tuple]:
 @contextmanager
 def deadline(seconds: int) -> Iterator[None]:
     """Fail (not hang) if the body blocks, e.g. on opening a FIFO."""
+
     def expire(*_: object) -> None:
         raise TimeoutError(f"blocked for more than {seconds} s")
 
@@ -85,8 +87,11 @@ def read_only(root: Path) -> Iterator[None]:
 
 
 def all_samples(reader: MDSReader) -> list[tuple[list[int], int]]:
-    return [(tokens.tolist(), doc) for s in range(reader.num_shards)
-            for tokens, doc in (reader.sample(s, i) for i in range(int(reader.samples_per_shard[s])))]
+    return [
+        (tokens.tolist(), doc)
+        for s in range(reader.num_shards)
+        for tokens, doc in (reader.sample(s, i) for i in range(int(reader.samples_per_shard[s])))
+    ]
 
 
 def set_shard_name(split_dir: Path, shard: int, raw: str, packed: str | None) -> None:
@@ -104,6 +109,7 @@ def eval_tokens(data: Path, n: int = 400) -> np.ndarray:
 
 # -- never written, even when it invites a write ------------------------------------------------------------
 
+
 def test_symlinked_tmp_files_in_the_dataset_are_never_written_through(data_copy, tmp_path):
     """Every shard's decompression temp name (``shard.N.mds.tmp``, streaming's) and the raw name itself planted
     as links to a file of the user: training with validation and the eval reader work, the user's file and the
@@ -115,8 +121,10 @@ def test_symlinked_tmp_files_in_the_dataset_are_never_written_through(data_copy,
             (packed.parent / name).symlink_to(victim)
     before = snapshot(data_copy)
     run = tmp_path / "run"
-    assert main(None, overrides(run, data_copy, **{"train.max_steps": 3, "train.eval_every": 1,
-                                                   "checkpoint.every": 0})) == 0
+    assert (
+        main(None, overrides(run, data_copy, **{"train.max_steps": 3, "train.eval_every": 1, "checkpoint.every": 0}))
+        == 0
+    )
     events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e.get("event") == "eval"] == [1, 2, 3], "validation read the val split"
     assert len(eval_tokens(data_copy)) == 400
@@ -130,8 +138,15 @@ def test_read_only_dataset_trains_and_evaluates_unchanged(data_copy, tmp_path):
     write anyway -- the recursive listing with sizes, mtimes and sha256 is identical afterwards."""
     before = snapshot(data_copy)
     with read_only(data_copy):
-        assert main(None, overrides(tmp_path / "run", data_copy, **{"train.max_steps": 3, "train.eval_every": 3,
-                                                                    "checkpoint.every": 0})) == 0
+        assert (
+            main(
+                None,
+                overrides(
+                    tmp_path / "run", data_copy, **{"train.max_steps": 3, "train.eval_every": 3, "checkpoint.every": 0}
+                ),
+            )
+            == 0
+        )
         reader = MDSReader(str(data_copy), "val", str(tmp_path / "cache"))
         assert len(all_samples(reader)) > 0
         assert len(eval_tokens(data_copy)) == 400
@@ -143,8 +158,11 @@ def test_read_only_dataset_trains_and_evaluates_unchanged(data_copy, tmp_path):
 def test_cache_inside_the_dataset_is_refused(data_copy, tmp_path):
     before = snapshot(data_copy)
     for cache in (data_copy, data_copy / "train" / "cache"):
-        with pytest.raises(UnsafeDatasetError, match=rf"data cache {cache} lies inside the dataset .*set "
-                                                     r"data.cache_dir \(or run_dir\) to a directory outside"):
+        with pytest.raises(
+            UnsafeDatasetError,
+            match=rf"data cache {cache} lies inside the dataset .*set "
+            r"data.cache_dir \(or run_dir\) to a directory outside",
+        ):
             MDSReader(str(data_copy), "train", str(cache))
     assert snapshot(data_copy) == before
 
@@ -176,6 +194,7 @@ def test_shard_names_outside_the_split_are_refused_by_every_reader(name, data_co
 
 # -- only regular files --------------------------------------------------------------------------------------
 
+
 def _plant(kind: str, path: Path, tmp_path: Path) -> None:
     """Replace ``path`` by a symbolic link to a valid copy of itself, a FIFO or a directory."""
     if kind == "symlink":
@@ -191,8 +210,9 @@ def _plant(kind: str, path: Path, tmp_path: Path) -> None:
         path.mkdir()
 
 
-@pytest.mark.parametrize("kind,what", [("symlink", "a symbolic link"), ("fifo", "a FIFO"),
-                                       ("directory", "a directory")])
+@pytest.mark.parametrize(
+    "kind,what", [("symlink", "a symbolic link"), ("fifo", "a FIFO"), ("directory", "a directory")]
+)
 def test_a_shard_that_is_not_a_regular_file_is_refused(kind, what, data_copy, tmp_path):
     """The trainer's reader, the eval reader and preflight refuse (one line naming the file and what it is)
     instead of following the link, blocking on the FIFO or failing inside streaming; nothing is written."""
@@ -246,6 +266,7 @@ def test_text_directory_with_a_link_or_fifo_is_refused(tmp_path):
 
 # -- corrupt, empty, remote ------------------------------------------------------------------------------------
 
+
 def test_cached_copy_is_hash_checked_and_the_reader_gives_the_same_samples(data, data_copy, tmp_path):
     """The reader's samples equal streaming's own reader on the dataset; a flipped byte in a compressed shard is
     a ShardCorruptError naming the file (no write into the dataset on either path)."""
@@ -255,8 +276,9 @@ def test_cached_copy_is_hash_checked_and_the_reader_gives_the_same_samples(data,
     from streaming import StreamingDataset
 
     ours = all_samples(MDSReader(str(data), "train", str(tmp_path / "cache")))
-    theirs = StreamingDataset(remote=str(data / "train"), local=str(tmp_path / "streaming"), shuffle=False,
-                              batch_size=1)
+    theirs = StreamingDataset(
+        remote=str(data / "train"), local=str(tmp_path / "streaming"), shuffle=False, batch_size=1
+    )
     assert ours == [(theirs[i]["tokens"].tolist(), int(theirs[i]["doc_id"])) for i in range(theirs.num_samples)]
     packed = data_copy / "train" / "shard.00002.mds.zstd"
     raw = bytearray(packed.read_bytes())
@@ -278,11 +300,13 @@ def test_empty_split_is_one_clear_line(data_copy, tmp_path):
     from streaming import MDSWriter
 
     shutil.rmtree(data_copy / "val")
-    with MDSWriter(out=str(data_copy / "val"), columns=fmt.mds_columns("uint16"), compression="zstd",
-                   hashes=["xxh64"]):
+    with MDSWriter(out=str(data_copy / "val"), columns=fmt.mds_columns("uint16"), compression="zstd", hashes=["xxh64"]):
         pass
-    with pytest.raises(EmptySplitError, match=rf"data split {data_copy}/val holds no samples \(0 shards listed .*"
-                                              "re-run data prep on more documents"):
+    with pytest.raises(
+        EmptySplitError,
+        match=rf"data split {data_copy}/val holds no samples \(0 shards listed .*"
+        "re-run data prep on more documents",
+    ):
         MDSReader(str(data_copy), "val", str(tmp_path / "cache"))
     with pytest.raises(EmptySplitError, match="holds no samples"):
         eval_tokens(data_copy)
@@ -324,6 +348,7 @@ def test_remote_dataset_reads_through_the_private_cache(data, data_copy, tmp_pat
 
 
 # -- several readers, killed readers ---------------------------------------------------------------------------
+
 
 def _read_all(data: str, cache: str, results: Any) -> None:
     """One "rank": its own reader (and so its own private cache) over the whole split, the digest of what it read.
@@ -385,6 +410,7 @@ def test_cache_of_a_killed_reader_is_removed_but_nothing_else(data, tmp_path):
 
 # -- slow: two ranks, read-only data with planted links, then the eval CLI -------------------------------------
 
+
 @pytest.mark.slow
 @pytest.mark.dist
 def test_two_ranks_train_and_eval_on_a_hostile_read_only_dataset(tmp_path):
@@ -399,17 +425,35 @@ def test_two_ranks_train_and_eval_on_a_hostile_read_only_dataset(tmp_path):
     before = snapshot(data)
     run = tmp_path / "run"
     with read_only(data):
-        result = train_ranks(2, overrides(run, data, **{"train.max_steps": 3, "train.eval_every": 3,
-                                                          "checkpoint.every": 0, "checkpoint.export": True}))
+        result = train_ranks(
+            2,
+            overrides(
+                run,
+                data,
+                **{"train.max_steps": 3, "train.eval_every": 3, "checkpoint.every": 0, "checkpoint.export": True},
+            ),
+        )
         assert result.returncode == 0, result.output[-3000:]
         out = tmp_path / "eval"
-        cmd = [sys.executable, str(REPO / "launch/eval.py"), "--checkpoint", str(run / "export"), "--task", "ppl",
-               "--out", str(out), "lengths=[64]", "samples=1", f"data={data}", "progress=false"]
-        ev = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=REPO,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+        cmd = [
+            sys.executable,
+            str(REPO / "launch/eval.py"),
+            "--checkpoint",
+            str(run / "export"),
+            "--task",
+            "ppl",
+            "--out",
+            str(out),
+            "lengths=[64]",
+            "samples=1",
+            f"data={data}",
+            "progress=false",
+        ]
+        ev = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=180, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )
         assert ev.returncode == 0, ev.stderr[-3000:]
     assert json.loads((out / "ppl.json").read_text())["results"][0]["n"] >= 1
     assert victim.read_bytes() == b"alias ll='ls -l'\n"
     assert snapshot(data) == before
     assert list((run / "data_cache").iterdir()) == []
-

@@ -28,14 +28,22 @@ from pipeline.trainer import main as train
 
 pytestmark = pytest.mark.reliability
 
-GOOD = ["first good document with some words in it", "second good one\nover two lines",
-        "before\x00after: a NUL byte is text like any other", "duplicate id, first text", "duplicate id, second text"]
+GOOD = [
+    "first good document with some words in it",
+    "second good one\nover two lines",
+    "before\x00after: a NUL byte is text like any other",
+    "duplicate id, first text",
+    "duplicate id, second text",
+]
 
 
 def _prep(output: Path, inputs: list[Path], **extra: object) -> object:
     settings = {"tokenizer.vocab_size": 300, "val_fraction": 0.0, "progress": "false", **extra}
-    args = [f"output={output}", f"input={json.dumps([str(p) for p in inputs])}",
-            *(f"{k}={v}" for k, v in settings.items())]
+    args = [
+        f"output={output}",
+        f"input={json.dumps([str(p) for p in inputs])}",
+        *(f"{k}={v}" for k, v in settings.items()),
+    ]
     return prep(load_config(None, args))
 
 
@@ -59,22 +67,32 @@ def messy(tmp_path: Path) -> Path:
     (root / "c_whitespace.txt").write_text("  \n\t\n")
     (root / "d_utf16.txt").write_bytes("a UTF-16 file".encode("utf-16"))
     (root / "e_nul.txt").write_text(GOOD[2])
-    (root / "f_records.jsonl").write_bytes(b"\n".join([
-        json.dumps({"text": GOOD[1]}).encode(),
-        b'{"text": "unterminated',                      # line 2: malformed JSON
-        json.dumps({"body": "no text field"}).encode(),  # line 3
-        json.dumps({"text": 123}).encode(),             # line 4: not a string
-        b'{"text": "bad \xff byte"}',                   # line 5: not UTF-8
-        json.dumps({"id": 7, "text": GOOD[3]}).encode(),
-        json.dumps({"id": 7, "text": GOOD[4]}).encode(),  # the same id: ids are ours, not the input's
-    ]) + b"\n")
+    (root / "f_records.jsonl").write_bytes(
+        b"\n".join(
+            [
+                json.dumps({"text": GOOD[1]}).encode(),
+                b'{"text": "unterminated',  # line 2: malformed JSON
+                json.dumps({"body": "no text field"}).encode(),  # line 3
+                json.dumps({"text": 123}).encode(),  # line 4: not a string
+                b'{"text": "bad \xff byte"}',  # line 5: not UTF-8
+                json.dumps({"id": 7, "text": GOOD[3]}).encode(),
+                json.dumps({"id": 7, "text": GOOD[4]}).encode(),  # the same id: ids are ours, not the input's
+            ]
+        )
+        + b"\n"
+    )
     return root
 
 
 def test_t12_bad_input_is_skipped_counted_located_and_round_trips(messy, tmp_path, caplog):
     manifest = _prep(tmp_path / "out", [messy])
-    assert manifest.skipped == {"empty": 2, "malformed_json": 1, "missing_field": 1, "bad_field_type": 1,
-                                "non_utf8": 2}, "every skip is counted by reason in the manifest"
+    assert manifest.skipped == {
+        "empty": 2,
+        "malformed_json": 1,
+        "missing_field": 1,
+        "bad_field_type": 1,
+        "non_utf8": 2,
+    }, "every skip is counted by reason in the manifest"
     assert read_manifest(tmp_path / "out").skipped == manifest.skipped
     for where in ("f_records.jsonl:2", "f_records.jsonl:3", "f_records.jsonl:4", "f_records.jsonl:5", "d_utf16.txt"):
         assert where in caplog.text, f"{where} is named in a warning"

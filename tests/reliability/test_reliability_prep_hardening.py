@@ -143,8 +143,9 @@ def _output_is_link(tmp_path: Path, dataset: Path) -> tuple[Path, Path]:
         (_output_is_link, ConfigError, "is a symbolic link"),
     ],
 )
-def test_overwrite_refuses_what_prep_did_not_write_before_any_work(arrange, error, match, dataset, tmp_path, tokenizer,
-                                                                    monkeypatch):
+def test_overwrite_refuses_what_prep_did_not_write_before_any_work(
+    arrange, error, match, dataset, tmp_path, tokenizer, monkeypatch
+):
     output, corpus = arrange(tmp_path, dataset)
     before = _snapshot(tmp_path)
     monkeypatch.setattr(shard, "_prepare", lambda *a: pytest.fail("work started before the output was checked"))
@@ -180,8 +181,9 @@ def test_overwrite_replaces_its_own_dataset_and_deletes_only_its_files(dataset, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "neighbour.txt", "out"], "no work dirs left"
     assert neighbour.read_text() == "next to the output, not in it"
     assert not list(dataset.rglob("shard.*.mds")), "the old decompressed shards went with the old dataset"
-    assert sorted(p.name for p in dataset.iterdir()) == sorted(["_COMPLETE", "manifest.json", "tokenizer.model",
-                                                                *(s for s in SPLITS if new.has_split(s))])
+    assert sorted(p.name for p in dataset.iterdir()) == sorted(
+        ["_COMPLETE", "manifest.json", "tokenizer.model", *(s for s in SPLITS if new.has_split(s))]
+    )
 
 
 # ---- empty splits ---------------------------------------------------------------------------------------------
@@ -282,10 +284,22 @@ def test_yaml_whose_top_level_is_not_a_mapping_is_one_line_naming_the_file(text,
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("val_fraction", "nan"), ("val_fraction", "-0.1"), ("val_fraction", "1.5"), ("val_fraction", "inf"),
-     ("shard_size_bytes", "0"), ("shard_size_bytes", "-5"), ("num_proc", "0"), ("min_tokens", "-1"),
-     ("max_piece_tokens", "0"), ("split_seed", "-1"), ("tokenizer.vocab_size", "10"), ("tokenizer.sample_bytes", "0"),
-     ("tokenizer.character_coverage", "nan"), ("tokenizer.character_coverage", "0")],
+    [
+        ("val_fraction", "nan"),
+        ("val_fraction", "-0.1"),
+        ("val_fraction", "1.5"),
+        ("val_fraction", "inf"),
+        ("shard_size_bytes", "0"),
+        ("shard_size_bytes", "-5"),
+        ("num_proc", "0"),
+        ("min_tokens", "-1"),
+        ("max_piece_tokens", "0"),
+        ("split_seed", "-1"),
+        ("tokenizer.vocab_size", "10"),
+        ("tokenizer.sample_bytes", "0"),
+        ("tokenizer.character_coverage", "nan"),
+        ("tokenizer.character_coverage", "0"),
+    ],
 )
 def test_bad_numbers_are_refused_naming_key_and_value(key, value, tmp_path):
     extra = {"tokenizer.vocab_size": 300, key: value}
@@ -302,14 +316,31 @@ def test_environment_values_never_reach_output_files_or_errors(tmp_path, tokeniz
     field, out_name, bad = "fld9Q3ZsentinelX", "out7KsentinelW", "/nonexistent/tok8PsentinelV.model"
     corpus = tmp_path / "corpus"
     corpus.mkdir()
-    (corpus / "a.jsonl").write_text("".join(json.dumps({field: f"record {i} " + " ".join(WORDS)}) + "\n"
-                                            for i in range(8)))
-    env = {**os.environ, "GCA_TEST_FIELD": field, "GCA_TEST_OUT": str(tmp_path / out_name), "GCA_TEST_TOK": bad,
-           "OMP_NUM_THREADS": "1"}
-    common = ["output=${oc.env:GCA_TEST_OUT}", f"input={corpus}", "text_field=${oc.env:GCA_TEST_FIELD}",
-              "progress=false", "val_fraction=0.3"]
-    ok = subprocess.run([sys.executable, "launch/prep.py", *common, f"tokenizer.model={tokenizer}"], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=120)
+    (corpus / "a.jsonl").write_text(
+        "".join(json.dumps({field: f"record {i} " + " ".join(WORDS)}) + "\n" for i in range(8))
+    )
+    env = {
+        **os.environ,
+        "GCA_TEST_FIELD": field,
+        "GCA_TEST_OUT": str(tmp_path / out_name),
+        "GCA_TEST_TOK": bad,
+        "OMP_NUM_THREADS": "1",
+    }
+    common = [
+        "output=${oc.env:GCA_TEST_OUT}",
+        f"input={corpus}",
+        "text_field=${oc.env:GCA_TEST_FIELD}",
+        "progress=false",
+        "val_fraction=0.3",
+    ]
+    ok = subprocess.run(
+        [sys.executable, "launch/prep.py", *common, f"tokenizer.model={tokenizer}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert ok.returncode == 0, ok.stderr[-2000:]
     manifest = read_manifest(tmp_path / out_name)
     assert manifest.splits["train"].documents + manifest.splits["val"].documents == 8, "the run itself works"
@@ -321,12 +352,17 @@ def test_environment_values_never_reach_output_files_or_errors(tmp_path, tokeniz
     assert cli([*common, "tokenizer.model=${oc.env:GCA_TEST_TOK}"]) == 2
     failed = capsys.readouterr()
     assert failed.err.strip().splitlines() == [
-        "prep: error: bad value tokenizer.model='${oc.env:GCA_TEST_TOK}': file does not exist"]
+        "prep: error: bad value tokenizer.model='${oc.env:GCA_TEST_TOK}': file does not exist"
+    ]
     written = b"".join(p.read_bytes() for p in (tmp_path / out_name).rglob("*") if p.is_file())
     names = " ".join(str(p.relative_to(tmp_path / out_name)) for p in (tmp_path / out_name).rglob("*"))
     for sentinel in ("sentinelX", "sentinelW", "sentinelV"):
-        for where, text in (("stdout", ok.stdout + failed.out), ("stderr", ok.stderr + failed.err),
-                            ("files", written.decode("latin-1")), ("file names", names)):
+        for where, text in (
+            ("stdout", ok.stdout + failed.out),
+            ("stderr", ok.stderr + failed.err),
+            ("files", written.decode("latin-1")),
+            ("file names", names),
+        ):
             assert sentinel not in text, f"{sentinel} leaked into {where}"
 
 

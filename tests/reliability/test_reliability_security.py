@@ -84,8 +84,10 @@ def test_t18_crafted_dcp_metadata_in_a_user_supplied_checkpoint_never_runs(data,
     (given / "dcp" / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
     _reseal(given)
     with pytest.raises(UnsafeCheckpointError, match=r"\.metadata: refusing to unpickle global posix\.system"):
-        main(None, overrides(tmp_path / "new_run", data, **{**fsdp, "train.max_steps": 8,
-                                                             "checkpoint.resume": str(given)}))
+        main(
+            None,
+            overrides(tmp_path / "new_run", data, **{**fsdp, "train.max_steps": 8, "checkpoint.resume": str(given)}),
+        )
     assert not marker.exists()
 
 
@@ -131,11 +133,16 @@ def test_t18_lint_no_unrestricted_unpickling_in_the_code():
                 if isinstance(node, (ast.Import, ast.ImportFrom)):
                     names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
                     for name in names:
-                        if name.split(".")[0] in ("pickle", "dill", "cloudpickle", "joblib", "_pickle") \
-                                and rel not in _PICKLE_ALLOWED:
+                        if (
+                            name.split(".")[0] in ("pickle", "dill", "cloudpickle", "joblib", "_pickle")
+                            and rel not in _PICKLE_ALLOWED
+                        ):
                             problems.append(f"{rel}:{node.lineno}: imports {name}")
-                    if isinstance(node, ast.ImportFrom) and node.module == "torch" \
-                            and any(a.name == "load" for a in node.names):
+                    if (
+                        isinstance(node, ast.ImportFrom)
+                        and node.module == "torch"
+                        and any(a.name == "load" for a in node.names)
+                    ):
                         problems.append(f"{rel}:{node.lineno}: from torch import load (call torch.load visibly)")
             for node, name in _calls(tree):
                 kwargs = {k.arg: k.value for k in node.keywords}
@@ -161,8 +168,11 @@ def test_t18_old_torch_is_refused_at_import(monkeypatch):
 
 # -- T19 -----------------------------------------------------------------------------------------------------------
 
-SECRETS = {"WANDB_API_KEY": "sentinel-wandb-3c9f27d1e8", "HF_TOKEN": "sentinel-hf-b41e7a2290",
-           "AWS_SECRET_ACCESS_KEY": "sentinel-aws-9d0c55e4f1"}
+SECRETS = {
+    "WANDB_API_KEY": "sentinel-wandb-3c9f27d1e8",
+    "HF_TOKEN": "sentinel-hf-b41e7a2290",
+    "AWS_SECRET_ACCESS_KEY": "sentinel-aws-9d0c55e4f1",
+}
 
 
 @pytest.fixture
@@ -186,8 +196,13 @@ def _leaks(root: Path, texts: list[str]) -> list[str]:
 
 def test_t19_secrets_never_leak_into_logs_checkpoints_or_wandb(secrets, data, tmp_path, capfd, caplog, monkeypatch):
     run = tmp_path / "run"
-    extra = {"train.max_steps": 3, "logging.wandb": True, "logging.wandb_mode": "offline", "checkpoint.every": 2,
-             "checkpoint.export": True}
+    extra = {
+        "train.max_steps": 3,
+        "logging.wandb": True,
+        "logging.wandb_mode": "offline",
+        "checkpoint.every": 2,
+        "checkpoint.export": True,
+    }
     with caplog.at_level(logging.DEBUG):
         assert main(None, overrides(run, data, **extra)) == 0
         monkeypatch.setenv("PIPE_FAULT", "nan_loss:step=4")
@@ -200,12 +215,15 @@ def test_t19_secrets_never_leak_into_logs_checkpoints_or_wandb(secrets, data, tm
     assert _leaks(run, [out, err, caplog.text, tb]) == []
 
 
-@pytest.mark.parametrize("override", [
-    "logging.wandb_project=${oc.env:WANDB_API_KEY}",
-    "logging.wandb_project=prefix-${oc.env:AWS_SECRET_ACCESS_KEY}",
-    f"logging.wandb_project={SECRETS['HF_TOKEN']}",
-    "logging.wandb_key=abcdefgh12345",
-])
+@pytest.mark.parametrize(
+    "override",
+    [
+        "logging.wandb_project=${oc.env:WANDB_API_KEY}",
+        "logging.wandb_project=prefix-${oc.env:AWS_SECRET_ACCESS_KEY}",
+        f"logging.wandb_project={SECRETS['HF_TOKEN']}",
+        "logging.wandb_key=abcdefgh12345",
+    ],
+)
 def test_t19_a_secret_in_the_config_is_rejected_without_echoing_it(override, secrets, data, tmp_path, capfd, caplog):
     run = tmp_path / "run"
     with caplog.at_level(logging.DEBUG):
@@ -219,8 +237,9 @@ def test_t19_a_secret_in_the_config_is_rejected_without_echoing_it(override, sec
 
 def test_t19_yaml_with_secret_interpolation_is_rejected(secrets, data, tmp_path, caplog):
     config = tmp_path / "run.yaml"
-    config.write_text(f"run_dir: {tmp_path / 'run'}\ndata:\n  path: {data}\nlogging:\n"
-                      "  wandb_project: ${oc.env:WANDB_API_KEY}\n")
+    config.write_text(
+        f"run_dir: {tmp_path / 'run'}\ndata:\n  path: {data}\nlogging:\n  wandb_project: ${{oc.env:WANDB_API_KEY}}\n"
+    )
     with caplog.at_level(logging.ERROR):
         assert main(str(config), overrides(tmp_path / "run", data)[2:]) == 2
     assert "holds the value of the environment variable WANDB_API_KEY" in caplog.text

@@ -44,14 +44,18 @@ _HARNESS_CHOICES = ("checkpoint.export", "checkpoint.keep_last", "checkpoint.eve
 
 def args(run: Path, data: Path, **extra: object) -> list[str]:
     """The harness's tiny model with the trainer's default checkpoint, export and backend settings."""
-    pinned = [a for a in overrides(run, data, **{"train.max_steps": STEPS})
-              if a.split("=", 1)[0] not in _HARNESS_CHOICES]
+    pinned = [
+        a for a in overrides(run, data, **{"train.max_steps": STEPS}) if a.split("=", 1)[0] not in _HARNESS_CHOICES
+    ]
     return [*pinned, *(f"{k}={v}" for k, v in extra.items())]
 
 
 def starts(run: Path) -> list[int]:
-    return [json.loads(line)["start_step"] for line in (run / "metrics.jsonl").read_text().splitlines()
-            if '"start_step"' in line]
+    return [
+        json.loads(line)["start_step"]
+        for line in (run / "metrics.jsonl").read_text().splitlines()
+        if '"start_step"' in line
+    ]
 
 
 def same_weights(a: Path, b: Path) -> None:
@@ -75,8 +79,8 @@ def errors(caplog) -> list[str]:
 
 # -- exact resume with the default settings -------------------------------------------------------------------------
 
-def test_sigkill_between_checkpoints_then_relaunch_is_exact_and_saving_often_changes_nothing(reference, data,
-                                                                                             tmp_path):
+
+def test_sigkill_between_checkpoints_then_relaunch_is_exact_and_saving_often_changes_nothing(reference, data, tmp_path):
     """The export inside every checkpoint builds a model; its random init once advanced the training RNG (Gumbel
     noise), so runs diverged from the first checkpoint on. Now: saving every 2 steps, every 5 steps, or only at
     the end gives hex-identical losses; SIGKILL at step 7 (not a checkpoint step) and relaunching the same command
@@ -101,8 +105,10 @@ def test_sigkill_between_checkpoints_then_relaunch_is_exact_and_saving_often_cha
 
 # -- failed evaluation, empty validation split ----------------------------------------------------------------------
 
-def test_failed_evaluation_saves_the_step_first_and_does_not_touch_the_trajectory(reference, data_copy, data,
-                                                                                   tmp_path, caplog):
+
+def test_failed_evaluation_saves_the_step_first_and_does_not_touch_the_trajectory(
+    reference, data_copy, data, tmp_path, caplog
+):
     """The validation shards vanish after the start checks: the eval at step 3 fails, step 3 is saved before the
     run stops (exit 1, one error line), and the relaunch with the shards back resumes at 3 and ends exactly like the
     run that never evaluated."""
@@ -142,6 +148,7 @@ def test_empty_validation_split_is_refused_before_any_work(tmp_path, caplog):
 
 
 # -- inputs checked before any work --------------------------------------------------------------------------------
+
 
 def test_tokenizer_larger_than_the_model_vocabulary_is_refused(data, tmp_path, caplog):
     pieces = spm.SentencePieceProcessor(model_file=str(data / "tokenizer.model")).get_piece_size()
@@ -191,29 +198,32 @@ def test_a_damaged_init_from_export_is_one_line_naming_the_file(damage, referenc
     assert not (run / "checkpoints").exists()
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("train.grad_clip", "nan", "train.grad_clip must be a finite number; got nan"),
-    ("train.grad_clip", "inf", "train.grad_clip must be a finite number; got inf"),
-    ("train.grad_clip", "-1.0", "train.grad_clip must be >= 0; got -1.0"),
-    ("optim.lr", "nan", "optim.lr must be a finite number; got nan"),
-    ("optim.lr", "-0.001", "optim.lr must be > 0; got -0.001"),
-    ("optim.min_lr", "inf", "optim.min_lr must be a finite number; got inf"),
-    ("optim.weight_decay", "-0.1", "optim.weight_decay must be >= 0; got -0.1"),
-    ("optim.betas", "[0.9,nan]", r"optim.betas[1] must be a finite number; got nan"),
-    ("optim.betas", "[0.9,1.0]", "optim.betas must be two values in [0, 1); got [0.9, 1.0]"),
-    ("optim.eps", "0.0", "optim.eps must be > 0; got 0.0"),
-    ("schedule.warmup_steps", "-1", "schedule.warmup_steps must be >= 0; got -1"),
-    ("data.needle_mix", "nan", "data.needle_mix must be a finite number; got nan"),
-    ("data.needle_answer_weight", "inf", "data.needle_answer_weight must be a finite number; got inf"),
-    ("data.needle_answer_weight", "0.0", "data.needle_answer_weight must be > 0; got 0.0"),
-    ("model.norm_eps", "nan", "model.norm_eps must be a finite number > 0; got nan"),
-    ("model.init_std", "inf", "model.init_std must be a finite number > 0; got inf"),
-    ("model.rope_theta", "0.0", "model.rope_theta must be a finite number > 0; got 0.0"),
-    ("logging.peak_tflops", "-5.0", "logging.peak_tflops must be > 0 (or null to guess); got -5.0"),
-    ("seed", "-1", "seed must be >= 0; got -1"),
-    ("train.eval_batches", "0", "train.eval_batches must be >= 1; got 0"),
-    ("train.requeue_exit_code", "0", "train.requeue_exit_code must be an exit code in 1..255; got 0"),
-])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("train.grad_clip", "nan", "train.grad_clip must be a finite number; got nan"),
+        ("train.grad_clip", "inf", "train.grad_clip must be a finite number; got inf"),
+        ("train.grad_clip", "-1.0", "train.grad_clip must be >= 0; got -1.0"),
+        ("optim.lr", "nan", "optim.lr must be a finite number; got nan"),
+        ("optim.lr", "-0.001", "optim.lr must be > 0; got -0.001"),
+        ("optim.min_lr", "inf", "optim.min_lr must be a finite number; got inf"),
+        ("optim.weight_decay", "-0.1", "optim.weight_decay must be >= 0; got -0.1"),
+        ("optim.betas", "[0.9,nan]", r"optim.betas[1] must be a finite number; got nan"),
+        ("optim.betas", "[0.9,1.0]", "optim.betas must be two values in [0, 1); got [0.9, 1.0]"),
+        ("optim.eps", "0.0", "optim.eps must be > 0; got 0.0"),
+        ("schedule.warmup_steps", "-1", "schedule.warmup_steps must be >= 0; got -1"),
+        ("data.needle_mix", "nan", "data.needle_mix must be a finite number; got nan"),
+        ("data.needle_answer_weight", "inf", "data.needle_answer_weight must be a finite number; got inf"),
+        ("data.needle_answer_weight", "0.0", "data.needle_answer_weight must be > 0; got 0.0"),
+        ("model.norm_eps", "nan", "model.norm_eps must be a finite number > 0; got nan"),
+        ("model.init_std", "inf", "model.init_std must be a finite number > 0; got inf"),
+        ("model.rope_theta", "0.0", "model.rope_theta must be a finite number > 0; got 0.0"),
+        ("logging.peak_tflops", "-5.0", "logging.peak_tflops must be > 0 (or null to guess); got -5.0"),
+        ("seed", "-1", "seed must be >= 0; got -1"),
+        ("train.eval_batches", "0", "train.eval_batches must be >= 1; got 0"),
+        ("train.requeue_exit_code", "0", "train.requeue_exit_code must be an exit code in 1..255; got 0"),
+    ],
+)
 def test_bad_numbers_are_refused_naming_key_and_value(key, value, message, data, tmp_path, caplog):
     run = tmp_path / "run"
     with caplog.at_level(logging.ERROR):
@@ -223,11 +233,14 @@ def test_bad_numbers_are_refused_naming_key_and_value(key, value, message, data,
     assert not run.exists() and not torch.distributed.is_initialized()
 
 
-@pytest.mark.parametrize("text, shown", [
-    ("- train\n- model\n", "its top level is a List, not a mapping of config keys"),
-    ("42\n", "is not a YAML mapping of config keys"),
-    ("train: [1,\n", "is not a YAML mapping of config keys"),
-])
+@pytest.mark.parametrize(
+    "text, shown",
+    [
+        ("- train\n- model\n", "its top level is a List, not a mapping of config keys"),
+        ("42\n", "is not a YAML mapping of config keys"),
+        ("train: [1,\n", "is not a YAML mapping of config keys"),
+    ],
+)
 def test_yaml_that_is_not_a_mapping_is_one_line_naming_the_file(text, shown, data, tmp_path, caplog):
     config = tmp_path / "bad.yaml"
     config.write_text(text)
@@ -238,6 +251,7 @@ def test_yaml_that_is_not_a_mapping_is_one_line_naming_the_file(text, shown, dat
 
 
 # -- deletion: only what this trainer wrote -------------------------------------------------------------------------
+
 
 def _tree(root: Path) -> dict[str, bytes]:
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
@@ -261,8 +275,11 @@ def test_uncommitted_directories_the_trainer_did_not_write_are_never_deleted(dat
     with caplog.at_level(logging.ERROR):
         assert main(None, args(run, data, **{"checkpoint.every": 2})) == 2
     [error] = errors(caplog)
-    assert re.search(r"checkpoints/step_0000000[246](\.tmp)? is not a committed checkpoint and was not written by "
-                     r"this trainer \(no OWNER\.json\).*move it out of .*checkpoints and relaunch \(2 more", error)
+    assert re.search(
+        r"checkpoints/step_0000000[246](\.tmp)? is not a committed checkpoint and was not written by "
+        r"this trainer \(no OWNER\.json\).*move it out of .*checkpoints and relaunch \(2 more",
+        error,
+    )
     assert _tree(ckpts) == before and _tree(elsewhere) == outside
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints"], "nothing started"
 
@@ -271,25 +288,27 @@ def test_keep_last_prunes_only_its_own_checkpoints(data, tmp_path):
     """A committed checkpoint copied in from elsewhere (no OWNER.json) is resumable but never pruned, and a save
     that would land on it is refused naming it; the trainer's own checkpoints are pruned to keep_last."""
     run = tmp_path / "run"
-    assert main(None, args(run, data, **{"train.max_steps": 4, "checkpoint.every": 2,
-                                         "checkpoint.keep_last": 1})) == 0
+    assert main(None, args(run, data, **{"train.max_steps": 4, "checkpoint.every": 2, "checkpoint.keep_last": 1})) == 0
     assert committed(run) == ["step_00000004"]
     foreign = run / "checkpoints/step_00000003"
     foreign.mkdir()
     (foreign / COMMIT_MARKER).write_text("{}")
     (foreign / "model.bin").write_bytes(b"a checkpoint from another tool")
     before = _tree(foreign)
-    assert main(None, args(run, data, **{"train.max_steps": 8, "checkpoint.every": 2,
-                                         "checkpoint.keep_last": 1})) == 0
+    assert main(None, args(run, data, **{"train.max_steps": 8, "checkpoint.every": 2, "checkpoint.keep_last": 1})) == 0
     assert starts(run) == [0, 4] and committed(run) == ["step_00000003", "step_00000008"]
     assert _tree(foreign) == before
-    with pytest.raises(CheckpointError, match=r"step_00000003 is in the way of the save of step 3 and was not "
-                                              r"written by this trainer .*move it out"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"step_00000003 is in the way of the save of step 3 and was not "
+        r"written by this trainer .*move it out",
+    ):
         main(None, args(run, data, **{"train.max_steps": 3, "checkpoint.resume": "none"}))
     assert _tree(foreign) == before
 
 
 # -- Ctrl-C ---------------------------------------------------------------------------------------------------------
+
 
 def test_first_ctrl_c_saves_and_exits_130_then_resumes_exactly(reference, data, tmp_path, monkeypatch, caplog):
     run = tmp_path / "run"
@@ -340,9 +359,16 @@ def test_environment_values_stay_out_of_output_and_every_file(data, tmp_path, mo
     run = parent / SENTINEL
     monkeypatch.setenv("MY_RUN_NAME", SENTINEL)
     monkeypatch.setenv("MY_PROJECT", project)
-    command = args(Path(str(parent) + "/${oc.env:MY_RUN_NAME}"), data,
-                   **{"logging.wandb_project": "${oc.env:MY_PROJECT}", "train.max_steps": 3,
-                      "checkpoint.every": 2, "train.eval_every": 2})
+    command = args(
+        Path(str(parent) + "/${oc.env:MY_RUN_NAME}"),
+        data,
+        **{
+            "logging.wandb_project": "${oc.env:MY_PROJECT}",
+            "train.max_steps": 3,
+            "checkpoint.every": 2,
+            "train.eval_every": 2,
+        },
+    )
     with caplog.at_level(logging.DEBUG):
         assert main(None, command) == 0
     out, err = capfd.readouterr()

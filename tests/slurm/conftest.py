@@ -26,8 +26,17 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 BINARIES = ("/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/bin/sbatch", "/usr/sbin/munged")
-FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
-            "PREEMPTED"}
+FINISHED = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+}
 
 
 def _run(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> str:
@@ -72,8 +81,14 @@ class Cluster:
 
     def sbatch(self, script: Path, args: list[str], env: dict[str, str], options: list[str] = ()) -> int:
         """Submit from the repository root (the scripts' ``SLURM_SUBMIT_DIR``) with extra environment ``env``."""
-        proc = subprocess.run(["sbatch", "--parsable", *options, str(script), *args], cwd=REPO, capture_output=True,
-                              text=True, timeout=30, env={**self.env, **env})
+        proc = subprocess.run(
+            ["sbatch", "--parsable", *options, str(script), *args],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={**self.env, **env},
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"sbatch failed: {proc.stderr.strip()}")
         return int(proc.stdout.strip().split(";")[0])
@@ -94,8 +109,11 @@ class Cluster:
 
     def log_tail(self, lines: int = 30) -> str:
         """The end of slurmctld's and slurmd's logs, for failure messages."""
-        return "\n".join("\n".join((self.root / "log" / name).read_text().splitlines()[-lines:])
-                         for name in ("slurmctld.log", "slurmd.log") if (self.root / "log" / name).is_file())
+        return "\n".join(
+            "\n".join((self.root / "log" / name).read_text().splitlines()[-lines:])
+            for name in ("slurmctld.log", "slurmd.log")
+            if (self.root / "log" / name).is_file()
+        )
 
     def job_processes(self) -> list[int]:
         """Processes of jobs (slurmstepd and everything it started) still alive on the node."""
@@ -187,8 +205,11 @@ def _stop_daemons(cluster: Cluster) -> None:
             except ProcessLookupError:
                 pass
         try:
-            _wait("SLURM daemons and job processes to exit",
-                  lambda: not any(Path(f"/proc/{p}").exists() for p in pids), timeout=15)
+            _wait(
+                "SLURM daemons and job processes to exit",
+                lambda: not any(Path(f"/proc/{p}").exists() for p in pids),
+                timeout=15,
+            )
             return
         except TimeoutError:
             continue
@@ -212,17 +233,39 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         for path, mode in ((root / "munge", 0o755), (root / "munge-key", 0o700), (key, 0o400)):
             os.chown(path, munge.pw_uid, munge.pw_gid)
             path.chmod(mode)
-        _run(["runuser", "-u", "munge", "--", "/usr/sbin/munged", f"--key-file={key}",
-              f"--socket={root}/munge/munge.socket.2", f"--pid-file={root}/munge/munged.pid",
-              f"--log-file={root}/munge/munged.log", f"--seed-file={root}/munge/munged.seed"], timeout=30)
+        _run(
+            [
+                "runuser",
+                "-u",
+                "munge",
+                "--",
+                "/usr/sbin/munged",
+                f"--key-file={key}",
+                f"--socket={root}/munge/munge.socket.2",
+                f"--pid-file={root}/munge/munged.pid",
+                f"--log-file={root}/munge/munged.log",
+                f"--seed-file={root}/munge/munged.seed",
+            ],
+            timeout=30,
+        )
         node_line = _run(["/usr/sbin/slurmd", "-C"], timeout=30).splitlines()[0]
         cluster.conf.write_text(_slurm_conf(root, node_line))
         _run(["/usr/sbin/slurmctld", "-c"], timeout=30, env=cluster.env)
         # slurmd, and so every job, gets a private /dev/shm: streaming claims the first free NNNNNN_ prefix there,
         # which races with other users' loaders on a shared test machine (and their cleanup fixtures wipe it).
-        _run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
-              "mount -t tmpfs -o size=4g,mode=1777 tmpfs /dev/shm && exec /usr/sbin/slurmd"],
-             timeout=30, env=cluster.env)
+        _run(
+            [
+                "unshare",
+                "--mount",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                "mount -t tmpfs -o size=4g,mode=1777 tmpfs /dev/shm && exec /usr/sbin/slurmd",
+            ],
+            timeout=30,
+            env=cluster.env,
+        )
         _wait("the node to become idle", cluster.idle, timeout=60)
         yield cluster
     finally:

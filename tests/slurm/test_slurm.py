@@ -28,8 +28,10 @@ pytestmark = pytest.mark.slurm
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 300
 JOB_TIMEOUT_S = 300
-_WORDS = ("the river ran past old mills and quiet farms while a train crossed the valley at dawn theorem proof "
-          "lemma integral derivative matrix vector compute return value function class").split()
+_WORDS = (
+    "the river ran past old mills and quiet farms while a train crossed the valley at dawn theorem proof "
+    "lemma integral derivative matrix vector compute return value function class"
+).split()
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +52,34 @@ def _prep_settings(output: Path, corpus: Path) -> list[str]:
 def _model_overrides(run_dir: Path, data: Path) -> list[str]:
     """A tiny model (tens of ms per step on 2 CPU ranks), checkpoints only at the end or on a stop signal."""
     values = {
-        "run_dir": run_dir, "data.path": data, "seed": 7, "model.vocab_size": 320, "model.d_model": 32,
-        "model.n_heads": 2, "model.n_kv_heads": 2, "model.ffn_hidden": 64, "model.n_lower_layers": 1,
-        "model.groups": "[1]", "model.n_encoder_layers": 1, "model.chunk_size": 16, "model.top_k": 2,
-        "model.window": 32, "model.attn_backend": "naive", "train.seq_len": 256, "train.micro_batch": 2,
-        "train.global_batch": 4, "train.max_steps": STEPS, "train.eval_every": 0, "optim.lr": 3e-3,
-        "optim.min_lr": 3e-4, "schedule.warmup_steps": 2, "data.shuffle_window": 8, "logging.every": 1,
-        "logging.progress": False, "checkpoint.every": 0, "checkpoint.export": False,
+        "run_dir": run_dir,
+        "data.path": data,
+        "seed": 7,
+        "model.vocab_size": 320,
+        "model.d_model": 32,
+        "model.n_heads": 2,
+        "model.n_kv_heads": 2,
+        "model.ffn_hidden": 64,
+        "model.n_lower_layers": 1,
+        "model.groups": "[1]",
+        "model.n_encoder_layers": 1,
+        "model.chunk_size": 16,
+        "model.top_k": 2,
+        "model.window": 32,
+        "model.attn_backend": "naive",
+        "train.seq_len": 256,
+        "train.micro_batch": 2,
+        "train.global_batch": 4,
+        "train.max_steps": STEPS,
+        "train.eval_every": 0,
+        "optim.lr": 3e-3,
+        "optim.min_lr": 3e-4,
+        "schedule.warmup_steps": 2,
+        "data.shuffle_window": 8,
+        "logging.every": 1,
+        "logging.progress": False,
+        "checkpoint.every": 0,
+        "checkpoint.export": False,
     }
     return [f"{k}={v}" for k, v in values.items()]
 
@@ -80,10 +103,20 @@ def _log(logs: Path, name: str, job_id: int) -> str:
 
 
 def _pretrain(cluster, logs: Path, run_dir: Path, data: Path, port: int) -> int:
-    env = {"CONFIG": str(REPO / "configs/train/debug.yaml"), "NGPUS_PER_NODE": "2", "CPU_ONLY": "1",
-           "MASTER_PORT": str(port), "GCA_PYTHON": str(REPO / ".venv/bin/python"), "RESIGNAL_EVERY": "3"}
-    return cluster.sbatch(REPO / "launch/slurm/pretrain.sbatch", _model_overrides(run_dir, data), env,
-                          [f"--output={logs}/slurm-%x-%j.out"])
+    env = {
+        "CONFIG": str(REPO / "configs/train/debug.yaml"),
+        "NGPUS_PER_NODE": "2",
+        "CPU_ONLY": "1",
+        "MASTER_PORT": str(port),
+        "GCA_PYTHON": str(REPO / ".venv/bin/python"),
+        "RESIGNAL_EVERY": "3",
+    }
+    return cluster.sbatch(
+        REPO / "launch/slurm/pretrain.sbatch",
+        _model_overrides(run_dir, data),
+        env,
+        [f"--output={logs}/slurm-%x-%j.out"],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -130,8 +163,11 @@ def test_preemption_checkpoints_requeues_and_resumes_exactly(cluster, data, unin
 
     while not started():
         state = cluster.job(job)["JobState"]
-        assert time.monotonic() < deadline and state in ("PENDING", "RUNNING"), \
-            (state, _log(logs, "gca-pretrain", job), cluster.log_tail())
+        assert time.monotonic() < deadline and state in ("PENDING", "RUNNING"), (
+            state,
+            _log(logs, "gca-pretrain", job),
+            cluster.log_tail(),
+        )
         time.sleep(0.2)
     cluster.cmd("scancel", "--signal=USR1", "--batch", str(job))
     signalled_at = max(_losses(run), default=0)
@@ -139,8 +175,11 @@ def test_preemption_checkpoints_requeues_and_resumes_exactly(cluster, data, unin
     state, nudged = "RUNNING", False
     while state != "COMPLETED":
         fields = cluster.job(job)
-        assert time.monotonic() < deadline and fields["JobState"] not in ("FAILED", "CANCELLED", "TIMEOUT"), \
-            (fields, _log(logs, "gca-pretrain", job), cluster.log_tail())
+        assert time.monotonic() < deadline and fields["JobState"] not in ("FAILED", "CANCELLED", "TIMEOUT"), (
+            fields,
+            _log(logs, "gca-pretrain", job),
+            cluster.log_tail(),
+        )
         if fields["JobState"] != state:
             state = fields["JobState"]
             mark(f"job {job}: {state} (Restarts={fields['Restarts']}, EligibleTime={fields['EligibleTime']})")
@@ -179,8 +218,12 @@ def test_prep_array_job_merges_one_dataset(cluster, corpus, tmp_path):
     config.write_text("".join(f"{s.replace('=', ': ', 1)}\n" for s in _prep_settings(out, corpus)))
     env = {"CONFIG": str(config), "NUM_SLICES": "3", "GCA_PYTHON": str(REPO / ".venv/bin/python"), "LOG_DIR": str(logs)}
     started = time.monotonic()
-    head = cluster.sbatch(REPO / "launch/slurm/prep.sbatch", ["tokenizer.vocab_size=320"], env,
-                          ["--cpus-per-task=1", f"--output={logs}/slurm-%x-%j.out"])
+    head = cluster.sbatch(
+        REPO / "launch/slurm/prep.sbatch",
+        ["tokenizer.vocab_size=320"],
+        env,
+        ["--cpus-per-task=1", f"--output={logs}/slurm-%x-%j.out"],
+    )
     fields = cluster.wait_finished(head, JOB_TIMEOUT_S)
     head_log = _log(logs, "gca-prep", head)
     assert fields["JobState"] == "COMPLETED", head_log
@@ -202,10 +245,17 @@ def test_prep_array_job_merges_one_dataset(cluster, corpus, tmp_path):
     for split in ("train", "val"):
         tokens = []
         for root in (out, single):
-            ds = StreamingDataset(remote=str(root / split), local=str(tmp_path / "cache" / root.name / split),
-                                  shuffle=False, batch_size=1, validate_hash="xxh64")
+            ds = StreamingDataset(
+                remote=str(root / split),
+                local=str(tmp_path / "cache" / root.name / split),
+                shuffle=False,
+                batch_size=1,
+                validate_hash="xxh64",
+            )
             tokens.append([t for i in range(len(ds)) for t in ds[i]["tokens"].tolist()])
         assert len(tokens[0]) == manifest.splits[split].tokens > 0
         assert tokens[0] == tokens[1], split
-    print(f"\nprep: tokenizer job {head} -> array {array} (3 tasks) -> merge {merge}: {elapsed:.1f} s; "
-          f"train {manifest.splits['train'].tokens} + val {manifest.splits['val'].tokens} tokens read back")
+    print(
+        f"\nprep: tokenizer job {head} -> array {array} (3 tasks) -> merge {merge}: {elapsed:.1f} s; "
+        f"train {manifest.splits['train'].tokens} + val {manifest.splits['val'].tokens} tokens read back"
+    )
