@@ -24,6 +24,7 @@ import os
 import re
 import sys
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 REVEAL_ENV = "GCA_SHOW_ENV_VALUES"
@@ -123,11 +124,16 @@ def find_secret(text: str) -> str | None:
     return None
 
 
+def _constant(replacement: str) -> Callable[[re.Match[str]], str]:
+    return lambda _: replacement
+
+
 def redact(text: str) -> str:
     """``text`` with environment-derived values, secret-named variables' values and secret shapes replaced."""
     for value, replacement in _replacements():
         if value in text:
-            text = re.sub(_bounded(value), lambda _, r=replacement: r, text)
+            # A plain string replacement would be read as a regex template (its backslashes); a function is not.
+            text = re.sub(_bounded(value), _constant(replacement), text)
     text = _SECRET_SHAPES.sub(REDACTED, text)
     return _URL_PASSWORD.sub(lambda m: f"{m.group(1)}:{REDACTED}", text)
 

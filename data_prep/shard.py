@@ -355,7 +355,8 @@ def _split_paths(split_dir: Path) -> tuple[list[Path], list[Path]]:
     names = _shard_names(split_dir / _INDEX) if (split_dir / _INDEX).is_file() else None
     if names is None:
         return [], [split_dir]
-    ours, other = [], []
+    ours: list[Path] = []
+    other: list[Path] = []
     for entry in sorted(split_dir.iterdir()):
         (ours if entry.name in names and is_plain_file(entry) else other).append(entry)
     return ours, other

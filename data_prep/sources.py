@@ -105,7 +105,7 @@ def _open_binary(path: Path) -> BinaryIO:
         import pyarrow as pa  # pyarrow ships a streaming zstd decoder; the `zstd` package only does whole buffers
 
         stream = pa.input_stream(str(path), compression="zstd")
-        return io.BufferedReader(stream, buffer_size=1 << 20)  # type: ignore[arg-type]
+        return io.BufferedReader(stream, buffer_size=1 << 20)
     return open(path, "rb")
 
 

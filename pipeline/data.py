@@ -238,7 +238,7 @@ class MDSReader:
 
     def _pick_hash(self, shards: list[dict], requested: str | None) -> str | None:
         def recorded(shard: dict) -> set[str]:
-            infos = [shard.get(k) for k in ("raw_data", "zip_data") if shard.get(k)]
+            infos = [info for k in ("raw_data", "zip_data") if (info := shard.get(k))]
             return set.intersection(*(set(i.get("hashes", {})) for i in infos)) if infos else set()
 
         common = set.intersection(*(recorded(s) for s in shards)) if shards else set()
