@@ -12,12 +12,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model.config import GCAConfig
-from model.gca import GCAOutput
+from model.gca import GCAForCausalLM
 from model.layers import DecoderLayer, KVCache, RMSNorm
+from model.lm import CausalLM
 from model.stream import ChunkMemory, StreamState
 
 
-class SlidingWindowLM(nn.Module):
+class SlidingWindowLM(CausalLM):
     """Causal LM of sliding-window ALiBi layers with a tied head; the same interface as ``GCAForCausalLM``."""
 
     def __init__(self, cfg: GCAConfig) -> None:
@@ -31,20 +32,9 @@ class SlidingWindowLM(nn.Module):
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=cfg.init_std)
 
-    def num_parameters(self, exclude_embedding: bool = False) -> int:
-        n = sum(p.numel() for p in self.parameters())
-        return n - self.embed.weight.numel() if exclude_embedding else n
-
     def new_stream_state(self, memory: ChunkMemory | None = None) -> StreamState:
         """Only the per-layer window caches are used; ``memory`` is accepted for interface parity."""
         return StreamState(n_layers=len(self.layers), n_groups=0, memory=memory)
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> GCAOutput:
-        logits = self._step(input_ids, None)
-        loss = None
-        if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
-        return GCAOutput(logits=logits, loss=loss)
 
     def forward_stream(
         self, input_ids: torch.Tensor, state: StreamState, last_logits: int | None = None, memory_only: bool = False
@@ -76,8 +66,6 @@ class SlidingWindowLM(nn.Module):
         return F.linear(self.norm(h), self.embed.weight)
 
 
-def build_model(cfg: GCAConfig) -> nn.Module:
+def build_model(cfg: GCAConfig) -> CausalLM:
     """The model named by ``cfg.arch``: ``GCAForCausalLM`` or the ``SlidingWindowLM`` baseline."""
-    from model.gca import GCAForCausalLM
-
     return GCAForCausalLM(cfg) if cfg.arch == "gca" else SlidingWindowLM(cfg)

@@ -27,6 +27,7 @@ from kernels.gca import gca_attention
 from model.config import GCAConfig
 from model.layers import ChunkEncoder, DecoderLayer, KVCache, RMSNorm, SlidingWindowAttention, SwiGLU
 from model.layout import StepLayout
+from model.lm import CausalLM
 from model.retrieval import RetrievalRows, retrieval_stats, retrieve
 from model.stream import ChunkMemory, StreamState
 
@@ -41,14 +42,6 @@ class RetrievedMemory:
     k: torch.Tensor  # [B, C, H, R, S, D]: per head, a chunk's R memories are contiguous (the operator's layout)
     v: torch.Tensor  # [B, C, H, R, S, D]
     weights: torch.Tensor  # [B, C, R]
-
-
-@dataclass
-class GCAOutput:
-    logits: torch.Tensor
-    """``[B, T, vocab_size]``; ``logits[:, t]`` predicts token ``t + 1``."""
-    loss: torch.Tensor | None = None
-    """Mean next-token cross-entropy when labels were given."""
 
 
 class GroupedCrossAttention(nn.Module):
@@ -120,7 +113,7 @@ class RetrievalGroup(nn.Module):
         self.layers = nn.ModuleList(UpperLayer(cfg) for _ in range(n_layers))
 
 
-class GCAForCausalLM(nn.Module):
+class GCAForCausalLM(CausalLM):
     """GCA (DRT) causal language model with a tied LM head.
 
     ``model(input_ids)`` runs a whole sequence (training and short evaluation); ``model.forward_stream(ids, state)``
@@ -153,27 +146,11 @@ class GCAForCausalLM(nn.Module):
                 nn.init.ones_(module.weight)
         nn.init.normal_(self.landmark, std=self.cfg.init_std)
 
-    def num_parameters(self, exclude_embedding: bool = False) -> int:
-        n = sum(p.numel() for p in self.parameters())
-        return n - self.embed.weight.numel() if exclude_embedding else n
-
     def new_stream_state(self, memory: ChunkMemory | None = None) -> StreamState:
         """A fresh state for ``forward_stream``; ``memory`` replaces the in-RAM chunk memory (e.g. an on-disk one
         with the same ``append`` / ``keys`` / ``k`` / ``v`` / ``size`` interface)."""
         n_layers = self.cfg.n_lower_layers + self.cfg.n_upper_layers
         return StreamState(n_layers=n_layers, n_groups=len(self.groups), memory=memory)
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> GCAOutput:
-        """Logits for every token of ``input_ids [B, T]`` (any ``T``).
-
-        ``labels`` are aligned with ``input_ids`` (Hugging Face convention): the loss is the mean cross-entropy of
-        ``logits[:, t]`` against ``labels[:, t + 1]``, ignoring ``-100``.
-        """
-        logits = self._step(input_ids, None)
-        loss = None
-        if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
-        return GCAOutput(logits=logits, loss=loss)
 
     def forward_stream(
         self, input_ids: torch.Tensor, state: StreamState, last_logits: int | None = None, memory_only: bool = False

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from model.lm import lm_loss
 from pipeline.config import TrainConfig
 from pipeline.dist import DistInfo
 from pipeline.optim import build_optimizer
@@ -91,15 +91,16 @@ def _clean(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k.replace(_WRAPPED, ""): v.detach().cpu() for k, v in state.items()}
 
 
-def lm_loss(model: nn.Module, x: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-    """Next-token loss of ``x``: the model's mean cross-entropy, or with ``weights [B, T]`` (aligned with ``x``
-    as labels) the weighted mean ``sum(w * ce) / sum(w)`` over the predicted positions."""
+def next_token_loss(model: nn.Module, x: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """Next-token loss of ``x`` (``model.lm_loss``): the model's own mean loss, or with ``weights [B, T]``
+    (aligned with ``x`` as labels) the weighted mean over the predicted positions.
+
+    The weights stay outside the model's forward: FSDP's mixed precision would cast a floating-point forward
+    argument to bf16.
+    """
     if weights is None:
         return model(x, labels=x).loss
-    logits = model(x).logits[:, :-1]
-    ce = F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten(), reduction="none")
-    w = weights[:, 1:].flatten()
-    return (ce * w).sum() / w.sum()
+    return lm_loss(model(x).logits, x, weights)
 
 
 class TorchEngine:
@@ -140,7 +141,7 @@ class TorchEngine:
 
     def loss(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         with torch.autocast(self.info.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            return lm_loss(self.model, x, weights)
+            return next_token_loss(self.model, x, weights)
 
     def micro_step(self, x: torch.Tensor, accum: int, last: bool, weights: torch.Tensor | None = None) -> torch.Tensor:
         if self.kind == "fsdp" and last:
@@ -258,7 +259,7 @@ class DeepSpeedEngine:
         self.model.train(mode)
 
     def loss(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        return lm_loss(self.model, x, weights)
+        return next_token_loss(self.model, x, weights)
 
     def micro_step(self, x: torch.Tensor, accum: int, last: bool, weights: torch.Tensor | None = None) -> torch.Tensor:
         loss = self.loss(x, weights)

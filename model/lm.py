@@ -1,0 +1,67 @@
+"""What every causal LM here shares: the output type, the next-token loss and parameter counting.
+
+``GCAForCausalLM`` and the ``SlidingWindowLM`` baseline derive from ``CausalLM``; the trainer's token-weighted
+loss calls ``lm_loss`` too, so there is one definition of "the loss" whichever way it is asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model.stream import StreamState
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor
+    """``[B, T, vocab_size]``; ``logits[:, t]`` predicts token ``t + 1``."""
+    loss: torch.Tensor | None = None
+    """Mean next-token cross-entropy when labels were given."""
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Next-token cross-entropy of ``logits [B, T, V]`` against ``labels [B, T]`` aligned with the inputs
+    (Hugging Face convention: ``logits[:, t]`` is scored against ``labels[:, t + 1]``), computed in fp32.
+
+    Without ``weights``: the mean over the positions whose label is not ``-100``. With ``weights [B, T]``
+    (aligned like ``labels``): the weighted mean ``sum(w * ce) / sum(w)`` over the predicted positions.
+    """
+    flat_logits = logits[:, :-1].flatten(0, 1).float()
+    targets = labels[:, 1:].flatten()
+    if weights is None:
+        return F.cross_entropy(flat_logits, targets, ignore_index=-100)
+    ce = F.cross_entropy(flat_logits, targets, reduction="none")
+    w = weights[:, 1:].flatten()
+    return (ce * w).sum() / w.sum()
+
+
+def count_parameters(module: nn.Module) -> int:
+    """Number of parameter elements of ``module`` (each shared tensor counted once)."""
+    return sum(p.numel() for p in module.parameters())
+
+
+class CausalLM(nn.Module):
+    """Base of the language models: ``forward(input_ids, labels)`` over a whole sequence and parameter counting.
+
+    A subclass owns an ``embed`` table (tied to its LM head) and implements ``_step(input_ids, state)``, the one
+    code path that turns tokens into logits, with ``state=None`` for a whole sequence.
+    """
+
+    embed: nn.Embedding
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> CausalLMOutput:
+        """Logits for every token of ``input_ids [B, T]``; the mean next-token loss (``lm_loss``) when ``labels``
+        (aligned with ``input_ids``, ``-100`` ignored) are given."""
+        logits = self._step(input_ids, None)
+        return CausalLMOutput(logits=logits, loss=None if labels is None else lm_loss(logits, labels))
+
+    def _step(self, input_ids: torch.Tensor, state: StreamState | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def num_parameters(self, exclude_embedding: bool = False) -> int:
+        n = count_parameters(self)
+        return n - self.embed.weight.numel() if exclude_embedding else n
