@@ -1,0 +1,289 @@
+"""One way to load a config: a YAML file plus ``key=value`` overrides into a typed dataclass schema.
+
+Data prep, training, evaluation and the demo all load their settings through `load_schema`, so every tool reports a
+bad config the same way: one `ConfigError` line naming the file or override, the full key and the value. In order:
+the file is read (missing, not UTF-8, not YAML, not a mapping: named), each layer's keys are checked against the
+schema (an unknown key gets a near-miss suggestion and the known keys), the layers are merged onto the schema in
+order (a wrong type names the key and where the value came from), and the dataclass is built (a missing required
+value, or a rule of the schema's own ``__post_init__``, is an error too).
+
+Values may read the environment (``${oc.env:NAME}``); errors show the interpolation, never the value (see
+``data_prep.redaction``), and the loader returns where each such interpolation sits so that whatever writes the
+config out can keep the interpolation. The module lives in ``data_prep`` because both data prep and the pipeline
+load configs, and ``data_prep`` may not import the pipeline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
+
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException, ValidationError
+
+from data_prep.redaction import raw_env_paths, redact, track_env_values
+
+__all__ = ["INTERNAL", "ONE_OR_LIST", "ConfigError", "load_schema"]
+
+T = TypeVar("T")
+
+INTERNAL = {"internal": True}
+"""Field metadata: set by the program, never by a user (a config naming it is rejected as an unknown key)."""
+
+ONE_OR_LIST = {"one_or_list": True}
+"""Field metadata of a list field: a single value stands for a list of that one value (``input: corpus.txt``)."""
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used: the message names the file or override, the full key and the value.
+
+    The message is redacted when the error is made: it may quote values that came from the environment or hold a
+    secret, and it is printed, logged and shown by test runners in more places than any one tool controls.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(redact(message))
+
+
+def quote_hint(key: str) -> str:
+    """How to write text that YAML would otherwise read as something else (a mapping, a list, a number)."""
+    return (
+        f"values are read as YAML, so quote text with spaces, braces or colons: '{key}=\" text: {{x}}\"' "
+        f'on the command line, {key}: " text: {{x}}" in a config file'
+    )
+
+
+def load_schema(
+    schema: type[T], path: str | Path | None, overrides: Sequence[str], *, what: str
+) -> tuple[T, dict[str, str]]:
+    """The YAML file at ``path`` (if any) with ``overrides`` applied in order, as an instance of ``schema``.
+
+    Args:
+        schema: a dataclass whose fields (nested dataclasses included) are the config keys.
+        path: YAML file holding a mapping of keys, or None to start from the schema's defaults.
+        overrides: ``key=value`` strings (dotted keys for nested fields); each value is read as YAML.
+        what: what the keys configure (``prep``, ``train``, ``eval``, ``demo``), for the messages.
+
+    Returns:
+        The instance, and dotted key -> raw ``${oc.env:...}`` text of every value that came from the environment.
+
+    Raises:
+        ConfigError: the file, an override, a key or a value is wrong; the message names it.
+    """
+    track_env_values()  # before anything resolves: every ${oc.env:...} value is then known to `redact`
+    layers: list[tuple[str, DictConfig]] = []
+    if path is not None:
+        layers.append((f"config file {path}", _read_yaml(Path(path), what)))
+    layers += [(f"override {item!r}", _parse_override(item, schema)) for item in overrides]
+    merged = OmegaConf.structured(schema)
+    origins: dict[str, str] = {}
+    for source, layer in layers:
+        _check_keys(layer, schema, "", source)
+        try:
+            merged = OmegaConf.merge(merged, layer)
+        except OmegaConfBaseException as err:
+            raise _explain(err, schema, source) from None
+        origins.update(dict.fromkeys(_leaf_keys(layer), source))
+    env_paths = raw_env_paths(OmegaConf.to_container(merged, resolve=False))
+    try:
+        built = OmegaConf.to_object(merged)
+    except MissingMandatoryValue as err:
+        key = err.full_key
+        raise ConfigError(
+            f"config key '{key}' is required: set it in the {what} config file or pass {key}=..."
+        ) from None
+    except OmegaConfBaseException as err:
+        raise _explain(err, schema, _origin(origins, err.full_key)) from None
+    except ValueError as err:  # a rule of the schema's own __post_init__ (e.g. model.config.ConfigError)
+        raise ConfigError(str(err)) from None
+    assert isinstance(built, schema)
+    return built, env_paths
+
+
+def _read_yaml(path: Path, what: str) -> DictConfig:
+    """The file as a mapping of keys; anything else is one line naming the file and what is wrong."""
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path} (expected a YAML file of {what} keys)")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path}: not UTF-8 text; a config file is YAML") from None
+    except OSError as err:
+        raise ConfigError(f"config file {path}: cannot be read ({err.strerror or err})") from None
+    try:
+        top = yaml.safe_load(text)  # the top-level type, before omegaconf reinterprets a scalar
+        if top is None:
+            return OmegaConf.create({})
+        if not isinstance(top, dict):
+            kind = "list" if isinstance(top, list) else "single value"
+            raise ConfigError(
+                f"config file {path}: the top level must be a mapping of {what} keys, not a {kind}; "
+                "write lines like 'key: value'"
+            )
+        loaded = OmegaConf.create(text)  # omegaconf's YAML reading (1e-3 is a float) for the values
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path}: not valid YAML ({_yaml_problem(err)})") from None
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"config file {path}: {_first_line(err)}") from None
+    assert isinstance(loaded, DictConfig), "a YAML mapping loads as a DictConfig"
+    return loaded
+
+
+def _parse_override(item: str, schema: type) -> DictConfig:
+    """One ``key=value`` as a config tree; the key is checked before the value is parsed."""
+    key, sep, _ = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {item!r} is not of the form key=value")
+    _check_dotted_key(key, schema, f"override {item!r}")
+    try:
+        return OmegaConf.from_dotlist([item])
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {item!r}: not a valid value ({_yaml_problem(err)}); {quote_hint(key)}") from None
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"override {item!r}: {_first_line(err)}") from None
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """A YAML error in one line: the problem and where."""
+    if isinstance(err, yaml.MarkedYAMLError):
+        mark = err.problem_mark
+        return f"{err.problem}" + (f" at line {mark.line + 1}, column {mark.column + 1}" if mark else "")
+    return (str(err).splitlines() or [type(err).__name__])[0]
+
+
+def _first_line(err: OmegaConfBaseException) -> str:
+    text = str(getattr(err, "msg", None) or err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+# -- the schema's keys ----------------------------------------------------------------------------------------------
+
+
+def _user_fields(cls: type) -> dict[str, Any]:
+    """Field name -> type hint of every field a config may set."""
+    hints = get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+
+
+def _without_none(hint: Any) -> Any:
+    """``X`` for ``X | None``; other hints as they are."""
+    if get_origin(hint) in (Union, types.UnionType):
+        rest = [arg for arg in get_args(hint) if arg is not type(None)]
+        return rest[0] if len(rest) == 1 else hint
+    return hint
+
+
+def _section(hint: Any) -> type | None:
+    """The dataclass a field holds (a nested section), or None."""
+    hint = _without_none(hint)
+    return hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
+
+
+def _item_section(hint: Any) -> type | None:
+    """The dataclass each item of a list field holds, or None."""
+    hint = _without_none(hint)
+    return _section(get_args(hint)[0]) if get_origin(hint) is list and get_args(hint) else None
+
+
+def _unknown(key: str, prefix: str, known: dict[str, Any], source: str) -> ConfigError:
+    near = difflib.get_close_matches(key, list(known), n=1)
+    hint = f"; did you mean '{prefix}{near[0]}'?" if near else ""
+    where = f"known keys under '{prefix.rstrip('.')}'" if prefix else "known keys"
+    return ConfigError(f"unknown config key '{prefix}{key}'{hint} (in {source}; {where}: {', '.join(sorted(known))})")
+
+
+def _check_dotted_key(dotted: str, schema: type, source: str) -> None:
+    """A dotted override key names a field at every level that is a section."""
+    section: type | None = schema
+    prefix = ""
+    for part in dotted.split("."):
+        if section is None:
+            return  # below a leaf or a free-form mapping: the merge judges the value
+        known = _user_fields(section)
+        if part not in known:
+            raise _unknown(part, prefix, known, source)
+        section, prefix = _section(known[part]), f"{prefix}{part}."
+
+
+def _check_keys(node: DictConfig, cls: type, prefix: str, source: str) -> None:
+    """Every key of ``node`` is a field of ``cls``, at every depth; a section holds a mapping.
+
+    A single value for a `ONE_OR_LIST` field becomes a one-item list here, keeping its raw text (an
+    ``${oc.env:...}`` value stays an interpolation).
+    """
+    known = _user_fields(cls)
+    one_or_list = {f.name for f in dataclasses.fields(cls) if f.metadata.get("one_or_list")}
+    for raw_key in list(node.keys()):
+        key = str(raw_key)
+        if key not in known:
+            raise _unknown(key, prefix, known, source)
+        full = f"{prefix}{key}"
+        child = node._get_node(key)
+        section, item_section = _section(known[key]), _item_section(known[key])
+        if section is not None and child is not None and not child._is_none():
+            if not isinstance(child, DictConfig):
+                raise ConfigError(f"config key '{full}' must be a mapping of keys (in {source}); got {child!r}")
+            _check_keys(child, section, f"{full}.", source)
+        elif get_origin(_without_none(known[key])) is list and isinstance(child, DictConfig):
+            raise ConfigError(f"config key '{full}' has a wrong value (in {source}): a list is expected, got a mapping")
+        elif item_section is not None and isinstance(child, ListConfig):
+            for i, item in enumerate(child):
+                if isinstance(item, DictConfig):
+                    _check_keys(item, item_section, f"{full}[{i}].", source)
+        elif key in one_or_list and not isinstance(child, (ListConfig, DictConfig)):
+            raw = OmegaConf.to_container(node, resolve=False)
+            assert isinstance(raw, dict)
+            node[key] = [raw[key]]
+
+
+def _leaf_keys(node: DictConfig, prefix: str = "") -> list[str]:
+    """Dotted keys of every value set in a layer (a list counts as one value)."""
+    out: list[str] = []
+    for key in map(str, node.keys()):
+        child = node._get_node(key)
+        full = f"{prefix}{key}"
+        out += _leaf_keys(child, f"{full}.") if isinstance(child, DictConfig) else [full]
+    return out
+
+
+def _origin(origins: dict[str, str], key: str | None) -> str | None:
+    """The layer that set ``key`` (or the nearest section above it), or None for a schema default."""
+    parts = re.split(r"[.\[]", key or "")
+    for end in range(len(parts), 0, -1):
+        found = origins.get(".".join(parts[:end]))
+        if found is not None:
+            return found
+    return None
+
+
+def _leaf_hint(schema: type, key: str) -> Any:
+    """The type hint of the field at dotted ``key`` (list items as ``key[i]``), or None when not a field."""
+    hint: Any = schema
+    for part in key.split("."):
+        name = part.split("[")[0]
+        section = _section(hint) or _item_section(hint)
+        if section is None or name not in _user_fields(section):
+            return None
+        hint = _user_fields(section)[name]
+    return hint
+
+
+def _explain(err: OmegaConfBaseException, schema: type, source: str | None) -> ConfigError:
+    """The merge or build error as one line naming the key, where its value came from and what is wrong."""
+    key = err.full_key or ""
+    where = f" (in {source})" if source else ""
+    reason = _first_line(err)
+    if not key:
+        return ConfigError(f"config{where}: {reason}")
+    if not isinstance(err, ValidationError):
+        return ConfigError(f"config key '{key}'{where}: {reason}")
+    text_field = _without_none(_leaf_hint(schema, key)) is str
+    return ConfigError(
+        f"config key '{key}' has a wrong value{where}: {reason}" + (f"; {quote_hint(key)}" if text_field else "")
+    )
