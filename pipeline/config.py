@@ -1,34 +1,33 @@
 """``TrainConfig``: the one typed schema of a pretraining run, loaded from YAML plus ``key=value`` overrides.
 
-Every field has a docstring under it. Loading goes YAML -> omegaconf structured merge (unknown keys and wrong
-types are errors naming the full key, with a near-miss suggestion) -> a real dataclass tree -> cross-field
-rules (``validate``), all before any process group, directory or file is created. Derived numbers (gradient
+Every field has a docstring under it. Loading goes through the shared loader (``data_prep.schema``: unknown keys
+and wrong types are errors naming the full key, with a near-miss suggestion) -> a real dataclass tree ->
+cross-field rules (``validate``), all before any process group, directory or file is created. Derived numbers (gradient
 accumulation, tokens per step) are properties, never stored twice.
 """
 
 from __future__ import annotations
 
-import difflib
 import math
-from dataclasses import dataclass, field, fields, is_dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_type_hints
+from typing import Any, Literal
 
-import yaml
-from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException, ValidationError
+from omegaconf import MISSING, OmegaConf
 
-from data_prep.redaction import raw_env_paths, redact, restore_env_interpolations, track_env_values
+from data_prep import schema
+from data_prep.redaction import restore_env_interpolations
 from data_prep.safe_files import is_within
-from model.config import ConfigError as ModelConfigError
+from data_prep.schema import load_schema
 from model.config import GCAConfig
 
 _ENV_PATHS = "_env_interpolations"
 """Attribute of a loaded ``TrainConfig`` (outside its schema) holding `env_interpolations`."""
 
 
-class ConfigError(ValueError):
-    """The training configuration is invalid; the message names the full key and the rule."""
+ConfigError = schema.ConfigError
+"""The training configuration is invalid; the message names the full key and the rule (the one config error)."""
 
 
 @dataclass
@@ -180,53 +179,6 @@ class TrainConfig:
         return self.train.global_batch * self.train.seq_len
 
 
-def _schema_keys(path: str) -> list[str]:
-    """Field names of the schema node at dotted ``path`` ('' = root), for near-miss suggestions."""
-    node: Any = TrainConfig
-    for part in [p for p in path.split(".") if p]:
-        node = get_type_hints(node).get(part)
-        if not is_dataclass(node):
-            return []
-    return [f.name for f in fields(node)]
-
-
-def _explain(err: OmegaConfBaseException, source: str) -> ConfigError:
-    key = getattr(err, "full_key", None) or "?"
-    if isinstance(err, ConfigKeyError):
-        parent, _, leaf = key.rpartition(".")
-        near = difflib.get_close_matches(leaf, _schema_keys(parent), n=1)
-        hint = f"; did you mean '{parent + '.' if parent else ''}{near[0]}'?" if near else ""
-        known = ", ".join(_schema_keys(parent))
-        return ConfigError(f"unknown config key '{key}' (from {source}){hint} Known keys here: {known}")
-    if isinstance(err, MissingMandatoryValue):
-        return ConfigError(f"config key '{key}' is required: set it in the YAML or pass {key}=...")
-    # The message may quote a value that came from the environment (``${oc.env:...}``): redacted.
-    first_line = redact((str(getattr(err, "msg", err)).splitlines() or [""])[0])
-    if isinstance(err, ValidationError):
-        return ConfigError(f"config key '{key}' has a wrong value (from {source}): {first_line}")
-    return ConfigError(f"config key '{key}' (from {source}): {first_line}")
-
-
-def _load_yaml(path: str | Path) -> DictConfig:
-    """The YAML file as a config mapping; a missing, unparsable or non-mapping file is a one-line error."""
-    if not Path(path).is_file():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        loaded = OmegaConf.load(path)
-    except (yaml.YAMLError, OSError, UnicodeDecodeError, OmegaConfBaseException) as err:
-        reason = redact((str(err).splitlines() or [""])[0])
-        raise ConfigError(
-            f"config file {path} is not a YAML mapping of config keys ({reason}); it must hold "
-            "sections like 'train:' and 'model:' at its top level"
-        ) from None
-    if not isinstance(loaded, DictConfig):
-        raise ConfigError(
-            f"config file {path}: its top level is a {type(loaded).__name__.removesuffix('Config')}, "
-            "not a mapping of config keys; write sections like 'train:' and 'model:' at the top level"
-        )
-    return loaded
-
-
 def env_interpolations(cfg: TrainConfig) -> dict[str, str]:
     """Dotted key -> raw ``${oc.env:...}`` text of every config node whose value came from the environment.
 
@@ -236,9 +188,7 @@ def env_interpolations(cfg: TrainConfig) -> dict[str, str]:
     return getattr(cfg, _ENV_PATHS, {})
 
 
-def load_config(
-    path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), world_size: int = 1
-) -> TrainConfig:
+def load_config(path: str | Path | None, overrides: Sequence[str] = (), world_size: int = 1) -> TrainConfig:
     """Load YAML + dotlist overrides into a validated ``TrainConfig``.
 
     Args:
@@ -250,38 +200,9 @@ def load_config(
         ConfigError: unknown key, wrong type, missing value or a broken cross-field rule; the message names the
             full key.
     """
-    track_env_values()  # before anything resolves: every ${oc.env:...} value is then known to `redact`
-    merged = OmegaConf.structured(TrainConfig)
-    layers: list[tuple[str, Any]] = []
-    if path is not None:
-        layers.append((str(path), _load_yaml(path)))
-    bad = [o for o in overrides if "=" not in o]
-    if bad:
-        raise ConfigError(redact(f"overrides must look like key=value; got {bad}"))
-    try:
-        layers.append(("command-line overrides", OmegaConf.from_dotlist(list(overrides))))
-    except (yaml.YAMLError, OmegaConfBaseException) as err:
-        raise ConfigError(
-            redact(f"command-line overrides are not valid key=value pairs: {(str(err).splitlines() or [''])[0]}")
-        ) from None
-    for source, layer in layers:
-        try:
-            merged = OmegaConf.merge(merged, layer)
-        except OmegaConfBaseException as err:
-            raise _explain(err, source) from None
-    env_paths = raw_env_paths(OmegaConf.to_container(merged, resolve=False))
-    try:
-        cfg = OmegaConf.to_object(merged)
-    except ModelConfigError as err:
-        raise ConfigError(redact(str(err))) from None
-    except OmegaConfBaseException as err:
-        raise _explain(err, "the merged config") from None
-    assert isinstance(cfg, TrainConfig)
+    cfg, env_paths = load_schema(TrainConfig, path, overrides, what="train")
     setattr(cfg, _ENV_PATHS, env_paths)
-    try:
-        validate(cfg, world_size)
-    except ConfigError as err:
-        raise ConfigError(redact(str(err))) from None
+    validate(cfg, world_size)
     return cfg
 
 
@@ -336,7 +257,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     _check_ranges(cfg)
     _check_outputs_outside_data(cfg)
     t, o, p, c = cfg.train, cfg.optim, cfg.parallel, cfg.checkpoint
-    for key, value in (
+    positive: tuple[tuple[str, float], ...] = (
         ("train.max_steps", t.max_steps),
         ("train.seq_len", t.seq_len),
         ("train.micro_batch", t.micro_batch),
@@ -344,16 +265,18 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         ("checkpoint.keep_last", c.keep_last),
         ("logging.every", cfg.logging.every),
         ("data.shuffle_window", cfg.data.shuffle_window),
-    ):
+    )
+    for key, value in positive:
         if value < 1:
             raise ConfigError(f"{key} must be >= 1; got {value}")
-    for key, value in (
+    non_negative: tuple[tuple[str, float], ...] = (
         ("checkpoint.every", c.every),
         ("train.eval_every", t.eval_every),
         ("schedule.warmup_steps", cfg.schedule.warmup_steps),
         ("train.grad_clip", t.grad_clip),
         ("optim.weight_decay", o.weight_decay),
-    ):
+    )
+    for key, value in non_negative:
         if value < 0:
             raise ConfigError(f"{key} must be >= 0; got {value}")
     if t.global_batch % (t.micro_batch * world_size) != 0:
@@ -405,7 +328,7 @@ def to_plain(cfg: TrainConfig) -> dict[str, Any]:
     """The resolved config as nested dicts, with every environment-derived value put back as its
     ``${oc.env:...}`` text (what wandb and every written config get)."""
     resolved = OmegaConf.to_container(OmegaConf.structured(cfg))
-    return restore_env_interpolations(resolved, env_interpolations(cfg))  # type: ignore[no-any-return]
+    return restore_env_interpolations(resolved, env_interpolations(cfg))
 
 
 def to_yaml(cfg: TrainConfig) -> str:
