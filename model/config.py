@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, fields
 
-from kernels.gca.limits import MAX_HEAD_DIM, MIN_HEAD_DIM
+from kernels.gca import GCA_BACKENDS, MAX_HEAD_DIM, MIN_HEAD_DIM
+from kernels.swa import SWA_BACKENDS
 
 ARCHS = ("gca", "swa")
-ATTN_BACKENDS = ("auto", "naive", "sdpa", "triton")
 RETRIEVAL_SCALES = ("d_model", "head_dim")
 
 
@@ -53,10 +53,17 @@ class GCAConfig:
     """Bias on the GCA output projection."""
     retrieval_scale: str = "d_model"
     """Retrieval score scale: ``d_model`` (1/sqrt(d_model), the paper) or ``head_dim``."""
-    attn_backend: str = "auto"
-    """Attention backend: ``auto`` (CUDA: Triton GCA + FlashAttention/FlexAttention window; CPU: matmul GCA with
-    a hand-written backward + the window through PyTorch's fused SDPA), ``sdpa`` (both operators through fused
-    SDPA), ``naive`` (the readable references) or ``triton`` (Triton GCA; the window as under ``auto``)."""
+    gca_backend: str = "auto"
+    """Grouped Cross Attention operator (``kernels.gca.GCA_BACKENDS``): ``auto`` (Triton on CUDA, else ``matmul``),
+    ``matmul`` (batched matmuls with a hand-written backward, the CPU path), ``sdpa`` (PyTorch's fused SDPA),
+    ``naive`` (the readable reference) or ``triton`` (the fused kernels)."""
+    swa_backend: str = "auto"
+    """Sliding-window attention (``kernels.swa.SWA_BACKENDS``): ``auto`` (on CUDA FlashAttention, else
+    FlexAttention; on CPU fused SDPA), ``gpu`` (the CUDA path, an error when unavailable), ``sdpa`` or ``naive``."""
+    attn_backend: str | None = None
+    """Shorthand for both backends, for older configs and exports: a GCA backend name; the window takes the same
+    name where it has that backend (``naive``, ``sdpa``, ``auto``), else ``auto`` (``matmul``, ``triton``). When
+    set it replaces ``gca_backend`` and ``swa_backend`` and is then cleared, so a saved config holds the two."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon (one value everywhere, the encoder included)."""
     rope_theta: float = 10000.0
@@ -88,12 +95,15 @@ class GCAConfig:
             raise ConfigError(f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads}")
         if self.arch not in ARCHS:
             raise ConfigError(f"model.arch={self.arch!r} is not one of {ARCHS}")
-        if self.attn_backend not in ATTN_BACKENDS:
-            raise ConfigError(f"model.attn_backend={self.attn_backend!r} is not one of {ATTN_BACKENDS}")
-        if self.attn_backend == "triton" and not MIN_HEAD_DIM <= self.head_dim <= MAX_HEAD_DIM:
+        gca_key = self._apply_backend_shorthand()
+        if self.gca_backend not in GCA_BACKENDS:
+            raise ConfigError(f"model.gca_backend={self.gca_backend!r} is not one of {GCA_BACKENDS}")
+        if self.swa_backend not in SWA_BACKENDS:
+            raise ConfigError(f"model.swa_backend={self.swa_backend!r} is not one of {SWA_BACKENDS}")
+        if self.gca_backend == "triton" and not MIN_HEAD_DIM <= self.head_dim <= MAX_HEAD_DIM:
             raise ConfigError(
-                f"model.attn_backend=triton supports head dims {MIN_HEAD_DIM}..{MAX_HEAD_DIM}; "
-                f"model.d_model / model.n_heads = {self.head_dim} (change them, or use model.attn_backend=naive)"
+                f"model.{gca_key}=triton supports head dims {MIN_HEAD_DIM}..{MAX_HEAD_DIM}; "
+                f"model.d_model / model.n_heads = {self.head_dim} (change them, or use model.{gca_key}=naive)"
             )
         if self.retrieval_scale not in RETRIEVAL_SCALES:
             raise ConfigError(f"model.retrieval_scale={self.retrieval_scale!r} is not one of {RETRIEVAL_SCALES}")
@@ -102,6 +112,17 @@ class GCAConfig:
             # NaN fails every comparison and infinity passes `> 0`: both would surface deep inside the forward.
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ConfigError(f"model.{name} must be a finite number > 0; got {value!r}")
+
+    def _apply_backend_shorthand(self) -> str:
+        """Expand ``attn_backend`` into the two backends; return the key that chose the GCA backend (for errors)."""
+        if self.attn_backend is None:
+            return "gca_backend"
+        if self.attn_backend not in GCA_BACKENDS:
+            raise ConfigError(f"model.attn_backend={self.attn_backend!r} is not one of {GCA_BACKENDS}")
+        self.gca_backend = self.attn_backend
+        self.swa_backend = self.attn_backend if self.attn_backend in SWA_BACKENDS else "auto"
+        self.attn_backend = None
+        return "attn_backend"
 
     @property
     def head_dim(self) -> int:
@@ -112,7 +133,10 @@ class GCAConfig:
         return sum(self.groups)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Every field but the ``attn_backend`` shorthand, which construction has already expanded."""
+        data = asdict(self)
+        del data["attn_backend"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> GCAConfig:

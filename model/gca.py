@@ -78,7 +78,7 @@ class GroupedCrossAttention(nn.Module):
                 v[i : i + step],
                 w[i : i + step],
                 softmax_off_by_one=cfg.softmax_off_by_one,
-                backend=cfg.attn_backend,
+                backend=cfg.gca_backend,
             )
             for i in range(0, B * C, step)
         ]

@@ -159,7 +159,7 @@ def load_pretrained(
     directory: str | os.PathLike, *, device: str | torch.device = "cpu", **overrides
 ) -> torch.nn.Module:
     """Build the model (``GCAForCausalLM``, or the baseline for ``arch=swa``) from ``config.json`` (``overrides``
-    replace config fields, e.g. ``attn_backend``) and load ``model.safetensors`` strictly: a missing, unexpected
+    replace config fields, e.g. ``gca_backend``) and load ``model.safetensors`` strictly: a missing, unexpected
     or mis-shaped tensor is an error naming it.
 
     Raises:

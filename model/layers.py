@@ -57,8 +57,7 @@ class SlidingWindowAttention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.window = cfg.window
-        # The window has no Triton kernel: under `triton` it takes the same path as under `auto`.
-        self.backend = "auto" if cfg.attn_backend == "triton" else cfg.attn_backend
+        self.backend = cfg.swa_backend
         self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)

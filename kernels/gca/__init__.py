@@ -13,10 +13,10 @@ Backends:
     ``auto``   ``triton`` for CUDA tensors, ``matmul`` otherwise.
 """
 
-from kernels.gca.dispatch import BACKENDS, gca_attention
+from kernels.gca.dispatch import GCA_BACKENDS, gca_attention
 from kernels.gca.limits import MAX_HEAD_DIM, MIN_HEAD_DIM
 from kernels.gca.matmul import matmul_gca
 from kernels.gca.naive import naive_gca
 from kernels.gca.sdpa import sdpa_gca
 
-__all__ = ["BACKENDS", "MAX_HEAD_DIM", "MIN_HEAD_DIM", "gca_attention", "matmul_gca", "naive_gca", "sdpa_gca"]
+__all__ = ["GCA_BACKENDS", "MAX_HEAD_DIM", "MIN_HEAD_DIM", "gca_attention", "matmul_gca", "naive_gca", "sdpa_gca"]

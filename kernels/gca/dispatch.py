@@ -10,7 +10,8 @@ from kernels.gca.matmul import matmul_gca
 from kernels.gca.naive import naive_gca
 from kernels.gca.sdpa import sdpa_gca
 
-BACKENDS = ("auto", "naive", "matmul", "sdpa", "triton")
+GCA_BACKENDS = ("auto", "naive", "matmul", "sdpa", "triton")
+"""Every ``backend`` name ``gca_attention`` accepts; the model config validates ``model.gca_backend`` against it."""
 
 
 def _triton_gca() -> Callable[..., torch.Tensor]:
@@ -19,7 +20,7 @@ def _triton_gca() -> Callable[..., torch.Tensor]:
     except ImportError as exc:  # triton missing or the kernel module not importable
         raise ImportError(
             f"backend='triton' needs the Triton GCA kernel ({exc}); install triton==3.7.1 "
-            "or use backend='naive' (model.attn_backend=naive)"
+            "or use backend='naive' (model.gca_backend=naive)"
         ) from exc
     return triton_gca
 
@@ -54,8 +55,8 @@ def gca_attention(
         ValueError: an unknown backend, or (``triton``) inputs outside the kernel's support matrix, including CPU
             tensors without ``TRITON_INTERPRET=1``; the message names the fix. Nothing falls back silently.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    if backend not in GCA_BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {GCA_BACKENDS}")
     if backend == "auto":
         backend = "triton" if q.is_cuda else "matmul"
     if backend == "naive":

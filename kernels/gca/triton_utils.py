@@ -82,7 +82,7 @@ def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weights: torch.T
     if not q.is_cuda and not INTERPRET:
         raise ValueError(
             f"q.device={q.device}: the Triton GCA kernels need CUDA tensors. On CPU use backend='naive' "
-            "(model.attn_backend=naive), or export TRITON_INTERPRET=1 before importing kernels.gca.triton_gca "
+            "(model.gca_backend=naive), or export TRITON_INTERPRET=1 before importing kernels.gca.triton_gca "
             "to run the kernels on the (slow) Triton interpreter"
         )
     dtypes = SUPPORTED_DTYPES + (INTERPRETER_ONLY_DTYPES if INTERPRET else ())

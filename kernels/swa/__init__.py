@@ -9,6 +9,10 @@ from kernels.swa.naive import naive_sliding_window_attention
 from kernels.swa.sdpa import sdpa_sliding_window_attention
 
 SWA_BACKENDS = ("auto", "naive", "sdpa", "gpu")
+"""Every ``backend`` name ``sliding_window_attention`` accepts; the model config validates ``model.swa_backend``
+against it."""
+
+__all__ = ["SWA_BACKENDS", "alibi_slopes", "sliding_window_attention"]
 
 
 def alibi_slopes(n_heads: int) -> torch.Tensor:

@@ -21,7 +21,8 @@ def tiny_config(**overrides) -> GCAConfig:
         chunk_size=4,
         top_k=2,
         window=6,
-        attn_backend="naive",
+        gca_backend="naive",
+        swa_backend="naive",
     )
     return GCAConfig(**{**base, **overrides})
 
@@ -178,11 +179,54 @@ def test_export_rejects_tensor_mismatch(tmp_path):
         (dict(attn_backend="cuda"), "model.attn_backend"),
         (dict(top_k=-1), "model.top_k"),
         (dict(attn_backend="triton", d_model=32, n_heads=4), "model.attn_backend=triton supports head dims"),
+        (dict(gca_backend="triton", d_model=32, n_heads=4), "model.gca_backend=triton supports head dims"),
+        (dict(gca_backend="gpu"), r"model.gca_backend='gpu' is not one of \('auto', 'naive', 'matmul'"),
+        (dict(swa_backend="matmul"), r"model.swa_backend='matmul' is not one of \('auto', 'naive', 'sdpa', 'gpu'\)"),
     ],
 )
 def test_config_errors_name_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key):
         tiny_config(**overrides)
+
+
+@pytest.mark.parametrize(
+    "shorthand,gca,swa",
+    [("auto", "auto", "auto"), ("naive", "naive", "naive"), ("sdpa", "sdpa", "sdpa"), ("matmul", "matmul", "auto")],
+)
+def test_attn_backend_shorthand_sets_both_backends(shorthand, gca, swa):
+    cfg = tiny_config(attn_backend=shorthand, gca_backend="triton", swa_backend="gpu")
+    assert (cfg.gca_backend, cfg.swa_backend, cfg.attn_backend) == (gca, swa, None)
+    assert "attn_backend" not in cfg.to_dict()
+    assert GCAConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_backends_are_the_kernels_registries():
+    from kernels.gca import GCA_BACKENDS
+    from kernels.swa import SWA_BACKENDS
+
+    for name in GCA_BACKENDS:
+        if name != "triton":  # the head-dim rule of the Triton kernel is checked above
+            assert tiny_config(gca_backend=name).gca_backend == name
+    for name in SWA_BACKENDS:
+        assert tiny_config(swa_backend=name).swa_backend == name
+
+
+def test_export_with_the_attn_backend_key_still_loads(tmp_path):
+    """Exports written before the two backend keys existed hold ``attn_backend``; they load with its meaning."""
+    import json
+
+    model = GCAForCausalLM(tiny_config()).eval()
+    save_pretrained(model, tmp_path)
+    config_path = tmp_path / "config.json"
+    payload = json.loads(config_path.read_text())
+    for key in ("gca_backend", "swa_backend"):
+        del payload["model"][key]
+    payload["model"]["attn_backend"] = "sdpa"
+    config_path.write_text(json.dumps(payload))
+    loaded = load_pretrained(tmp_path)
+    assert (loaded.cfg.gca_backend, loaded.cfg.swa_backend) == ("sdpa", "sdpa")
+    ids = torch.randint(0, VOCAB, (1, 20))
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_config_from_dict_rejects_unknown_keys():
