@@ -4,61 +4,12 @@
     python launch/slurm/prep_slices.py slice --index I --num-slices N --config configs/data/x.yaml [key=value ...]
     python launch/slurm/prep_slices.py merge --num-slices N --config configs/data/x.yaml [key=value ...]
 
-Every step gets the same ``--config`` and overrides and derives its paths from ``output``. ``slice`` is
-``launch/prep.py`` with ``num_slices=N slice_index=I``, the shared tokenizer and ``output=<output>.slices/slice-I``.
+The command line is ``data_prep.cli.slices_main``'s.
 """
 
-import argparse
-import logging
 import sys
 
-from data_prep.config import load_config
-from data_prep.errors import PrepError
-from data_prep.format import IncompleteDatasetError
-from data_prep.merge import merge_slices, prepare_tokenizer, slice_dir, slices_root
-from data_prep.redaction import install_log_redaction, redact
-from data_prep.safe_files import UnsafeDatasetError
-from data_prep.shard import main as prep_main
-
-
-def cli(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("step", choices=("tokenizer", "slice", "merge"))
-    parser.add_argument("--config", help="YAML file with prep settings (see configs/data/)")
-    parser.add_argument("--num-slices", type=int, help="how many slices the run has (tokenizer: checked early)")
-    parser.add_argument("--index", type=int, help="slice: which slice (0-based; the array task id)")
-    parser.add_argument("--keep-slices", action="store_true", help="merge: keep <output>.slices afterwards")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, the same for every step")
-    args = parser.parse_intermixed_args(argv)  # the overrides may follow the options, after the step name
-    if args.step != "tokenizer" and args.num_slices is None:
-        parser.error(f"{args.step} needs --num-slices")
-    if args.step == "slice" and args.index is None:
-        parser.error("slice needs --index")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    install_log_redaction()  # log lines name paths and values that may come from the environment
-    try:
-        cfg = load_config(args.config, args.overrides)
-        if args.step == "tokenizer":
-            prepare_tokenizer(cfg, args.num_slices or 1)
-        elif args.step == "slice":
-            per_slice = [
-                f"output={slice_dir(cfg, args.index)}",
-                f"num_slices={args.num_slices}",
-                f"slice_index={args.index}",
-                f"tokenizer.model={slices_root(cfg) / 'tokenizer.model'}",
-                "tokenizer.vocab_size=null",
-            ]
-            prep_main(load_config(args.config, [*args.overrides, *per_slice]))
-        else:
-            merge_slices(cfg, args.num_slices, keep_slices=args.keep_slices)
-    except (PrepError, IncompleteDatasetError, UnsafeDatasetError) as exc:  # one line, never a traceback
-        print(f"prep_slices {args.step}: error: {redact(str(exc))}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"prep_slices {args.step}: interrupted; rerun this step", file=sys.stderr)
-        return 130
-    return 0
-
+from data_prep.cli import slices_main
 
 if __name__ == "__main__":
-    sys.exit(cli(sys.argv[1:]))
+    sys.exit(slices_main())

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import importlib.util
 import json
 import os
 import subprocess
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from data_prep import shard
+from data_prep.cli import main as cli  # prep's command line (launch/prep.py), in-process so faults can be injected
 from data_prep.config import load_config
 from data_prep.errors import ConfigError, InputError, OutputExistsError, OutputWriteError
 from data_prep.format import SPLITS, read_manifest
@@ -28,11 +28,6 @@ from data_prep.streaming_compat import ensure_streaming_importable
 pytestmark = pytest.mark.reliability
 
 REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("launch_prep", REPO / "launch" / "prep.py")
-assert _spec is not None and _spec.loader is not None
-_launch_prep = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_launch_prep)
-cli = _launch_prep.cli  # the command line entry point, run in-process so that faults can be injected
 WORDS = "river mill farm train valley dawn theorem proof lemma integral matrix vector return class".split()
 
 
