@@ -1,31 +1,11 @@
 """Check the nodes before a launch: ``[torchrun ...] launch/preflight.py [--gpus-per-node N] --config X [k=v ...]``.
 
-Start it exactly like the training run (same launcher, config and overrides); see ``pipeline/preflight.py``.
-Exit status: 0 all checks passed, 1 a check failed (one line each), 2 a configuration error.
+The command line is ``pipeline.cli.preflight``'s (also runnable as ``python -m pipeline.cli.preflight``).
 """
 
-import argparse
 import sys
 
-from pipeline.preflight import main
-
-
-def cli(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="the training YAML (pipeline.config.TrainConfig)")
-    parser.add_argument(
-        "--gpus-per-node",
-        type=int,
-        default=None,
-        help="GPUs every node must have (0 for a CPU run; default: not checked)",
-    )
-    parser.add_argument("--min-free-gb", type=float, default=10.0, help="free space required at run_dir at least")
-    parser.add_argument("--timeout-s", type=float, default=180.0, help="give up (exit 1) after this long")
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("overrides", nargs="*", help="the training run's key=value overrides")
-    args = parser.parse_args(argv)
-    return main(args.config, args.overrides, args.gpus_per_node, args.min_free_gb, args.timeout_s)
-
+from pipeline.cli.preflight import main
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(main())

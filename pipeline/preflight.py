@@ -297,7 +297,7 @@ def run(
 def main(
     config_path: str | None, overrides: list[str], gpus_per_node: int | None, min_free_gb: float, timeout_s: float
 ) -> int:
-    """Entry point of ``launch/preflight.py``: 0 if every check passed on every rank, 1 if not, 2 on a bad config.
+    """What ``pipeline.cli.preflight`` runs: 0 if every check passed on every rank, 1 if not, 2 on a bad config.
 
     Rank 0 logs every rank's failures at the end. A rank that gets stuck (a collective never completes) logs
     its own failures and a timeout line after ``timeout_s`` and exits 1.

@@ -1,0 +1,45 @@
+"""Evaluate a model export: ``python -m pipeline.cli.eval --checkpoint <export dir> --task ppl|passkey
+--out <dir> [--config <yaml>] [key=value ...]`` writes ``<dir>/<task>.json`` and ``<dir>/<task>.png``.
+Keys: ``pipeline/evaluation/config.py``. Exit status: 0 done, 1 the result could not be written where asked,
+2 bad input (found before any evaluation ran)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from data_prep.redaction import install_log_redaction, redact
+from pipeline.evaluation.run import EvalOutputError, run_eval
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (default: ``sys.argv[1:]``), run the eval and print one line per result row."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--checkpoint", required=True, help="export directory (config.json + model.safetensors)")
+    parser.add_argument("--task", required=True, choices=["ppl", "passkey"])
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--config", help="optional YAML with eval keys (e.g. configs/eval/passkey_1m.yaml)")
+    parser.add_argument("overrides", nargs="*", help="key=value, e.g. lengths=[1024,65536] samples=2")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    install_log_redaction()
+    try:
+        result = run_eval(args.checkpoint, args.task, args.out, args.overrides, args.config)
+    except (ValueError, FileNotFoundError) as err:  # bad input, found before any evaluation ran
+        print(f"error: {redact(str(err))}", file=sys.stderr)
+        return 2
+    except EvalOutputError as err:  # the eval finished; its result is somewhere else
+        print(f"error: {err}", file=sys.stderr)
+        if err.saved_to is None:
+            print(json.dumps(err.result, indent=2))
+        return 1
+    for row in result["results"]:
+        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+    print(f"peak RSS {result['peak_rss_mib']} MiB, {result['seconds']} s -> {args.out}/{args.task}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
