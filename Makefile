@@ -91,23 +91,23 @@ clean-shm:
 	rm -f /dev/shm/deepspeed_allreduce_buffer_*
 
 bench: install
-	$(PY) -m model.bench
+	$(PY) launch/bench_model.py $(ARGS)
 
 test-eval: install
 	$(PYTEST) -m "$(DEFAULT_MARKERS)" tests/evaluation
 
 # Passkey eval time and peak RSS of a tiny random-init model vs length (up to 1M tokens; ~15 min).
 bench-eval: install
-	$(PY) -m pipeline.evaluation.bench --out bench_eval.json
+	$(PY) launch/bench_eval.py --out bench_eval.json $(ARGS)
 
 # Training-step time of GCA vs same-depth sliding window vs full attention (1K/4K/16K), and ZeRO-2 on 2 processes
 # vs 1 process with the real trainer (prepares data/default first when missing). ~10 min on 2 cores.
 bench-train: install ds-warmup
 	@test -f data/default/_COMPLETE || $(PY) launch/prep.py --config configs/data/default.yaml
-	$(PY) -m pipeline.bench_train $(ARGS)
+	$(PY) launch/bench_train.py $(ARGS)
 
 bench-kernels: install
-	$(PY) -m kernels.bench_gca
+	$(PY) launch/bench_kernels.py
 
 # The main job: prep (only when data/default is missing) -> DeepSpeed training of GCA + baseline on 2 CPU ranks
 # -> passkey/ppl evaluation up to 1M tokens -> runs/demo/results.md. Interrupted? Run it again: it continues.

@@ -1,15 +1,14 @@
-"""``make bench-train``: training step throughput of GCA vs a same-depth sliding-window model vs full attention, and
-DeepSpeed ZeRO-2 on 2 processes vs 1 process, printed as ratios measured in one run.
+"""Training step throughput of GCA vs a same-depth sliding-window model vs full attention, and DeepSpeed ZeRO-2 on
+2 processes vs 1 process, printed as ratios measured in one run (``make bench-train``).
 
 Part 1 times one optimizer step (forward, backward, AdamW) of each model at each sequence length, every
 configuration in a fresh process, on random tokens. Part 2 runs the real trainer (``configs/train/debug.yaml`` on
-``data/default``) for a few steps with one process and with ``deepspeed --num_gpus 2`` and compares the median
-``tokens_per_s`` of ``metrics.jsonl``. Usage: ``python -m pipeline.bench_train [--lengths 1024 4096 16384]``.
+a prepared dataset) for a few steps with one process and with ``deepspeed --num_gpus 2`` and compares the median
+``tokens_per_s`` of ``metrics.jsonl``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -18,6 +17,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TextIO
 
 import torch
 
@@ -26,9 +26,14 @@ from model.baseline import SlidingWindowLM
 from model.bench import BENCH_CONFIG, FullAttentionLM
 from model.config import GCAConfig
 from model.gca import GCAForCausalLM
+from model.lm import lm_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("gca", "swa", "full")
+TRAIN_MODULE = "pipeline.cli.train"
+"""What the trainer runs are started as (``python -m`` / ``deepspeed --module``)."""
+STEP_MODULE = "pipeline.cli.bench_train"
+"""The benchmark's own command line; its hidden ``--one KIND LENGTH`` times one configuration."""
 
 
 def _build(kind: str) -> torch.nn.Module:
@@ -39,7 +44,8 @@ def _build(kind: str) -> torch.nn.Module:
     return FullAttentionLM(BENCH_CONFIG)
 
 
-def _time_step(kind: str, length: int, repeats: int) -> dict:
+def time_step(kind: str, length: int, repeats: int) -> dict:
+    """The fastest of ``repeats`` optimizer steps of a fresh ``kind`` model on one random sequence, in seconds."""
     flush_denormals()  # as the trainer does
     retain_freed_memory()
     torch.manual_seed(0)
@@ -51,7 +57,7 @@ def _time_step(kind: str, length: int, repeats: int) -> dict:
         start = time.perf_counter()
         out = model(ids)
         logits = out.logits if hasattr(out, "logits") else out
-        torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]).backward()
+        lm_loss(logits, ids).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
@@ -59,7 +65,8 @@ def _time_step(kind: str, length: int, repeats: int) -> dict:
 
 
 def _isolated(kind: str, length: int, repeats: int) -> dict:
-    cmd = [sys.executable, "-m", "pipeline.bench_train", "--one", kind, str(length), "--repeats", str(repeats)]
+    """``time_step`` in its own process, so one configuration's memory and threads never slow the next."""
+    cmd = [sys.executable, "-m", STEP_MODULE, "--one", kind, str(length), "--repeats", str(repeats)]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if done.returncode != 0:
         return {"kind": kind, "length": length, "error": (done.stderr.strip().splitlines() or ["?"])[-1]}
@@ -72,7 +79,8 @@ def _median_tokens_per_s(run_dir: Path) -> float:
     return statistics.median(speeds)
 
 
-def _trainer_throughput(data: str, steps: int) -> tuple[float, float]:
+def trainer_throughput(data: str, steps: int) -> tuple[float, float]:
+    """Median tokens/s of the real trainer on ``data``: one process, then DeepSpeed ZeRO-2 on 2 processes."""
     common = [
         "--config",
         "configs/train/debug.yaml",
@@ -90,7 +98,7 @@ def _trainer_throughput(data: str, steps: int) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as tmp:
         single, ds = Path(tmp) / "single", Path(tmp) / "zero2"
         subprocess.run(
-            [sys.executable, "launch/pretrain.py", *common, f"run_dir={single}", "parallel.engine=none"],
+            [sys.executable, "-m", TRAIN_MODULE, *common, f"run_dir={single}", "parallel.engine=none"],
             cwd=ROOT,
             env={**env, "OMP_NUM_THREADS": "2"},
             check=True,
@@ -101,7 +109,8 @@ def _trainer_throughput(data: str, steps: int) -> tuple[float, float]:
                 str(Path(sys.executable).parent / "deepspeed"),
                 "--num_gpus",
                 "2",
-                "launch/pretrain.py",
+                "--module",
+                TRAIN_MODULE,
                 *common,
                 f"run_dir={ds}",
                 "parallel.engine=deepspeed",
@@ -115,18 +124,8 @@ def _trainer_throughput(data: str, steps: int) -> tuple[float, float]:
         return _median_tokens_per_s(single), _median_tokens_per_s(ds)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--data", default="data/default", help="prepared dataset for the ZeRO-2 comparison")
-    parser.add_argument("--steps", type=int, default=15)
-    parser.add_argument("--one", nargs=2, metavar=("KIND", "LENGTH"), help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.one:
-        sys.stdout.write(json.dumps(_time_step(args.one[0], int(args.one[1]), args.repeats)) + "\n")
-        return
-    out = sys.stdout
+def step_time_table(lengths: list[int], repeats: int, out: TextIO) -> None:
+    """Part 1: one row per length with each model's step time and GCA's ratio to the other two."""
     out.write(
         f"training step (fwd+bwd+AdamW), batch 1, fp32, {torch.get_num_threads()} threads; model: "
         f"d_model {BENCH_CONFIG.d_model}, {BENCH_CONFIG.n_lower_layers}+{sum(BENCH_CONFIG.groups)}+"
@@ -137,8 +136,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{'T':>6} | {'GCA s/step':>10} | {'SWA s/step':>10} | {'full s/step':>11} | {'GCA/SWA':>8} | {'GCA/full':>8}"
     )
     out.write(header + "\n" + "-" * len(header) + "\n")
-    for length in args.lengths:
-        res = {kind: _isolated(kind, length, args.repeats) for kind in KINDS}
+    for length in lengths:
+        res = {kind: _isolated(kind, length, repeats) for kind in KINDS}
         cell = {k: (f"{r['step_s']:.2f}" if "step_s" in r else "failed") for k, r in res.items()}
         ok = all("step_s" in r for r in res.values())
         ratio_swa = f"{res['gca']['step_s'] / res['swa']['step_s']:.2f}x" if ok else "-"
@@ -148,16 +147,16 @@ def main(argv: list[str] | None = None) -> None:
             f"{ratio_full:>8}\n"
         )
         out.flush()
-    data = ROOT / args.data
-    if not (data / "_COMPLETE").is_file():
-        out.write(f"\nZeRO-2 comparison skipped: {args.data} is not a complete data-prep output (run `make prep`)\n")
+
+
+def zero2_comparison(data: str, steps: int, out: TextIO) -> None:
+    """Part 2, skipped with a line saying why when ``data`` (relative to the repository) is not a prepared dataset."""
+    path = ROOT / data
+    if not (path / "_COMPLETE").is_file():
+        out.write(f"\nZeRO-2 comparison skipped: {data} is not a complete data-prep output (run `make prep`)\n")
         return
-    single, zero2 = _trainer_throughput(str(data), args.steps)
+    single, zero2 = trainer_throughput(str(path), steps)
     out.write(
         f"\ntrainer, configs/train/debug.yaml: 1 process {single:,.0f} tokens/s; DeepSpeed ZeRO-2 on 2 "
         f"processes {zero2:,.0f} tokens/s ({zero2 / single:.2f}x)\n"
     )
-
-
-if __name__ == "__main__":
-    main()

@@ -1,16 +1,16 @@
-"""``make bench-eval``: wall time and peak RSS of a passkey eval of a tiny random-init model vs length.
+"""Wall time and peak RSS of a passkey eval of a tiny random-init model vs length (``make bench-eval``).
 
-Each (model, length) runs in its own process (``launch/eval.py``), so its peak RSS is its own. Models, same size
-(d_model 128, 4 heads, 2 lower + 2 upper layers, chunk 16): ``gca`` (window 64, top-4 retrieval, chunk K/V on
-disk from the first chunk: ``offload_mb=0``) and ``full`` (the same model with a window covering the whole
-input, one export per length: full causal attention, whose KV cache grows with the length and whose time grows
-with its square; run only at ``--full-lengths``).
-Targets (issue 6): time linear in length (1M / 16K ~ 64x), 1M tokens in < 10 min and < 8 GiB on 2 cores.
+Each (model, length) runs in its own process (``python -m pipeline.cli.eval``), so its peak RSS is its own.
+Models, same size (d_model 128, 4 heads, 2 lower + 2 upper layers, chunk 16): ``gca`` (window 64, top-4
+retrieval, chunk K/V on disk from the first chunk: ``offload_mb=0``) and ``full`` (the same model with a window
+covering the whole input, one export per length: full causal attention, whose KV cache grows with the length and
+whose time grows with its square). Targets: time linear in length (1M / 16K ~ 64x), 1M tokens in < 10 min and
+< 8 GiB on 2 cores.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -21,8 +21,7 @@ import torch
 
 from model import GCAConfig, GCAForCausalLM, save_pretrained
 
-EVAL = Path(__file__).resolve().parents[2] / "launch" / "eval.py"
-TINY = dict(
+TINY = GCAConfig(
     vocab_size=512,
     d_model=128,
     n_heads=4,
@@ -35,12 +34,16 @@ TINY = dict(
     window=64,
     attn_backend="naive",
 )
+EXPORT_EXTRA = {"train_seq_len": 1024}
 
 
-def _run(export: Path, length: int, out: Path, timeout: int) -> dict:
+def run_one(export: Path, length: int, out: Path, timeout: int) -> dict:
+    """One passkey eval of ``export`` at ``length`` tokens in a fresh process: its time, peak RSS and speed, or
+    the reason it failed."""
     cmd = [
         sys.executable,
-        str(EVAL),
+        "-m",
+        "pipeline.cli.eval",
         "--checkpoint",
         str(export),
         "--task",
@@ -68,39 +71,25 @@ def _run(export: Path, length: int, out: Path, timeout: int) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", default="16384,65536,262144,1048576")
-    parser.add_argument("--full-lengths", default="16384,32768")
-    parser.add_argument("--timeout", type=int, default=1200, help="seconds per run")
-    parser.add_argument("--out", default="bench_eval.json")
-    args = parser.parse_args(argv)
-    lengths = [int(x) for x in args.lengths.split(",") if x]
-    full_lengths = [int(x) for x in args.full_lengths.split(",") if x]
-    report: dict[str, list[dict]] = {"gca": [], "full": []}
+def run_bench(lengths: list[int], full_lengths: list[int], timeout: int) -> dict:
+    """The GCA model at every length and full attention at ``full_lengths``, each row printed as it finishes; with
+    two or more GCA rows, ``time_ratio`` compares the shortest and the longest."""
+    report: dict = {"gca": [], "full": []}
     with tempfile.TemporaryDirectory(prefix="gca-bench-eval-") as tmp:
         torch.manual_seed(0)
-        gca = save_pretrained(GCAForCausalLM(GCAConfig(**TINY)), Path(tmp) / "gca", extra={"train_seq_len": 1024})
+        gca = save_pretrained(GCAForCausalLM(TINY), Path(tmp) / "gca", extra=EXPORT_EXTRA)
         for length in lengths:
-            report["gca"].append(_run(gca, length, Path(tmp) / f"gca-{length}", args.timeout))
+            report["gca"].append(run_one(gca, length, Path(tmp) / f"gca-{length}", timeout))
             print(f"gca  {json.dumps(report['gca'][-1])}", flush=True)
         for length in full_lengths:
             # The naive SWA kernel costs O(T * window) whatever T, so the window is fitted to each length.
-            full_cfg = GCAConfig(**{**TINY, "window": length})
-            full = save_pretrained(
-                GCAForCausalLM(full_cfg), Path(tmp) / f"full-{length}", extra={"train_seq_len": 1024}
-            )
-            report["full"].append(_run(full, length, Path(tmp) / f"full-out-{length}", args.timeout))
+            full_cfg = dataclasses.replace(TINY, window=length)
+            full = save_pretrained(GCAForCausalLM(full_cfg), Path(tmp) / f"full-{length}", extra=EXPORT_EXTRA)
+            report["full"].append(run_one(full, length, Path(tmp) / f"full-out-{length}", timeout))
             print(f"full {json.dumps(report['full'][-1])}", flush=True)
     done = {r["length"]: r["seconds"] for r in report["gca"] if "seconds" in r}
     if len(done) >= 2:
         lo, hi = min(done), max(done)
         report["time_ratio"] = [{"from": lo, "to": hi, "length_ratio": hi / lo, "time_ratio": done[hi] / done[lo]}]
         print(f"time {hi}/{lo}: {done[hi] / done[lo]:.1f}x for {hi / lo:.0f}x the tokens")
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return report

@@ -1,0 +1,12 @@
+"""Training step time of GCA vs sliding window vs full attention, and ZeRO-2 vs 1 process (``make bench-train``):
+``python launch/bench_train.py [--lengths 1024 4096 16384]``.
+
+The command line is ``pipeline.cli.bench_train``'s (also runnable as ``python -m pipeline.cli.bench_train``).
+"""
+
+import sys
+
+from pipeline.cli.bench_train import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""Training step time of GCA vs sliding window vs full attention, and ZeRO-2 on 2 processes vs 1:
+``python -m pipeline.cli.bench_train [--lengths 1024 4096 16384] [--repeats N] [--data DIR] [--steps N]``.
+
+What is measured is described in ``pipeline/bench_train.py``; the results are printed as tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pipeline.bench_train import step_time_table, time_step, zero2_comparison
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (default: ``sys.argv[1:]``) and print both parts of the benchmark."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--data", default="data/default", help="prepared dataset for the ZeRO-2 comparison")
+    parser.add_argument("--steps", type=int, default=15)
+    # One (kind, length) timed in this process, its result one JSON line: how each table cell is measured.
+    parser.add_argument("--one", nargs=2, metavar=("KIND", "LENGTH"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one:
+        sys.stdout.write(json.dumps(time_step(args.one[0], int(args.one[1]), args.repeats)) + "\n")
+        return 0
+    step_time_table(args.lengths, args.repeats, sys.stdout)
+    zero2_comparison(args.data, args.steps, sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
