@@ -1,9 +1,10 @@
 """``make demo``: prep -> DeepSpeed pretraining (2 CPU ranks) of a GCA model and a sliding-window baseline ->
 passkey and perplexity evaluation far beyond the training length -> one results table.
 
-Every stage is a subprocess running the same command a user would type (printed before it runs), and every stage
-is skipped when its output is already complete, so an interrupted demo continues where it stopped. Settings come
-from ``configs/demo/demo.yaml``; the training recipe from the train configs it names.
+Every stage is a subprocess running the same command a user could type (printed before it runs: the trainer and
+the eval started by module name, ``deepspeed --module pipeline.cli.train`` and ``python -m pipeline.cli.eval``),
+and every stage is skipped when its output is already complete, so an interrupted demo continues where it stopped.
+Settings come from ``configs/demo/demo.yaml``; the training recipe from the train configs it names.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from data_prep.redaction import raw_env_paths, redact, restore_env_interpolation
 log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
+TRAIN_MODULE = "pipeline.cli.train"
+EVAL_MODULE = "pipeline.cli.eval"
 # What distinguishes the demo's models; everything else comes from the same train config.
 MODEL_OVERRIDES = {
     "gca": [],
@@ -99,6 +102,10 @@ def load_demo_config(path: str | Path, overrides: list[str]) -> tuple[DemoConfig
         raise SystemExit(redact(f"{path}: {f'key {key!r}: ' if key else ''}{str(exc).splitlines()[0]}")) from None
 
 
+class DemoError(RuntimeError):
+    """The demo cannot go on (no prepared data, a stage failed); the message says which and how to continue."""
+
+
 class Stages:
     """Runs the demo's commands, timing each and skipping what is already done."""
 
@@ -119,9 +126,9 @@ class Stages:
         t0 = time.perf_counter()
         result = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env or {})})
         if result.returncode != 0:
-            raise SystemExit(f"demo stage '{name}' failed with exit code {result.returncode}: {shlex.join(cmd)}")
+            raise DemoError(f"demo stage '{name}' failed with exit code {result.returncode}: {shlex.join(cmd)}")
         if not done.exists():
-            raise SystemExit(f"demo stage '{name}' finished but did not produce {done}")
+            raise DemoError(f"demo stage '{name}' finished but did not produce {done}")
         self.timings[name] = round(time.perf_counter() - t0, 1)
         self.timings_path.write_text(json.dumps(self.timings, indent=2))
         log.info("[%s] done in %.0f s", name, self.timings[name])
@@ -146,7 +153,8 @@ class Stages:
                 str(Path(sys.executable).parent / "deepspeed"),
                 "--num_gpus",
                 str(cfg.ranks),
-                "launch/pretrain.py",
+                "--module",
+                TRAIN_MODULE,
                 "--config",
                 cfg.gca_config,
                 *overrides,
@@ -164,7 +172,8 @@ class Stages:
             out = self.run_dir / "eval" / model / f"passkey_{i}"
             cmd = [
                 sys.executable,
-                "launch/eval.py",
+                "-m",
+                EVAL_MODULE,
                 "--checkpoint",
                 str(export),
                 "--task",
@@ -180,7 +189,8 @@ class Stages:
         out = self.run_dir / "eval" / model / "ppl"
         cmd = [
             sys.executable,
-            "launch/eval.py",
+            "-m",
+            EVAL_MODULE,
             "--checkpoint",
             str(export),
             "--task",
@@ -195,7 +205,8 @@ class Stages:
         self.run(f"ppl-{model}", cmd, out / "ppl.json", {"OMP_NUM_THREADS": "2"})
 
 
-def main(config: str, overrides: list[str]) -> None:
+def run_demo(config: str, overrides: list[str]) -> None:
+    """Every stage of the demo that is not done yet, then the results table (printed and written to the run dir)."""
     from pipeline.demo_report import write_report
 
     cfg, env_paths = load_demo_config(config, overrides)
@@ -203,7 +214,7 @@ def main(config: str, overrides: list[str]) -> None:
     if unknown:
         raise SystemExit(f"demo models {unknown} are not among {sorted(MODEL_OVERRIDES)}")
     if not (ROOT / cfg.data / "_COMPLETE").is_file():
-        raise SystemExit(f"{cfg.data} is not a complete data-prep output; run `make prep` first")
+        raise DemoError(f"{cfg.data} is not a complete data-prep output; run `make prep` first")
     stages = Stages(cfg)
     # The demo config as run (overrides applied); each training stage writes its own resolved config.yaml.
     as_run = restore_env_interpolations(OmegaConf.to_container(OmegaConf.structured(cfg)), env_paths)

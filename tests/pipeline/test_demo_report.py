@@ -89,9 +89,10 @@ def test_curriculum_stages_chain_their_weights(tmp_path, monkeypatch):
     by_name = dict(calls)
     assert list(by_name) == [f"train-{m}-{s}" for m in cfg.models for s in ("short", "long")]
     short, long_ = by_name["train-gca-short"], by_name["train-gca-long"]
+    assert short[short.index("--module") + 1] == "pipeline.cli.train"  # ranks start the trainer by module name
     assert "train.seq_len=64" in short and not any(a.startswith("checkpoint.init_from") for a in short)
     assert f"checkpoint.init_from={tmp_path / 'gca' / 'short' / 'export'}" in long_
     assert "model.arch=swa" in by_name["train-baseline-long"]
     assert "model.retrieval_grad=false" in by_name["train-ablation-short"]
     with pytest.raises(SystemExit, match="not among"):
-        demo.main(str(Path(__file__).resolve().parents[2] / "configs/demo/demo.yaml"), ["models=[gca,oracle]"])
+        demo.run_demo(str(Path(__file__).resolve().parents[2] / "configs/demo/demo.yaml"), ["models=[gca,oracle]"])
