@@ -1,5 +1,8 @@
-"""GPU readiness: the wheels a bare GPU image lacks (``wheels``) and the one-command GPU check (``runner``).
+"""GPU readiness: the wheels a bare GPU image lacks (``wheels``) and the one-command GPU check (``cli``, which runs
+the ``stages`` under one budget with ``runner``).
 
-Every module here imports only the standard library at import time: ``launch/gpu_check.py`` runs them on a
-machine where deepspeed, omegaconf and streaming exist only once the carried wheels are installed.
+``cli``, ``wheels``, ``stages`` and ``runner`` import only the standard library (and the stdlib-only
+``data_prep.redaction``) at import time: ``launch/gpu_check.py`` runs them on a machine where deepspeed, omegaconf
+and streaming exist only once the carried wheels are installed. ``kernel_bench`` and ``passkey_probe`` run as
+stages, after that.
 """

@@ -1,7 +1,7 @@
-"""The passkey eval of ``launch/eval.py`` plus the accelerator's peak memory (a stage of ``launch/gpu_check.py``).
+"""The passkey eval of ``pipeline.cli.eval`` plus the accelerator's peak memory (a stage of ``launch/gpu_check.py``).
 
 ``python -m pipeline.gpucheck.passkey_probe --checkpoint <export> --out <dir> [key=value ...]`` runs the same
-``run_eval`` as ``launch/eval.py --task passkey`` and adds ``peak_gpu_mib`` (``torch.cuda.max_memory_allocated``,
+``run_eval`` as ``pipeline.cli.eval --task passkey`` and adds ``peak_gpu_mib`` (``torch.cuda.max_memory_allocated``,
 null on CPU) to ``<dir>/probe.json``; the eval's own result stays in ``<dir>/passkey.json``.
 """
 

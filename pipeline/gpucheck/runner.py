@@ -100,7 +100,7 @@ class Runner:
 
     @staticmethod
     def stage_env(stage: Stage) -> dict[str, str]:
-        """The repository on PYTHONPATH: a GPU image has no editable install, and launch/*.py import it."""
+        """The repository on PYTHONPATH: a GPU image has no editable install, and every stage imports it."""
         path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
         return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **stage.env}
 

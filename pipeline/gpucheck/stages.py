@@ -1,9 +1,10 @@
 """The stages of ``make gpu-check``: what each runs on CUDA and at tiny shapes on CPU, and what it measures.
 
-Every stage is one subprocess of this repository's entry points (``launch/prep.py``, ``launch/pretrain.py``,
-``pytest -m gpu``, the JSON kernel benchmark and passkey probe of this package), so a crash, hang or CUDA
-error in one stage never takes down the others. ``parse`` turns a finished stage's files into its numbers and
-raises ``StageError`` when they show a failure the exit code does not (a NaN loss, a missing result).
+Every stage is one subprocess of this repository's command lines, started by module name (``python -m
+data_prep.cli`` for prep, ``python -m pipeline.cli.train``, ``pytest -m gpu``, the JSON kernel benchmark and
+passkey probe of this package), so a crash, hang or CUDA error in one stage never takes down the others.
+``parse`` turns a finished stage's files into its numbers and raises ``StageError`` when they show a failure the
+exit code does not (a NaN loss, a missing result).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN_CONFIG = "configs/train/gca_pg19_16k.yaml"
 DATA_CONFIG = "configs/data/default.yaml"
+PREP_MODULE = "data_prep.cli"
+TRAIN_MODULE = "pipeline.cli.train"
 VOCAB = 4096  # the built-in corpus's tokenizer (configs/data/default.yaml); the paper config says 32000
 
 
@@ -50,10 +53,11 @@ class Plan:
     data: Path | None = None
     """A prepared dataset to train on; default: prepared by the prep stage into ``work/data``."""
     steps: int = 30
+    dataset: Path = field(init=False)
+    """The dataset the training stages read: ``data``, or where the prep stage writes."""
 
     def __post_init__(self) -> None:
-        self.given_data = self.data is not None
-        self.data = self.data or self.work / "data"
+        self.dataset = self.data or self.work / "data"
 
 
 def _read_text(path: Path) -> str:
@@ -88,18 +92,19 @@ def _junit_counts(path: Path) -> dict:
 def prep_stage(plan: Plan) -> Stage:
     cmd = [
         plan.python,
-        "launch/prep.py",
+        "-m",
+        PREP_MODULE,
         "--config",
         DATA_CONFIG,
-        f"output={plan.data}",
+        f"output={plan.dataset}",
         f"num_proc={max(1, min(os.cpu_count() or 1, 16))}",
         "progress=false",
     ]
-    if plan.given_data:
-        cmd = [plan.python, "-c", f"print('using the prepared dataset {plan.data}')"]
+    if plan.data is not None:
+        cmd = [plan.python, "-c", f"print('using the prepared dataset {plan.dataset}')"]
 
     def parse() -> dict:
-        manifest = _read_json(plan.data / "manifest.json")
+        manifest = _read_json(plan.dataset / "manifest.json")
         splits = manifest.get("splits", {})
         return {f"{split}_tokens": splits.get(split, {}).get("tokens") for split in ("train", "val")}
 
@@ -218,11 +223,12 @@ def train_stage(plan: Plan, name: str) -> Stage:
     export = "true" if name == "train_gca_zero1" else "false"  # the passkey stage reads this export
     cmd = [
         plan.python,
-        "launch/pretrain.py",
+        "-m",
+        TRAIN_MODULE,
         "--config",
         TRAIN_CONFIG,
         f"run_dir={run_dir}",
-        f"data.path={plan.data}",
+        f"data.path={plan.dataset}",
         f"model.vocab_size={VOCAB}",
         *shape,
         *model,
