@@ -1,6 +1,7 @@
-"""Imports flow one way: kernels -> model -> pipeline -> launch, with data_prep beside (STYLE.md rule 1)."""
+"""Imports flow one way: kernels -> model -> pipeline -> launch, with data_prep beside."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -47,3 +48,75 @@ def test_model_reads_no_environment():
     """Device, ranks and environment belong to the pipeline; the model is a plain nn.Module."""
     offenders = [str(p.relative_to(ROOT)) for p in (ROOT / "model").rglob("*.py") if "os.environ" in p.read_text()]
     assert not offenders, offenders
+
+
+# Library code starts other processes by module name (``python -m pipeline.cli.eval``), never by a launch/ script
+# path: launch/ is the top layer, and a path only resolves from the repository root. Forbidden in kernels/, model/,
+# pipeline/ and data_prep/: a string constant that IS a path through launch/ (an argv element such as
+# "launch/eval.py", the "launch" component of ``ROOT / "launch" / "eval.py"``, an f-string part "/launch/x.py"),
+# and any string holding a ``python launch/...`` command. Allowed: docstrings, and messages (text with spaces)
+# that tell a user which command to run, e.g. "run make prep (or launch/prep.py) first".
+LIBRARY_PACKAGES = ("kernels", "model", "pipeline", "data_prep")
+LAUNCH_PATH = re.compile(r"(?:.*/)?launch(?:/.*)?")
+PYTHON_LAUNCH = re.compile(r"\bpython[0-9.]*\s+(?:\S*/)?launch/")
+
+
+def _docstring_ids(tree: ast.AST) -> set[int]:
+    """String expressions standing alone as statements: module/class/function and attribute docstrings."""
+    return {
+        id(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+    }
+
+
+def launch_references(source: str) -> list[str]:
+    """The string constants of ``source`` that name a launch/ script or directory as something to run."""
+    tree = ast.parse(source)
+    docstrings = _docstring_ids(tree)
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Constant) and isinstance(node.value, str)) or id(node) in docstrings:
+            continue
+        text = node.value
+        if LAUNCH_PATH.fullmatch(text.strip()) or PYTHON_LAUNCH.search(text):
+            found.append(f"line {node.lineno}: {text!r}")
+    return found
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        'subprocess.run([sys.executable, "launch/eval.py", "--task", "ppl"])',
+        'EVAL = Path(__file__).parents[2] / "launch" / "eval.py"',
+        'cmd = f"{ROOT}/launch/pretrain.py"',
+        'os.system("python launch/prep.py --config x.yaml")',
+        'cmd = ["deepspeed", "--num_gpus", "2", "launch/pretrain.py"]',
+    ],
+)
+def test_launch_reference_detector_flags_process_starts(source):
+    assert launch_references(source)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        '"""Run it with ``python launch/eval.py --task ppl``."""',
+        'def f():\n    """Entry point of ``launch/preflight.py``."""',
+        'raise ValueError("data.path is not a directory; run make prep (or launch/prep.py) first")',
+        'subprocess.run([sys.executable, "-m", "pipeline.cli.eval", "--task", "ppl"])',
+        'name = "launcher"',
+    ],
+)
+def test_launch_reference_detector_allows_docs_and_module_starts(source):
+    assert not launch_references(source)
+
+
+@pytest.mark.parametrize("package", LIBRARY_PACKAGES)
+def test_library_never_starts_launch_scripts(package):
+    offenders = [
+        f"{path.relative_to(ROOT)} {hit}"
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for hit in launch_references(path.read_text())
+    ]
+    assert not offenders, "\n".join(offenders)
