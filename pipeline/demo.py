@@ -19,9 +19,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
-from data_prep.redaction import raw_env_paths, redact, restore_env_interpolations, track_env_values
+from data_prep.redaction import restore_env_interpolations
+from data_prep.schema import load_schema
 
 log = logging.getLogger(__name__)
 
@@ -72,34 +73,22 @@ class DemoConfig:
     ppl_samples: int = 4
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.models if m not in MODEL_OVERRIDES]
+        if unknown:
+            raise ValueError(
+                f"config key 'models' has a wrong value: {unknown} are not among {sorted(MODEL_OVERRIDES)}"
+            )
+
 
 def load_demo_config(path: str | Path, overrides: list[str]) -> tuple[DemoConfig, dict[str, str]]:
-    """The YAML merged with ``key=value`` overrides, and the paths of its nodes that read the environment (see
-    ``data_prep.redaction``); any problem is one line naming the file or override, with environment values
-    redacted."""
-    if not Path(path).is_file():
-        raise SystemExit(f"demo config {path} not found")
-    track_env_values()
-    try:
-        loaded = OmegaConf.load(path)
-        if not isinstance(loaded, DictConfig):
-            raise SystemExit(
-                f"{path}: the top level must be a mapping of demo keys, not a "
-                f"{type(loaded).__name__.replace('Config', '').lower()}"
-            )
-        merged = OmegaConf.merge(OmegaConf.structured(DemoConfig), loaded)
-        for item in overrides:
-            try:
-                merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
-            except Exception as exc:
-                raise SystemExit(redact(f"bad demo override {item!r}: {str(exc).splitlines()[0]}")) from None
-        env_paths = raw_env_paths(OmegaConf.to_container(merged, resolve=False))
-        return OmegaConf.to_object(merged), env_paths  # type: ignore[return-value]
-    except SystemExit:
-        raise
-    except Exception as exc:
-        key = getattr(exc, "full_key", None)
-        raise SystemExit(redact(f"{path}: {f'key {key!r}: ' if key else ''}{str(exc).splitlines()[0]}")) from None
+    """The YAML merged with ``key=value`` overrides (``data_prep.schema.load_schema``), and the dotted keys of the
+    values that read the environment.
+
+    Raises:
+        ConfigError: one line naming the file or override, the key and the value (environment values redacted).
+    """
+    return load_schema(DemoConfig, path, overrides, what="demo")
 
 
 class DemoError(RuntimeError):
@@ -206,13 +195,15 @@ class Stages:
 
 
 def run_demo(config: str, overrides: list[str]) -> None:
-    """Every stage of the demo that is not done yet, then the results table (printed and written to the run dir)."""
+    """Every stage of the demo that is not done yet, then the results table (printed and written to the run dir).
+
+    Raises:
+        ConfigError: the demo config is wrong (nothing has run).
+        DemoError: the data is not prepared, or a stage failed.
+    """
     from pipeline.demo_report import write_report
 
     cfg, env_paths = load_demo_config(config, overrides)
-    unknown = [m for m in cfg.models if m not in MODEL_OVERRIDES]
-    if unknown:
-        raise SystemExit(f"demo models {unknown} are not among {sorted(MODEL_OVERRIDES)}")
     if not (ROOT / cfg.data / "_COMPLETE").is_file():
         raise DemoError(f"{cfg.data} is not a complete data-prep output; run `make prep` first")
     stages = Stages(cfg)

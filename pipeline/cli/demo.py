@@ -2,7 +2,7 @@
 ``python -m pipeline.cli.demo [--config configs/demo/demo.yaml] [key=value ...]``.
 
 The stages are described in ``pipeline/demo.py``. Exit status: 0 done, 1 a stage failed or the data is missing
-(one line saying which; rerunning continues where it stopped).
+(one line saying which; rerunning continues where it stopped), 2 a bad demo config (one line naming the key).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import logging
 import sys
 
 from data_prep.redaction import install_log_redaction
+from data_prep.schema import ConfigError
 from pipeline.demo import DemoError, run_demo
 
 
@@ -25,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     install_log_redaction()
     try:
         run_demo(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"demo: error: {err}", file=sys.stderr)
+        return 2
     except DemoError as err:
         print(f"demo: error: {err}", file=sys.stderr)
         return 1

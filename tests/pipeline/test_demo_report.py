@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from data_prep.redaction import restore_env_interpolations
+from data_prep.schema import ConfigError
 from pipeline.demo import load_demo_config
 from pipeline.demo_report import write_report
 
@@ -44,16 +45,17 @@ def test_pooling_and_artefacts(tmp_path):
 
 
 def test_bad_override_is_one_line(tmp_path):
-    with pytest.raises(SystemExit, match="bad demo override 'passkey=\\[\\{lengths:\\[1\\]\\}\\]'"):
+    with pytest.raises(ConfigError, match="override 'passkey=\\[\\{lengths:\\[1\\]\\}\\]': not a valid value") as err:
         load_demo_config(Path(__file__).resolve().parents[2] / "configs/demo/demo.yaml", ["passkey=[{lengths:[1]}]"])
-    with pytest.raises(SystemExit, match="not found"):
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="not found"):
         load_demo_config(tmp_path / "missing.yaml", [])
 
 
 def test_a_list_at_the_top_level_is_one_line_naming_the_file(tmp_path):
     path = tmp_path / "demo.yaml"
     path.write_text("- models: [gca]\n")
-    with pytest.raises(SystemExit, match=f"{path}: the top level must be a mapping of demo keys, not a list"):
+    with pytest.raises(ConfigError, match=f"{path}: the top level must be a mapping of demo keys, not a list"):
         load_demo_config(path, [])
 
 
@@ -64,7 +66,7 @@ def test_environment_values_stay_out_of_errors_and_the_saved_demo_config(tmp_pat
     monkeypatch.setenv("DEMO_SENTINEL_SEED", "not-a-number-7f3a9c")
     path = tmp_path / "demo.yaml"
     path.write_text("run_dir: ${oc.env:DEMO_SENTINEL_DIR}\nseed: ${oc.env:DEMO_SENTINEL_SEED}\n")
-    with pytest.raises(SystemExit) as err:
+    with pytest.raises(ConfigError) as err:
         load_demo_config(path, [])
     assert "7f3a9c" not in str(err.value) and "seed" in str(err.value)
     cfg, env_paths = load_demo_config(path, ["seed=3"])
@@ -94,5 +96,19 @@ def test_curriculum_stages_chain_their_weights(tmp_path, monkeypatch):
     assert f"checkpoint.init_from={tmp_path / 'gca' / 'short' / 'export'}" in long_
     assert "model.arch=swa" in by_name["train-baseline-long"]
     assert "model.retrieval_grad=false" in by_name["train-ablation-short"]
-    with pytest.raises(SystemExit, match="not among"):
+    with pytest.raises(ConfigError, match="config key 'models' has a wrong value: \\['oracle'\\] are not among"):
         demo.run_demo(str(Path(__file__).resolve().parents[2] / "configs/demo/demo.yaml"), ["models=[gca,oracle]"])
+
+
+def test_cli_reports_a_bad_config_and_missing_data_as_one_line(tmp_path, capsys):
+    """A bad config exits 2, missing data exits 1; each is one ``demo: error:`` line and nothing runs."""
+    from pipeline.cli.demo import main
+
+    assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("demo: error: config file not found:") and err.count("\n") == 1
+    demo_yaml = str(Path(__file__).resolve().parents[2] / "configs/demo/demo.yaml")
+    assert main(["--config", demo_yaml, f"run_dir={tmp_path / 'run'}", f"data={tmp_path / 'nodata'}"]) == 1
+    err = capsys.readouterr().err
+    assert err == f"demo: error: {tmp_path / 'nodata'} is not a complete data-prep output; run `make prep` first\n"
+    assert not (tmp_path / "run").exists()
