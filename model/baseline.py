@@ -11,11 +11,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from model.chunk_store import ChunkStore
 from model.config import GCAConfig
 from model.gca import GCAForCausalLM
 from model.layers import DecoderLayer, KVCache, RMSNorm
 from model.lm import CausalLM
-from model.stream import ChunkMemory, StreamState
+from model.stream import StreamState
 
 
 class SlidingWindowLM(CausalLM):
@@ -32,7 +33,7 @@ class SlidingWindowLM(CausalLM):
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=cfg.init_std)
 
-    def new_stream_state(self, memory: ChunkMemory | None = None) -> StreamState:
+    def new_stream_state(self, memory: ChunkStore | None = None) -> StreamState:
         """Only the per-layer window caches are used; ``memory`` is accepted for interface parity."""
         return StreamState(n_layers=len(self.layers), n_groups=0, memory=memory)
 

@@ -38,36 +38,40 @@ BENCH_CONFIG = GCAConfig(
 )
 
 
-class FullAttentionLM(nn.Module):
-    """Baseline: causal full attention (PyTorch SDPA), same width and number of decoder layers as the GCA model."""
+class FullAttentionBlock(nn.Module):
+    """Pre-norm causal full-attention layer (PyTorch SDPA) with the GCA model's SwiGLU MLP."""
 
     def __init__(self, cfg: GCAConfig) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.d_model, cfg.ffn_hidden)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        B, T, _ = h.shape
+        q, k, v = self.qkv(self.attn_norm(h)).view(B, T, 3, self.n_heads, -1).unbind(2)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        h = h + self.wo(o.transpose(1, 2).reshape(B, T, -1))
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class FullAttentionLM(nn.Module):
+    """Baseline: causal full attention, same width and number of decoder layers as the GCA model."""
+
+    def __init__(self, cfg: GCAConfig) -> None:
+        super().__init__()
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         n_layers = cfg.n_lower_layers + cfg.n_upper_layers + cfg.n_encoder_layers
-        self.layers = nn.ModuleList(
-            nn.ModuleDict(
-                dict(
-                    attn_norm=RMSNorm(cfg.d_model, cfg.norm_eps),
-                    qkv=nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False),
-                    wo=nn.Linear(cfg.d_model, cfg.d_model, bias=False),
-                    mlp_norm=RMSNorm(cfg.d_model, cfg.norm_eps),
-                    mlp=SwiGLU(cfg.d_model, cfg.ffn_hidden),
-                )
-            )
-            for _ in range(n_layers)
-        )
+        self.layers = nn.ModuleList(FullAttentionBlock(cfg) for _ in range(n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        B, T = ids.shape
         h = self.embed(ids)
         for layer in self.layers:
-            q, k, v = layer["qkv"](layer["attn_norm"](h)).view(B, T, 3, self.n_heads, -1).unbind(2)
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-            h = h + layer["wo"](o.transpose(1, 2).reshape(B, T, -1))
-            h = h + layer["mlp"](layer["mlp_norm"](h))
+            h = layer(h)
         return F.linear(self.norm(h), self.embed.weight)
 
 

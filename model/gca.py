@@ -18,18 +18,20 @@ One code path serves training (a whole sequence at once) and streaming (segments
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.gca import gca_attention
+from model.chunk_store import ChunkGather, ChunkStore
 from model.config import GCAConfig
 from model.layers import ChunkEncoder, DecoderLayer, KVCache, RMSNorm, SlidingWindowAttention, SwiGLU
 from model.layout import StepLayout
 from model.lm import CausalLM
 from model.retrieval import RetrievalRows, retrieval_stats, retrieve
-from model.stream import ChunkMemory, StreamState
+from model.stream import StreamState
 
 # Logit elements per GCA operator call when no gradient is needed (about 64 MB in fp32).
 _EVAL_SLICE_ELEMENTS = 1 << 24
@@ -146,9 +148,9 @@ class GCAForCausalLM(CausalLM):
                 nn.init.ones_(module.weight)
         nn.init.normal_(self.landmark, std=self.cfg.init_std)
 
-    def new_stream_state(self, memory: ChunkMemory | None = None) -> StreamState:
-        """A fresh state for ``forward_stream``; ``memory`` replaces the in-RAM chunk memory (e.g. an on-disk one
-        with the same ``append`` / ``keys`` / ``k`` / ``v`` / ``size`` interface)."""
+    def new_stream_state(self, memory: ChunkStore | None = None) -> StreamState:
+        """A fresh state for ``forward_stream``; ``memory`` replaces the in-RAM chunk memory (any ``ChunkStore``,
+        e.g. the on-disk ``model.offload.MemmapChunkMemory``)."""
         n_layers = self.cfg.n_lower_layers + self.cfg.n_upper_layers
         return StreamState(n_layers=n_layers, n_groups=len(self.groups), memory=memory)
 
@@ -186,9 +188,9 @@ class GCAForCausalLM(CausalLM):
             raise ValueError(f"input_ids must be [batch, tokens]; got shape {tuple(input_ids.shape)}")
         B, T = input_ids.shape
         layout = StepLayout.build(state.n_tokens if state else 0, T, cfg.chunk_size, input_ids.device)
-        caches: list[KVCache | None] = (
-            list(state.caches) if state else [None] * len(self.lower) + [None] * cfg.n_upper_layers
-        )
+        caches: list[KVCache | None] = [None] * (len(self.lower) + cfg.n_upper_layers)
+        if state is not None:
+            caches = list(state.caches)
 
         tokens = self.embed(input_ids)  # [B, T, d_model]
         landmarks = self.landmark.to(tokens.dtype).expand(B, layout.n_landmarks, -1)
@@ -196,10 +198,11 @@ class GCAForCausalLM(CausalLM):
         for layer, cache in zip(self.lower, caches):
             x = layer(x, cache)
 
-        keys, mem_k, mem_v = self._encode_chunks(x, layout, state)
+        readable = self._encode_chunks(x, layout, state)
         caches = caches[len(self.lower) :]
-        for g, group in enumerate(self.groups):
-            memory = self._retrieve(g, group, x, keys, mem_k, mem_v, layout, state)
+        # nn.ModuleList iterates as plain Modules; every entry of self.groups is a RetrievalGroup.
+        for g, group in enumerate(cast("list[RetrievalGroup]", list(self.groups))):
+            memory = self._retrieve(g, group, x, readable, layout, state)
             if memory_only:
                 break
             for layer in group.layers:
@@ -208,6 +211,8 @@ class GCAForCausalLM(CausalLM):
         if state is not None:
             state.n_tokens += T
         if memory_only:
+            if state is None:
+                raise ValueError("memory_only needs a StreamState: it only updates what the state carries")
             state.caches[len(self.lower) :] = [KVCache() for _ in range(cfg.n_upper_layers)]
             return x.new_empty(B, 0, cfg.vocab_size)
         token_pos = layout.token_pos if last_logits is None else layout.token_pos[max(0, T - last_logits) :]
@@ -216,8 +221,9 @@ class GCAForCausalLM(CausalLM):
 
     def _encode_chunks(
         self, x: torch.Tensor, layout: StepLayout, state: StreamState | None
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """Encode the chunks completed in this step; return the landmark keys and memories readable now."""
+    ) -> tuple[torch.Tensor, ChunkGather, ChunkGather] | None:
+        """Encode the chunks completed in this step; return the landmark keys and chunk K/V readable now (``None``
+        while no chunk is complete)."""
         P = self.cfg.chunk_size + 1
         if state is not None and state.pending is not None:
             x = torch.cat([state.pending, x], dim=1)  # the unfinished chunk's earlier positions come first
@@ -225,26 +231,26 @@ class GCAForCausalLM(CausalLM):
         if n:
             keys, mem_k, mem_v = self.encoder(x[:, : n * P].reshape(x.shape[0], n, P, -1))
         if state is None:
-            return (keys, mem_k, mem_v) if n else (None, None, None)
+            return (keys, mem_k, mem_v) if n else None
         state.pending = x[:, n * P :]
         if n:
             state.memory.append(keys, mem_k, mem_v)
-        return state.memory.keys, state.memory.k, state.memory.v
+        all_keys, all_k, all_v = state.memory.keys, state.memory.k, state.memory.v
+        return None if all_keys is None or all_k is None or all_v is None else (all_keys, all_k, all_v)
 
     def _retrieve(
         self,
         g: int,
         group: RetrievalGroup,
         x: torch.Tensor,
-        keys: torch.Tensor | None,
-        mem_k: torch.Tensor | None,
-        mem_v: torch.Tensor | None,
+        readable: tuple[torch.Tensor, ChunkGather, ChunkGather] | None,
         layout: StepLayout,
         state: StreamState | None,
     ) -> RetrievedMemory | None:
         """Rows for every chunk this step touches: chunk ``c`` uses the row of landmark ``c - 1``."""
-        if keys is None:
+        if readable is None:
             return None
+        keys, mem_k, mem_v = readable
         cfg = self.cfg
         B = x.shape[0]
         previous = state.rows[g] if state is not None else None

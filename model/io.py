@@ -14,6 +14,7 @@ import torch
 
 from model.baseline import build_model
 from model.config import GCAConfig
+from model.lm import CausalLM
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -29,7 +30,7 @@ class ExportError(ValueError):
     """An export file that cannot be loaded; the message names the file, what is wrong and the fix."""
 
 
-def save_pretrained(model: torch.nn.Module, directory: str | os.PathLike, extra: dict | None = None) -> Path:
+def save_pretrained(model: CausalLM, directory: str | os.PathLike, extra: dict | None = None) -> Path:
     """Write the model's config and fp32 weights to ``directory`` (created; files replaced atomically).
 
     ``extra`` (e.g. training length, tokenizer path) is stored under ``"export"`` in ``config.json``.
@@ -155,9 +156,7 @@ def _check_shapes(weights: Path, file_shapes: dict[str, list[int]], model: torch
         )
 
 
-def load_pretrained(
-    directory: str | os.PathLike, *, device: str | torch.device = "cpu", **overrides
-) -> torch.nn.Module:
+def load_pretrained(directory: str | os.PathLike, *, device: str | torch.device = "cpu", **overrides) -> CausalLM:
     """Build the model (``GCAForCausalLM``, or the baseline for ``arch=swa``) from ``config.json`` (``overrides``
     replace config fields, e.g. ``gca_backend``) and load ``model.safetensors`` strictly: a missing, unexpected
     or mis-shaped tensor is an error naming it.

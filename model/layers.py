@@ -43,7 +43,7 @@ class KVCache:
 
     def extend(self, k: torch.Tensor, v: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Return cache + new keys/values (what the new queries attend to) and keep the last ``window``."""
-        if self.k is not None:
+        if self.k is not None and self.v is not None:
             k = torch.cat([self.k, k], dim=1)
             v = torch.cat([self.v, v], dim=1)
         self.k, self.v = k[:, -window:], v[:, -window:]
@@ -52,6 +52,8 @@ class KVCache:
 
 class SlidingWindowAttention(nn.Module):
     """Causal self-attention over the last ``window`` stream positions (landmarks included), ALiBi positions."""
+
+    slopes: torch.Tensor  # a buffer, registered in __init__
 
     def __init__(self, cfg: GCAConfig) -> None:
         super().__init__()

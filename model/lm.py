@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from model.config import GCAConfig
 from model.stream import StreamState
 
 
@@ -51,6 +52,7 @@ class CausalLM(nn.Module):
     code path that turns tokens into logits, with ``state=None`` for a whole sequence.
     """
 
+    cfg: GCAConfig
     embed: nn.Embedding
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> CausalLMOutput:

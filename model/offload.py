@@ -1,6 +1,6 @@
 """A chunk memory that spills chunk K/V to an on-disk file, so evaluation at millions of tokens keeps RSS bounded.
 
-Same interface as ``model.stream.ChunkMemory`` (``append``, ``keys``, ``k``, ``v``, ``size``, ``nbytes``), so
+A ``model.chunk_store.ChunkStore`` like the in-RAM ``model.stream.ChunkMemory``, so
 ``model.new_stream_state(memory=MemmapChunkMemory(...))`` gives exactly the logits of the in-RAM memory.
 
 Why it bounds memory: per step the model scores every landmark key but gathers only the retrieved chunks
@@ -21,6 +21,8 @@ import tempfile
 import weakref
 
 import torch
+
+from model.chunk_store import AppendBuffer, ChunkGather, next_capacity
 
 
 class _DeviceGather:
@@ -53,7 +55,7 @@ class _DiskGather:
             raise IndexError(f"chunk index out of range [0, {self.shape[1]})")
         chunks, inverse = torch.unique(index.reshape(-1), return_inverse=True)
         buf = torch.empty((len(chunks), *self.chunk_shape), dtype=self.dtype)  # [U, B, S, H, D]
-        raw = memoryview(buf.view(-1).view(torch.uint8).numpy())
+        raw = buf.view(-1).view(torch.uint8).numpy().data
         step = len(raw) // max(len(chunks), 1)
         for i, c in enumerate(chunks.tolist()):
             _pread_into(self.fd, raw[i * step : (i + 1) * step], c * step)
@@ -76,11 +78,11 @@ class MemmapChunkMemory:
         self.ram_bytes = ram_bytes
         self.directory = directory
         self.size = 0
-        self._keys: torch.Tensor | None = None  # [B, capacity, d_model]
-        self._ram: dict[str, torch.Tensor] = {}  # "k"/"v" -> [capacity, B, S, H, D] until spilled
+        self._keys = AppendBuffer(dim=1)  # [B, C, d_model]
+        self._ram: dict[str, AppendBuffer] = {}  # "k"/"v" -> chunk-major [C, B, S, H, D] until spilled
         self._files: dict[str, int] = {}  # "k"/"v" -> fd once spilled
-        self._views: dict[str, torch.Tensor | _DeviceGather | _DiskGather] = {}
-        self._capacity = 0
+        self._views: dict[str, ChunkGather] = {}
+        self._capacity = 0  # chunks the files have room for
         self._chunk_shape: tuple[int, ...] = ()
         self._dtype = torch.float32
         self._device = torch.device("cpu")
@@ -95,11 +97,9 @@ class MemmapChunkMemory:
         n = keys.shape[1]
         if n == 0:
             return
-        if self._keys is None:
+        if self.size == 0:
             self._chunk_shape, self._dtype, self._device = (k.shape[0], *k.shape[2:]), k.dtype, k.device
-        if self._keys is None or self.size + n > self._keys.shape[1]:
-            self._keys = _grow(self._keys, keys, self.size, max(self.size + n, 2 * self.size, 16))
-        self._keys[:, self.size : self.size + n] = keys
+        self._keys.append(keys)
         self._append_kv("k", k)
         self._append_kv("v", v)
         self.size += n
@@ -115,35 +115,28 @@ class MemmapChunkMemory:
             self._spill()
         if self._files:
             if self.size + n > self._capacity:
-                self._capacity = max(self.size + n, 2 * self._capacity)
+                self._capacity = next_capacity(self.size + n, self._capacity)
                 for fd in self._files.values():
                     os.ftruncate(fd, self._capacity * self._chunk_bytes())  # sparse: no bytes written
             _pwrite_all(self._files[name], chunk_major, self.size * self._chunk_bytes())
             return
-        buf = self._ram.get(name)
-        if buf is None or self.size + n > buf.shape[0]:
-            capacity = max(self.size + n, 2 * self.size, 16)
-            new = chunk_major.new_empty((capacity, *chunk_major.shape[1:]))
-            if buf is not None:
-                new[: self.size] = buf[: self.size]
-            self._ram[name] = buf = new
-        buf[self.size : self.size + n] = chunk_major
+        self._ram.setdefault(name, AppendBuffer(dim=0)).append(chunk_major)
 
     def _spill(self) -> None:
         """Move the chunk K/V written so far from RAM to files in a fresh temp dir."""
         self._tmpdir = tempfile.mkdtemp(prefix="gca-chunk-memory-", dir=self.directory)
         self._finalizer = weakref.finalize(self, _cleanup, self._tmpdir, self._files)
-        self._capacity = max(self.size, 16)
+        self._capacity = next_capacity(self.size, 0)
         for name in ("k", "v"):
             fd = os.open(os.path.join(self._tmpdir, f"{name}.bin"), os.O_RDWR | os.O_CREAT, 0o600)
             self._files[name] = fd
             os.ftruncate(fd, self._capacity * self._chunk_bytes())
             if self.size:
-                _pwrite_all(fd, self._ram[name][: self.size], 0)
+                _pwrite_all(fd, self._ram[name].view(), 0)
         self._ram.clear()
 
-    def _view(self, name: str) -> torch.Tensor | _DeviceGather | _DiskGather | None:
-        if self._keys is None:
+    def _view(self, name: str) -> ChunkGather | None:
+        if self.size == 0:
             return None
         if name not in self._views:
             if self._files:
@@ -151,20 +144,20 @@ class MemmapChunkMemory:
                     self._files[name], self.size, self._chunk_shape, self._dtype, self._device
                 )
             else:
-                host = self._ram[name][: self.size].transpose(0, 1)  # [B, C, S, H, D]
+                host = self._ram[name].view().transpose(0, 1)  # [B, C, S, H, D]
                 self._views[name] = host if self._device.type == "cpu" else _DeviceGather(host, self._device)
         return self._views[name]
 
     @property
     def keys(self) -> torch.Tensor | None:
-        return None if self._keys is None else self._keys[:, : self.size]
+        return self._keys.view() if self.size else None
 
     @property
-    def k(self) -> torch.Tensor | _DeviceGather | _DiskGather | None:
+    def k(self) -> ChunkGather | None:
         return self._view("k")
 
     @property
-    def v(self) -> torch.Tensor | _DeviceGather | _DiskGather | None:
+    def v(self) -> ChunkGather | None:
         return self._view("v")
 
     def nbytes(self) -> int:
@@ -173,15 +166,14 @@ class MemmapChunkMemory:
 
     def ram_nbytes(self) -> int:
         """Bytes held in RAM (or on the GPU for the keys): landmark keys plus unspilled chunk K/V."""
-        keys = 0 if self._keys is None else self._keys.numel() * self._keys.element_size()
-        return keys + sum(t.numel() * t.element_size() for t in self._ram.values())
+        return self._keys.nbytes() + sum(buf.nbytes() for buf in self._ram.values())
 
     def close(self) -> None:
         """Delete the on-disk store; the memory is empty afterwards."""
         self._views.clear()
         if self._finalizer is not None:
             self._finalizer()
-        self._keys, self._ram, self._files, self.size, self._capacity = None, {}, {}, 0, 0
+        self._keys, self._ram, self._files, self.size, self._capacity = AppendBuffer(dim=1), {}, {}, 0, 0
 
     def __enter__(self) -> MemmapChunkMemory:
         return self
@@ -190,17 +182,10 @@ class MemmapChunkMemory:
         self.close()
 
 
-def _grow(old: torch.Tensor | None, like: torch.Tensor, size: int, capacity: int) -> torch.Tensor:
-    new = like.new_empty((like.shape[0], capacity, *like.shape[2:]))
-    if old is not None:
-        new[:, :size] = old[:, :size]
-    return new
-
-
 def _pwrite_all(fd: int, x: torch.Tensor, offset: int) -> None:
     """Write the bytes of contiguous ``x`` at ``offset``; ``os.pwrite`` may write less than asked (> 2 GiB)."""
     # A uint8 view reinterprets any dtype (bf16 included, which numpy lacks) as raw bytes.
-    raw = memoryview(x.reshape(-1).view(torch.uint8).numpy())
+    raw = x.reshape(-1).view(torch.uint8).numpy().data
     while raw:
         written = os.pwrite(fd, raw, offset)
         raw, offset = raw[written:], offset + written
