@@ -18,6 +18,9 @@ $(STAMP): requirements.lock pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --no-cache-dir --no-deps -r requirements.lock
 	$(VENV)/bin/pip install --quiet --no-deps --no-build-isolation --config-settings editable_mode=compat -e .
+	@# `import streaming` works in any script of this venv (no usable torchvision exists for the CPU torch):
+	@# a startup hook prepares the import; data_prep/streaming_compat.py says why and what it does.
+	$(PY) -c "from data_prep.streaming_compat import write_startup_hook; write_startup_hook()"
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 	@echo "==> environment ready ($(STAMP))"
