@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from model.chunk_store import ChunkStore
 from model.config import GCAConfig
 from model.stream import StreamState
 
@@ -46,10 +47,11 @@ def count_parameters(module: nn.Module) -> int:
 
 
 class CausalLM(nn.Module):
-    """Base of the language models: ``forward(input_ids, labels)`` over a whole sequence and parameter counting.
+    """Base of the language models: ``forward(input_ids, labels)`` over a whole sequence, the streaming interface
+    the evaluation drives (``new_stream_state``, ``forward_stream``, ``window_reach``) and parameter counting.
 
     A subclass owns an ``embed`` table (tied to its LM head) and implements ``_step(input_ids, state)``, the one
-    code path that turns tokens into logits, with ``state=None`` for a whole sequence.
+    code path that turns tokens into logits, with ``state=None`` for a whole sequence, plus the streaming methods.
     """
 
     cfg: GCAConfig
@@ -62,6 +64,22 @@ class CausalLM(nn.Module):
         return CausalLMOutput(logits=logits, loss=None if labels is None else lm_loss(logits, labels))
 
     def _step(self, input_ids: torch.Tensor, state: StreamState | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def new_stream_state(self, memory: ChunkStore | None = None) -> StreamState:
+        """A fresh state for ``forward_stream``; ``memory`` replaces the in-RAM chunk memory."""
+        raise NotImplementedError
+
+    def forward_stream(
+        self, input_ids: torch.Tensor, state: StreamState, last_logits: int | None = None, memory_only: bool = False
+    ) -> torch.Tensor:
+        """Continue the sequence in ``state`` with ``input_ids [B, t]``; logits ``[B, t, V]`` (or of the last
+        ``last_logits`` tokens; none with ``memory_only``)."""
+        raise NotImplementedError
+
+    @property
+    def window_reach(self) -> int | None:
+        """Tokens after ``memory_only`` steps from which logits are exact again (``None``: unsupported)."""
         raise NotImplementedError
 
     def num_parameters(self, exclude_embedding: bool = False) -> int:

@@ -12,6 +12,7 @@ evaluation (``pipeline/evaluation/passkey.py``) builds its samples the same way.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,21 @@ import numpy as np
 NEEDLE = " The pass key is {key}. "
 QUESTION = " What is the pass key? The pass key is"
 ANSWER = " {key}"
+
+
+def move_answer_whitespace(
+    question: list[int], answer: list[int], decode: Callable[[list[int]], str]
+) -> tuple[list[int], list[int]]:
+    """Move the answer's leading tokens that decode to pure whitespace (the space before the digits) to the end
+    of the question, keeping at least one answer token.
+
+    They are the same for every key, so leaving them in the answer would make its first token trivially
+    predictable; after the move the first answer token is the first digit. Returns new lists.
+    """
+    question, answer = list(question), list(answer)
+    while len(answer) > 1 and not decode(answer[:1]).strip():
+        question.append(answer.pop(0))
+    return question, answer
 
 
 @dataclass(frozen=True)
@@ -75,14 +91,10 @@ class NeedleInserter:
         self.seq_len, self.chunk_size = seq_len, chunk_size
 
     def parts(self, key: str) -> tuple[list[int], list[int], list[int]]:
-        """Token ids of the needle, the question and the answer for pass key ``key``.
-
-        Leading answer tokens that are pure whitespace (the space before the digits) join the question: they are
-        the same for every key, so the first answer token is the first digit.
-        """
+        """Token ids of the needle, the question and the answer for pass key ``key`` (the answer's leading
+        whitespace tokens moved into the question, ``move_answer_whitespace``)."""
         needle, question, answer = (self.sp.encode(t.format(key=key)) for t in (NEEDLE, QUESTION, ANSWER))
-        while answer and not self.sp.decode([answer[0]]).strip():
-            question.append(answer.pop(0))
+        question, answer = move_answer_whitespace(question, answer, self.sp.decode)
         return needle, question, answer
 
     def insert(self, seq: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, slice]:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
-from model import GCAForCausalLM
+from model import CausalLM, StreamState
 from pipeline.evaluation.runtime import stream_segments, stream_state
 
 
@@ -50,8 +50,60 @@ def sample_token(
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def greedy_token(logits: torch.Tensor) -> int:
+    """The most likely token of ``logits [V]`` (``sample_token`` at temperature 0)."""
+    return int(logits.float().argmax())
+
+
+def prefill(
+    model: CausalLM,
+    state: StreamState,
+    ids: torch.Tensor,
+    segment: int,
+    on_tokens: Callable[[int], None] | None = None,
+    skip_far_layers: bool = False,
+) -> torch.Tensor:
+    """Stream the prompt ``ids [1, T]`` (``T >= 1``) into ``state`` by segments; return the logits ``[V]`` of its
+    last token, the ones the first new token is picked from.
+
+    ``skip_far_layers``: stream all but the last ``model.window_reach`` tokens with ``memory_only`` (the same
+    last logits; only the chunk memory and the lower layers see the far prefix, see
+    ``GCAForCausalLM.forward_stream``). Models without ``window_reach`` stream everything.
+    """
+    reach = getattr(model, "window_reach", None) if skip_far_layers else None
+    split = 0 if reach is None else max(0, ids.shape[1] - reach) // segment * segment
+    for _ in stream_segments(model, state, ids[:, :split], segment, on_tokens, memory_only=True):
+        pass
+    for _, logits in stream_segments(model, state, ids[:, split:], segment, on_tokens, last_only=True):
+        last = logits[0, -1]
+    return last
+
+
+def decode(
+    model: CausalLM,
+    state: StreamState,
+    last: torch.Tensor,
+    max_new_tokens: int,
+    pick: Callable[[torch.Tensor], int] = greedy_token,
+    stop_ids: tuple[int, ...] = (),
+    on_tokens: Callable[[int], None] | None = None,
+) -> Iterator[int]:
+    """The decode loop: pick a token from ``last`` (logits ``[V]``), yield it, feed it back through ``state`` for
+    the next logits; stops after ``max_new_tokens`` tokens or a token in ``stop_ids`` (yielded)."""
+    device = next(model.parameters()).device
+    for i in range(max_new_tokens):
+        token = pick(last)
+        yield token
+        if token in stop_ids or i + 1 == max_new_tokens:
+            return
+        with torch.inference_mode():
+            last = model.forward_stream(torch.tensor([[token]], device=device), state)[0, -1]
+        if on_tokens is not None:
+            on_tokens(1)
+
+
 def generate(
-    model: GCAForCausalLM,
+    model: CausalLM,
     prompt: list[int],
     max_new_tokens: int,
     *,
@@ -74,14 +126,10 @@ def generate(
     check_sampling(temperature, top_k, top_p)
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
+
+    def pick(logits: torch.Tensor) -> int:
+        return sample_token(logits, temperature, top_k, top_p, generator)
+
     with stream_state(model, offload_mb, offload_dir) as state:
-        ids = torch.tensor([prompt], device=device)
-        for _, logits in stream_segments(model, state, ids, segment, last_only=True):
-            last = logits[0, -1]
-        for i in range(max_new_tokens):
-            token = sample_token(last, temperature, top_k, top_p, generator)
-            yield token
-            if token in stop_ids or i + 1 == max_new_tokens:
-                return
-            with torch.inference_mode():
-                last = model.forward_stream(torch.tensor([[token]], device=device), state)[0, -1]
+        last = prefill(model, state, torch.tensor([prompt], device=device), segment)
+        yield from decode(model, state, last, max_new_tokens, pick, stop_ids)

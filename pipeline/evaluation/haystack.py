@@ -174,7 +174,8 @@ def _mds_docs(split: Path) -> Iterator[np.ndarray]:
 
     reader = MDSReader(str(split.parent), split.name, cache_dir=None)
     try:
-        doc_id, pieces = None, []
+        doc_id: int | None = None
+        pieces: list[np.ndarray] = []
         for shard in range(reader.num_shards):
             for i in range(int(reader.samples_per_shard[shard])):
                 tokens, doc = reader.sample(shard, i)

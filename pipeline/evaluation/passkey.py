@@ -33,10 +33,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from model import CausalLM
+from pipeline.evaluation.generate import decode, prefill
 from pipeline.evaluation.haystack import TokenSource
-from pipeline.evaluation.runtime import stream_segments, stream_state
+from pipeline.evaluation.runtime import stream_state
 from pipeline.evaluation.tokenizer import ByteTokenizer, SentencePieceTokenizer
-from pipeline.needle import ANSWER, NEEDLE, QUESTION, place_needle
+from pipeline.needle import ANSWER, NEEDLE, QUESTION, move_answer_whitespace, place_needle
 
 log = logging.getLogger(__name__)
 
@@ -209,9 +211,7 @@ def build_sample(
                 enc(_render(spec, "needle", name=end, key=new_key())),
             ]
         question = enc(_render(spec, "question", name=target_name))
-    answer = enc(_render(spec, "answer", key=key))
-    while len(answer) > 1 and not tokenizer.decode(answer[:1]).strip():
-        question.append(answer.pop(0))
+    question, answer = move_answer_whitespace(question, enc(_render(spec, "answer", key=key)), tokenizer.decode)
 
     where = place_needle(length, chunk_size, len(target), len(question), len(answer), depth)
     ids = source.window(length, rng).astype(np.int64)  # overwritten by needles, question and answer
@@ -237,7 +237,7 @@ def build_sample(
 
 
 def predict_answer(
-    model: torch.nn.Module,
+    model: CausalLM,
     sample: PasskeySample,
     segment: int,
     offload_mb: int = -1,
@@ -251,28 +251,13 @@ def predict_answer(
     """
     device = next(model.parameters()).device
     prefix = torch.from_numpy(sample.ids[: sample.answer_start])[None].to(device)
-    n_answer = sample.answer_len
-    reach = getattr(model, "window_reach", None)
-    split = 0 if reach is None else max(0, prefix.shape[1] - reach) // segment * segment
     with stream_state(model, offload_mb, offload_dir) as state:
-        for _ in stream_segments(model, state, prefix[:, :split], segment, on_tokens, memory_only=True):
-            pass
-        for _, logits in stream_segments(model, state, prefix[:, split:], segment, on_tokens, last_only=True):
-            last = logits[:, -1]
-        predictions = []
-        for i in range(n_answer):
-            token = int(last.argmax(-1)[0])
-            predictions.append(token)
-            if i + 1 < n_answer:
-                with torch.inference_mode():
-                    last = model.forward_stream(torch.tensor([[token]], device=device), state)[:, -1]
-                if on_tokens is not None:
-                    on_tokens(1)
-    return predictions
+        last = prefill(model, state, prefix, segment, on_tokens, skip_far_layers=True)
+        return list(decode(model, state, last, sample.answer_len, on_tokens=on_tokens))
 
 
 def evaluate_passkey(
-    model: torch.nn.Module,
+    model: CausalLM,
     tokenizer: SentencePieceTokenizer | ByteTokenizer,
     source: TokenSource,
     spec: NeedleSpec,

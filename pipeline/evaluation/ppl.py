@@ -16,14 +16,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from model import GCAForCausalLM
+from model import CausalLM
 from pipeline.evaluation.runtime import stream_segments, stream_state
 
 log = logging.getLogger(__name__)
 
 
 def window_nll(
-    model: GCAForCausalLM,
+    model: CausalLM,
     ids: torch.Tensor,
     segment: int,
     offload_mb: int = -1,
@@ -44,7 +44,7 @@ def window_nll(
 
 
 def evaluate_ppl(
-    model: GCAForCausalLM,
+    model: CausalLM,
     tokens: np.ndarray,
     lengths: list[int],
     samples: int,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from model import GCAForCausalLM, StreamState, load_pretrained, read_export_config
+from model import CausalLM, StreamState, load_pretrained, read_export_config
 from model.io import ExportError
 from model.offload import MemmapChunkMemory
 from pipeline.evaluation.tokenizer import ByteTokenizer, SentencePieceTokenizer, load_tokenizer
@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class Checkpoint:
     path: str
-    model: GCAForCausalLM
+    model: CausalLM
     tokenizer: SentencePieceTokenizer | ByteTokenizer
     train_seq_len: int | None
     """Training length from the export metadata (``train_seq_len``, or the trainer's ``seq_len``)."""
@@ -88,20 +88,20 @@ def check_device(device: str, key: str = "device") -> None:
 
 
 @contextlib.contextmanager
-def stream_state(model: GCAForCausalLM, offload_mb: int, offload_dir: str | None) -> Iterator[StreamState]:
+def stream_state(model: CausalLM, offload_mb: int, offload_dir: str | None) -> Iterator[StreamState]:
     """A fresh stream state whose chunk K/V move to disk beyond ``offload_mb`` MiB (-1: never); cleaned up after."""
     if offload_mb < 0:
         yield model.new_stream_state()
         return
     memory = MemmapChunkMemory(ram_bytes=offload_mb << 20, directory=offload_dir)
     try:
-        yield model.new_stream_state(memory=memory)  # type: ignore[arg-type]
+        yield model.new_stream_state(memory=memory)
     finally:
         memory.close()
 
 
 def stream_segments(
-    model: GCAForCausalLM,
+    model: CausalLM,
     state: StreamState,
     ids: torch.Tensor,
     segment: int,
@@ -112,11 +112,13 @@ def stream_segments(
     """Feed ``ids [B, T]`` in segments of ``segment`` tokens; yield ``(start, logits [B, t, V])`` per segment
     (``[B, 1, V]``, the segment's last position, with ``last_only``: skips the LM head for the rest; no logits
     with ``memory_only``, see ``GCAForCausalLM.forward_stream``)."""
-    extra = {"memory_only": True} if memory_only else {}
     for start in range(0, ids.shape[1], segment):
         piece = ids[:, start : start + segment]
         with torch.inference_mode():
-            logits = model.forward_stream(piece, state, last_logits=1 if last_only else None, **extra)
+            if memory_only:
+                logits = model.forward_stream(piece, state, memory_only=True)
+            else:
+                logits = model.forward_stream(piece, state, last_logits=1 if last_only else None)
         if on_tokens is not None:
             on_tokens(piece.shape[1])
         yield start, logits

@@ -111,3 +111,18 @@ def test_short_corpus_is_an_error(tmp_path):
 def test_bad_template_names_the_key(source):
     with pytest.raises(ValueError, match="needle=.*unknown placeholder"):
         build_sample(source, TOK, NeedleSpec("single", needle="key {kye}"), 512, 0.5, np.random.default_rng(0), 16)
+
+
+def test_real_model_prediction_is_the_greedy_full_forward_continuation(source, tiny_model):
+    """The shared prefill + decode loop (memory_only far prefix, streamed segments, fed-back tokens) predicts
+    what repeated full forwards predict."""
+    import torch
+
+    sample = build_sample(source, TOK, NeedleSpec("single"), 400, 0.3, np.random.default_rng(4), 16)
+    predicted = predict_answer(tiny_model, sample, segment=64)
+    ids = sample.ids[: sample.answer_start].tolist()
+    for _ in range(sample.answer_len):
+        with torch.no_grad():
+            ids.append(int(tiny_model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert predicted == ids[sample.answer_start :]
+    assert tiny_model.window_reach is not None and sample.answer_start > tiny_model.window_reach + 64

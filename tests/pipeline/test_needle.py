@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from pipeline.needle import NeedleInserter, place_needle
+from pipeline.needle import NeedleInserter, move_answer_whitespace, place_needle
 
 
 @pytest.mark.parametrize("length,S", [(256, 16), (1000, 16), (4096, 64), (300, 7)])
@@ -38,3 +38,17 @@ def test_inserter_writes_key_at_both_places(tiny_data):
     needle, question, answer = ins.parts(key)
     assert ins.sp.decode(answer[:1]).strip() == key[0]  # the first answer token is a digit, not a space
     assert out[answer_span].tolist() == answer
+
+
+def test_answer_whitespace_moves_to_the_question_keeping_one_answer_token():
+    vocab = {1: "?", 2: " ", 3: "\t", 4: "12", 5: "345"}
+
+    def decode(ids):
+        return "".join(vocab[i] for i in ids)
+
+    assert move_answer_whitespace([1], [2, 3, 4, 5], decode) == ([1, 2, 3], [4, 5])
+    assert move_answer_whitespace([1], [4, 2, 5], decode) == ([1], [4, 2, 5])  # only leading whitespace moves
+    assert move_answer_whitespace([1], [2, 3], decode) == ([1, 2], [3])  # never an empty answer
+    question, answer = [1], [2, 4]
+    move_answer_whitespace(question, answer, decode)
+    assert (question, answer) == ([1], [2, 4])  # the inputs are left as they were
