@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +88,7 @@ def build_deepspeed_config(cfg: TrainConfig, world_size: int, bf16: bool) -> dic
     }
 
 
-def _clean(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _clean(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return {k.replace(_WRAPPED, ""): v.detach().cpu() for k, v in state.items()}
 
 
@@ -192,7 +193,7 @@ class TorchEngine:
                 set_state_dict,
             )
 
-            state = {
+            state: dict[str, Any] = {
                 "model": get_model_state_dict(self.model),
                 "optim": get_optimizer_state_dict(self.model, self.optimizer),
             }
@@ -218,7 +219,7 @@ def apply_fsdp(model: nn.Module, cfg: TrainConfig, info: DistInfo, bf16: bool) -
     """Shard every block, then the root, with FSDP2 ``fully_shard`` over a 1-D mesh of all ranks.
 
     On gloo, FSDP2's built-in gradient averaging is wrong (pytorch#162338), so reductions are forced to plain
-    sums with FSDP doing the division itself; ``tests/pipeline/test_dist.py`` checks the gradients against a
+    sums with FSDP doing the division itself; ``tests/pipeline/test_pipeline_dist.py`` checks the gradients against a
     single process on the whole batch.
     """
     from torch.distributed.device_mesh import init_device_mesh
@@ -228,10 +229,10 @@ def apply_fsdp(model: nn.Module, cfg: TrainConfig, info: DistInfo, bf16: bool) -
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     )
-    kwargs = {"mesh": mesh, "mp_policy": mp, "reshard_after_forward": cfg.parallel.fsdp_reshard_after_forward}
+    reshard = cfg.parallel.fsdp_reshard_after_forward
     for block in blocks(model):
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     if info.device.type == "cpu":
         model.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
     log.info("FSDP2: sharded %d blocks + root over %d ranks", len(blocks(model)), info.world_size)
