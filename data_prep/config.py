@@ -1,22 +1,22 @@
 """The prep config: a typed schema, YAML for values, ``key=value`` overrides, errors that name the key.
 
-Loading follows STYLE rule 20: ``OmegaConf.structured(PrepConfig)`` merged with the YAML file and the
-dotlist overrides, then converted to a real (frozen) dataclass and validated. Unknown keys are rejected
-with a "did you mean" suggestion before omegaconf sees them, so the message names the full key.
+Loading goes through the shared loader (``data_prep.schema``): the YAML file and the dotlist overrides merged onto
+``PrepConfig``, converted to a real (frozen) dataclass, then validated here. Unknown keys are rejected with a "did
+you mean" suggestion, so the message names the full key.
 """
 
 import dataclasses
-import difflib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+from omegaconf import MISSING
 
+from data_prep import schema
 from data_prep.errors import ConfigError
-from data_prep.redaction import raw_env_paths, redact, restore_env_interpolations, track_env_values
+from data_prep.redaction import redact, restore_env_interpolations
+from data_prep.schema import INTERNAL, ONE_OR_LIST, load_schema
 
 __all__ = ["HFConfig", "PrepConfig", "TokenizerConfig", "load_config", "to_container"]
 
@@ -53,9 +53,9 @@ class HFConfig:
 class PrepConfig:
     """``python launch/prep.py --config configs/data/<name>.yaml [key=value ...]``."""
 
-    output: str = "???"
+    output: str = MISSING
     """Directory to create; it is written as a temporary sibling and renamed when complete."""
-    input: list[str] = field(default_factory=list)
+    input: list[str] = field(default_factory=list, metadata=ONE_OR_LIST)
     """Files, globs or directories (``.txt``, ``.jsonl``, ``.parquet``, optionally ``.gz``/``.zst``),
     ``hf:<name>`` for a Hugging Face dataset, or ``builtin:python_stdlib`` for the offline default corpus.
     A single string is accepted too."""
@@ -92,7 +92,7 @@ class PrepConfig:
     slice_index: int = 0
     """Which slice (0-based) this run prepares. Document ids become ``ordinal * num_slices + slice_index``,
     so they stay unique across slices without any coordination."""
-    env_interpolations: dict[str, str] = field(default_factory=dict, metadata={"internal": True})
+    env_interpolations: dict[str, str] = field(default_factory=dict, metadata=INTERNAL)
     """Set by `load_config`, not by users: dotted key -> raw ``${oc.env:...}`` text of every value that came
     from the environment, so `to_container` can write the interpolation instead of the value."""
 
@@ -117,40 +117,7 @@ def _redact_values(node: Any) -> Any:
     return redact(node) if isinstance(node, str) else node
 
 
-def _schema_fields(cls: type) -> dict[str, type | None]:
-    """Field name -> nested dataclass type (or None for a leaf)."""
-    out: dict[str, type | None] = {}
-    for f in dataclasses.fields(cls):
-        nested = f.default_factory if f.default_factory is not dataclasses.MISSING else None  # type: ignore[misc]
-        out[f.name] = nested if dataclasses.is_dataclass(nested) else None
-    return out
-
-
-def _check_keys(node: Any, cls: type, prefix: str) -> None:
-    if not isinstance(node, DictConfig):
-        return
-    known = _schema_fields(cls)
-    internal = {f.name for f in dataclasses.fields(cls) if f.metadata.get("internal")}
-    known = {name: nested for name, nested in known.items() if name not in internal}
-    for key in node.keys():
-        full = f"{prefix}{key}"
-        if key not in known:
-            hint = difflib.get_close_matches(str(key), list(known), n=1)
-            suggestion = f"; did you mean '{prefix}{hint[0]}'?" if hint else ""
-            raise ConfigError(f"unknown config key '{full}'{suggestion} (known: {', '.join(sorted(known))})")
-        nested = known[key]
-        if nested is not None:
-            child = node._get_node(key)
-            if not isinstance(child, DictConfig):
-                raise ConfigError(f"config key '{full}' must be a mapping, got {child!r}")
-            _check_keys(child, nested, f"{full}.")
-
-
-def _first_line(exc: OmegaConfBaseException) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-
-
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> PrepConfig:
+def load_config(path: str | Path | None, overrides: Sequence[str] | None = None) -> PrepConfig:
     """Load, merge and validate a prep config.
 
     Args:
@@ -163,67 +130,13 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     Raises:
         ConfigError: unknown key (with a suggestion), bad value or type (naming key and value), missing file.
     """
-    track_env_values()  # before anything resolves: every ${oc.env:...} value is then known to `redact`
-    layers: list[DictConfig] = []
-    if path is not None:
-        layers.append(_load_yaml(Path(path)))
-    for item in overrides or []:
-        if "=" not in item or item.startswith("="):
-            raise ConfigError(f"override '{item}' is not of the form key=value")
     try:
-        layers.append(OmegaConf.from_dotlist(list(overrides or [])))
-        raw = OmegaConf.merge(*layers) if layers else OmegaConf.create({})
-    except OmegaConfBaseException as exc:
-        raise ConfigError(f"bad override: {_first_line(exc)}") from None
-    assert isinstance(raw, DictConfig)
-    _check_keys(raw, PrepConfig, "")
-    _input_as_list(raw)
-    env_paths = raw_env_paths(OmegaConf.to_container(raw, resolve=False))
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(PrepConfig), raw)
-        cfg = dataclasses.replace(OmegaConf.to_object(merged), env_interpolations=env_paths)
-    except MissingMandatoryValue as exc:
-        raise ConfigError(f"missing required key '{exc.full_key}'") from None
-    except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None)
-        where = f"'{key}'" if key else "config"
-        raise ConfigError(f"bad value for {where}: {_first_line(exc)}") from None
-    assert isinstance(cfg, PrepConfig)
+        cfg, env_paths = load_schema(PrepConfig, path, overrides or [], what="prep")
+    except schema.ConfigError as err:
+        raise ConfigError(str(err)) from None  # the prep flavour, which launch/prep.py reports as a PrepError
+    cfg = dataclasses.replace(cfg, env_interpolations=env_paths)
     validate(cfg)
     return cfg
-
-
-def _load_yaml(path: Path) -> DictConfig:
-    """The YAML file as a mapping; anything else (a list, a scalar, bad syntax) is a one-line error naming it."""
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    try:
-        top = yaml.safe_load(path.read_text())  # the top-level type, before omegaconf reinterprets a scalar
-        if not isinstance(top, (dict, type(None))):
-            kind = "list" if isinstance(top, list) else f"scalar ({type(top).__name__})"
-            raise ConfigError(
-                f"{path} must hold a mapping of keys (lines like 'output: data/mine'), got a {kind} at the top level"
-            )
-        loaded = OmegaConf.load(path)
-    except ConfigError:
-        raise
-    except Exception as exc:  # YAML syntax errors come from yaml, not omegaconf
-        where = " ".join(line.strip() for line in str(exc).splitlines())  # yaml puts line and column on line 2+
-        raise ConfigError(f"cannot parse {path}: {where}") from None
-    assert isinstance(loaded, DictConfig), "a YAML mapping loads as a DictConfig"
-    return loaded
-
-
-def _input_as_list(raw: DictConfig) -> None:
-    """A single input is natural to write as a string; the schema field is a list.
-
-    The raw (unresolved) text goes into the list, so an ``${oc.env:...}`` input stays an interpolation and is
-    known to `to_container` as one.
-    """
-    if "input" not in raw or not isinstance(raw["input"], str):
-        return
-    raw_input = OmegaConf.to_container(raw, resolve=False)["input"]  # type: ignore[index]
-    raw["input"] = [raw_input if isinstance(raw_input, str) else raw["input"]]
 
 
 def _bad(key: str, value: Any, why: str) -> ConfigError:
@@ -235,7 +148,10 @@ def validate(cfg: PrepConfig) -> None:
     if not cfg.output:
         raise _bad("output", cfg.output, "must be a directory path")
     if not cfg.input:
-        raise ConfigError("missing required key 'input' (files, globs, directories, hf:<name> or builtin:<name>)")
+        raise ConfigError(
+            "config key 'input' is required: files, globs, directories, hf:<name> or builtin:<name> "
+            "(set it in the prep config file or pass input=...)"
+        )
     for item in cfg.input:
         if not item:
             raise _bad("input", cfg.input, "empty entry")

@@ -1,5 +1,6 @@
 """Errors that `launch/prep.py` reports as one line (no traceback): they describe bad input, not bugs."""
 
+from data_prep import schema
 from data_prep.redaction import redact
 
 __all__ = ["ConfigError", "InputError", "OutputExistsError", "OutputWriteError", "PrepError"]
@@ -16,8 +17,9 @@ class PrepError(Exception):
         super().__init__(redact(message))
 
 
-class ConfigError(PrepError, ValueError):
-    """An unknown key, a bad value, or a missing required key in the prep config."""
+class ConfigError(PrepError, schema.ConfigError):
+    """An unknown key, a bad value, or a missing required key in the prep config, or settings that do not fit the
+    input or output. A prep error like the others here, and the shared config error, which every tool catches."""
 
 
 class InputError(PrepError):

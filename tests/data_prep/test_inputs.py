@@ -187,7 +187,7 @@ def test_config_errors_name_the_key(overrides, match):
 
 
 def test_missing_output_is_reported():
-    with pytest.raises(ConfigError, match="missing required key 'output'"):
+    with pytest.raises(ConfigError, match="config key 'output' is required"):
         load_config(None, ["input=y", "tokenizer.vocab_size=400"])
 
 
@@ -210,7 +210,8 @@ def test_cli_reports_one_line_errors(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "prep: error: unknown config key 'tokenizer.vocab_sise'; did you mean 'tokenizer.vocab_size'? "
-        "(known: character_coverage, model, model_type, sample_bytes, vocab_size)"
+        "(in override 'tokenizer.vocab_sise=8'; "
+        "known keys under 'tokenizer': character_coverage, model, model_type, sample_bytes, vocab_size)"
     ]
 
 
