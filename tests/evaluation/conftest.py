@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from eval_stubs import tiny_config
+from helpers import tiny_config
 
 from model import GCAForCausalLM, save_pretrained
 

@@ -5,25 +5,6 @@ from types import SimpleNamespace
 import torch
 import torch.nn as nn
 
-from model import GCAConfig
-
-
-def tiny_config(**overrides) -> GCAConfig:
-    base = dict(
-        vocab_size=256,
-        d_model=64,
-        n_heads=2,
-        n_kv_heads=2,
-        ffn_hidden=128,
-        n_lower_layers=1,
-        groups=[1],
-        chunk_size=16,
-        top_k=2,
-        window=32,
-        attn_backend="naive",
-    )
-    return GCAConfig(**{**base, **overrides})
-
 
 class _Stub(nn.Module):
     vocab = 256

@@ -30,16 +30,10 @@ def test_text_files_and_directory(tmp_path):
 
 
 def test_mds_split(tmp_path):
-    from data_prep import format as fmt
-    from data_prep.streaming_compat import ensure_streaming_importable
-
-    ensure_streaming_importable()
-    from streaming import MDSWriter
+    from helpers import write_mds_split
 
     split = tmp_path / "val"
-    with MDSWriter(out=str(split), columns=fmt.mds_columns("uint16"), compression="zstd") as writer:
-        for doc, piece, tokens in [(0, 0, [1, 2, 3]), (0, 1, [4, 5]), (1, 0, [6, 7])]:
-            writer.write({fmt.TOKENS: np.asarray(tokens, dtype=np.uint16), fmt.DOC_ID: doc, fmt.PIECE: piece})
+    write_mds_split(split, [(0, 0, [1, 2, 3]), (0, 1, [4, 5]), (1, 0, [6, 7])])
     before = sorted(p.name for p in split.iterdir())
     for data in (split, tmp_path):  # the split itself, or a prepared-dataset dir (its val split)
         assert TokenSource(str(data), TOK).prefix(100).tolist() == [1, 2, 3, 4, 5, 6, 7]

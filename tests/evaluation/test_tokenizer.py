@@ -15,7 +15,7 @@ from pipeline.evaluation.tokenizer import ByteTokenizer, SentencePieceTokenizer
 
 @pytest.fixture
 def sp_export(tmp_path):
-    from eval_stubs import tiny_config
+    from helpers import tiny_config
 
     from model import GCAForCausalLM
 
@@ -55,7 +55,7 @@ def test_missing_tokenizer_file(tiny_model, tmp_path):
 
 
 def test_bytes_need_256_ids(tmp_path):
-    from eval_stubs import tiny_config
+    from helpers import tiny_config
 
     from model import GCAForCausalLM
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import tiny_config
 
 from model import GCAConfig, GCAForCausalLM
 
@@ -16,7 +17,7 @@ T = 2048
 
 
 def _config(backend: str) -> GCAConfig:
-    return GCAConfig(
+    return tiny_config(
         vocab_size=512,
         d_model=256,
         n_heads=4,

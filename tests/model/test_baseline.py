@@ -1,27 +1,25 @@
 """The sliding-window baseline: bounded receptive field, streaming parity, export through the same loader."""
 
 import torch
+from helpers import tiny_config
 
 from model import GCAConfig, SlidingWindowLM, build_model, load_pretrained, save_pretrained
 
 
 def _config(**kw) -> GCAConfig:
-    return GCAConfig(
-        **{
-            **dict(
-                arch="swa",
-                vocab_size=50,
-                d_model=32,
-                n_heads=2,
-                n_kv_heads=2,
-                window=5,
-                n_lower_layers=1,
-                groups=[1],
-                n_encoder_layers=1,
-            ),
-            **kw,
-        }
+    # 1 + 1 + 1 = 3 window layers of span 5; the default (auto) backends, as a real baseline runs.
+    base = dict(
+        arch="swa",
+        vocab_size=50,
+        d_model=32,
+        ffn_hidden=384,
+        window=5,
+        chunk_size=16,
+        top_k=4,
+        gca_backend="auto",
+        swa_backend="auto",
     )
+    return tiny_config(**{**base, **kw})
 
 
 def test_receptive_field_is_layers_times_window():

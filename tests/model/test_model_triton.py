@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import tiny_config
 
 from model import GCAConfig, GCAForCausalLM
 
@@ -9,17 +10,13 @@ pytestmark = pytest.mark.kernels
 
 
 def _config(backend: str) -> GCAConfig:
-    return GCAConfig(
+    # Chunks of 5 and one KV head: odd sizes the kernel must mask; head dim 16, the kernel's smallest.
+    return tiny_config(
         vocab_size=48,
         d_model=32,
-        n_heads=2,
         n_kv_heads=1,
         ffn_hidden=48,
-        n_lower_layers=1,
-        groups=[1],
-        n_encoder_layers=1,
         chunk_size=5,
-        top_k=2,
         window=8,
         attn_backend=backend,
         gumbel_topk=False,

@@ -59,19 +59,12 @@ def test_stop_gradient_switch():
 
 
 def test_model_records_retrieval_telemetry():
-    from model import GCAConfig, GCAForCausalLM
+    from helpers import tiny_config
 
-    cfg = GCAConfig(
-        vocab_size=32,
-        d_model=32,
-        n_heads=2,
-        n_kv_heads=2,
-        ffn_hidden=32,
-        groups=[1, 1],
-        chunk_size=4,
-        top_k=3,
-        window=4,
-        attn_backend="naive",
+    from model import GCAForCausalLM
+
+    cfg = tiny_config(
+        vocab_size=32, d_model=32, ffn_hidden=32, n_lower_layers=2, groups=[1, 1], chunk_size=4, top_k=3, window=4
     )
     model = GCAForCausalLM(cfg)
     model(torch.randint(0, 32, (2, 40)))

@@ -10,41 +10,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import MARKOV_VOCAB, markov_pieces, write_mds_split
 
 from data_prep import format as fmt
-from data_prep.streaming_compat import ensure_streaming_importable
 
-VOCAB = 64
+VOCAB = MARKOV_VOCAB
 EOS = 1
 
 
-def write_mds(root: Path, split: str, n_docs: int, seed: int, size_limit: int = 4096) -> list[np.ndarray]:
-    """Write ``n_docs`` documents from one fixed Markov chain (``next = succ[cur]`` 90% of the time, so a
-    model can learn it in a few dozen steps), 40-200 tokens each, split into 1-3 pieces."""
-    ensure_streaming_importable()
-    from streaming import MDSWriter
-
-    rng = np.random.default_rng(seed)
-    succ = np.random.default_rng(0).permutation(np.arange(2, VOCAB))
-    docs = []
-    with MDSWriter(
-        out=str(root / split),
-        columns=fmt.mds_columns("uint16"),
-        compression="zstd",
-        size_limit=size_limit,
-        hashes=["xxh64"],
-    ) as writer:
-        for doc_id in range(n_docs):
-            length = int(rng.integers(40, 200))
-            tokens = np.empty(length, dtype=np.uint16)
-            tokens[0] = rng.integers(2, VOCAB)
-            for t in range(1, length):
-                follow = rng.random() < 0.9
-                tokens[t] = succ[tokens[t - 1] - 2] if follow else rng.integers(2, VOCAB)
-            docs.append(tokens)
-            for piece, part in enumerate(np.array_split(tokens, int(rng.integers(1, 4)))):
-                writer.write({fmt.TOKENS: part, fmt.DOC_ID: doc_id, fmt.PIECE: piece})
-    return docs
+def write_mds(root: Path, split: str, n_docs: int, seed: int, size_limit: int = 4096) -> None:
+    """``n_docs`` documents of the tests' learnable Markov chain (``helpers.markov_pieces``) as an MDS split."""
+    write_mds_split(root / split, markov_pieces(n_docs, seed, VOCAB), size_limit=size_limit, hashes=("xxh64",))
 
 
 def _tokenizer_bytes() -> bytes:
@@ -115,7 +91,8 @@ def tiny_overrides(run_dir: Path, data: Path, **extra: object) -> list[str]:
         "model.chunk_size": 8,
         "model.top_k": 2,
         "model.window": 16,
-        "model.attn_backend": "naive",
+        "model.gca_backend": "naive",
+        "model.swa_backend": "naive",
         "train.seq_len": 64,
         "train.micro_batch": 2,
         "train.global_batch": 4,

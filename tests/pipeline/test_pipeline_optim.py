@@ -4,27 +4,15 @@ import math
 
 import pytest
 import torch
+from helpers import tiny_config
 
-from model import GCAConfig, GCAForCausalLM
+from model import GCAForCausalLM
 from pipeline.config import OptimConfig, ScheduleConfig
 from pipeline.optim import build_optimizer, lr_at, param_groups, set_lr
 
 
 def test_param_groups_split():
-    cfg = GCAConfig(
-        vocab_size=64,
-        d_model=32,
-        n_heads=2,
-        n_kv_heads=2,
-        ffn_hidden=64,
-        n_lower_layers=1,
-        groups=[1],
-        chunk_size=8,
-        top_k=2,
-        window=16,
-        attn_backend="naive",
-        gca_output_bias=True,
-    )
+    cfg = tiny_config(vocab_size=64, d_model=32, ffn_hidden=64, chunk_size=8, window=16, gca_output_bias=True)
     model = GCAForCausalLM(cfg)
     decay, no_decay = param_groups(model, 0.1)
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0

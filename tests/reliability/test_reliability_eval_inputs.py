@@ -20,9 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import tiny_config
 from reliability_harness import REPO
 
-from model import GCAConfig, GCAForCausalLM, load_pretrained, save_pretrained
+from model import GCAForCausalLM, load_pretrained, save_pretrained
 from model.io import ExportError
 from pipeline.evaluation import run as eval_run
 
@@ -47,19 +48,7 @@ EVAL, GENERATE = _cli("eval"), _cli("generate")
 def export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-init export with the byte tokenizer (no tokenizer file), the way the trainer writes one."""
     torch.manual_seed(0)
-    cfg = GCAConfig(
-        vocab_size=256,
-        d_model=64,
-        n_heads=2,
-        n_kv_heads=2,
-        ffn_hidden=128,
-        n_lower_layers=1,
-        groups=[1],
-        chunk_size=16,
-        top_k=2,
-        window=32,
-        attn_backend="naive",
-    )
+    cfg = tiny_config()
     return save_pretrained(
         GCAForCausalLM(cfg).eval(), tmp_path_factory.mktemp("eval_inputs") / "export", extra={"train_seq_len": 64}
     )

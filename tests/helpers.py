@@ -1,0 +1,100 @@
+"""What many tests share: the tiny model config, the MDS dataset writer and the standard tolerances.
+
+Imported as ``helpers`` (pytest puts ``tests/`` on ``sys.path`` for its root ``conftest.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from model import GCAConfig
+
+# ---------------------------------------------------------------- model config
+
+TINY_MODEL = dict(
+    vocab_size=256,
+    d_model=64,
+    n_heads=2,
+    n_kv_heads=2,
+    ffn_hidden=128,
+    n_lower_layers=1,
+    groups=[1],
+    n_encoder_layers=1,
+    chunk_size=16,
+    top_k=2,
+    window=32,
+    gca_backend="naive",
+    swa_backend="naive",
+)
+"""A GCA model that runs in milliseconds on CPU with the readable reference operators (byte-sized vocabulary)."""
+
+
+def tiny_config(**overrides: object) -> GCAConfig:
+    """``TINY_MODEL`` with ``overrides``; a test names the shapes its check depends on."""
+    return GCAConfig(**{**TINY_MODEL, **overrides})
+
+
+# ---------------------------------------------------------------- datasets
+
+MARKOV_VOCAB = 64
+"""Token ids of ``markov_pieces`` are in ``[2, MARKOV_VOCAB)`` (0 and 1 stay free for unk and EOS)."""
+
+
+def markov_pieces(n_docs: int, seed: int, vocab: int = MARKOV_VOCAB) -> Iterator[tuple[int, int, np.ndarray]]:
+    """``(doc_id, piece, tokens)`` of ``n_docs`` documents from one fixed Markov chain (``next = succ[cur]`` 90%
+    of the time, so a tiny model learns it in a few dozen steps), 40-200 tokens each, cut into 1-3 pieces."""
+    rng = np.random.default_rng(seed)
+    succ = np.random.default_rng(0).permutation(np.arange(2, vocab))
+    for doc_id in range(n_docs):
+        length = int(rng.integers(40, 200))
+        tokens = np.empty(length, dtype=np.uint16)
+        tokens[0] = rng.integers(2, vocab)
+        for t in range(1, length):
+            follow = rng.random() < 0.9
+            tokens[t] = succ[tokens[t - 1] - 2] if follow else rng.integers(2, vocab)
+        for piece, part in enumerate(np.array_split(tokens, int(rng.integers(1, 4)))):
+            yield doc_id, piece, part
+
+
+def write_mds_split(
+    out: Path,
+    pieces: Iterable[tuple[int, int, np.ndarray | list[int]]],
+    *,
+    size_limit: int | None = None,
+    hashes: tuple[str, ...] = (),
+) -> None:
+    """Write ``(doc_id, piece, tokens)`` rows to the MDS split directory ``out`` the way data prep does (uint16
+    tokens, zstd). ``size_limit``: bytes per shard (default: the writer's); ``hashes``: shard hashes recorded."""
+    from data_prep import format as fmt
+    from data_prep.streaming_compat import ensure_streaming_importable
+
+    ensure_streaming_importable()
+    from streaming import MDSWriter
+
+    options: dict[str, object] = {"hashes": list(hashes)} if hashes else {}
+    if size_limit is not None:
+        options["size_limit"] = size_limit
+    with MDSWriter(out=str(out), columns=fmt.mds_columns("uint16"), compression="zstd", **options) as writer:
+        for doc_id, piece, tokens in pieces:
+            writer.write({fmt.TOKENS: np.asarray(tokens, dtype=np.uint16), fmt.DOC_ID: doc_id, fmt.PIECE: piece})
+
+
+# ---------------------------------------------------------------- tolerances
+
+EXACT: Mapping[str, float] = {"rtol": 0.0, "atol": 0.0}
+"""Bit-identical: the same operations on the same inputs (a copy, a store, a reload)."""
+FP64_REFERENCE: Mapping[str, float] = {"rtol": 0.0, "atol": 1e-12}
+"""An fp64 fast path against the fp64 reference maths: only rounding of a different operation order."""
+FP32_REORDERED: Mapping[str, float] = {"rtol": 1e-4, "atol": 1e-4}
+"""The same fp32 maths cut differently (segments, single tokens, sliced operator calls vs one forward)."""
+
+
+def assert_close(
+    got: torch.Tensor, want: torch.Tensor, tol: Mapping[str, float], msg: str | Callable[[str], str] | None = None
+) -> None:
+    """``torch.testing.assert_close`` with one of the named tolerances above."""
+    torch.testing.assert_close(got, want, rtol=tol["rtol"], atol=tol["atol"], msg=msg)
