@@ -18,8 +18,9 @@ from tqdm import tqdm
 from data_prep.format import COMPLETE_MARKER, MANIFEST_FILENAME
 from data_prep.redaction import redact_tree, restore_env_interpolations
 from data_prep.safe_files import is_within
+from data_prep.schema import ConfigError
 from kernels.cpu_math import flush_denormals
-from pipeline.evaluation.config import TASKS, EvalConfig, EvalConfigError, load_eval_config, needle_spec, validate
+from pipeline.evaluation.config import TASKS, EvalConfig, load_eval_config, needle_spec, validate
 from pipeline.evaluation.haystack import TokenSource
 from pipeline.evaluation.passkey import evaluate_passkey
 from pipeline.evaluation.plots import plot_passkey, plot_ppl
@@ -33,12 +34,18 @@ class _Progress:
     """One tqdm bar (tokens, with tokens/s) per evaluation length; called as ``progress(length, total)``."""
 
     def __init__(self, task: str) -> None:
-        self.task, self.bar = task, None
+        self.task = task
+        self.bar: tqdm | None = None
 
     def __call__(self, length: int, total: int) -> Callable[[int], None]:
         self.close()
-        self.bar = tqdm(total=total, desc=f"{self.task} L={length}", unit="tok", unit_scale=True, dynamic_ncols=True)
-        return self.bar.update
+        bar = tqdm(total=total, desc=f"{self.task} L={length}", unit="tok", unit_scale=True, dynamic_ncols=True)
+        self.bar = bar
+
+        def advance(tokens: int) -> None:
+            bar.update(tokens)
+
+        return advance
 
     def close(self) -> None:
         if self.bar is not None:
@@ -61,13 +68,13 @@ def run_eval(checkpoint: str, task: str, out: str | Path, overrides: list[str], 
     Every input (keys, ``--config``, ``--out``, the export) is checked before any evaluation runs.
 
     Raises:
-        EvalConfigError: a bad key, value, config file or output location.
+        ConfigError: a bad key, value, config file or output location.
         FileNotFoundError / ValueError: the export is missing or malformed (named).
         EvalOutputError: the result could not be written to ``out`` (it was saved elsewhere, named).
     """
     flush_denormals()  # before torch starts its thread pool (see kernels/cpu_math.py)
     if task not in TASKS:
-        raise EvalConfigError(f"--task {task!r} is not one of {TASKS}")
+        raise ConfigError(f"--task {task!r} is not one of {TASKS}")
     cfg, env_paths = load_eval_config(config, overrides)
     out = Path(out)
     created = prepare_out(out, task, cfg.data)
@@ -158,20 +165,20 @@ def prepare_out(out: Path, task: str, data: str) -> list[Path]:
     file. Returns the directories created (deepest last), to remove again if the run fails.
 
     Raises:
-        EvalConfigError: ``out`` is a file, sits under a file, lies in a dataset or in ``data``, or cannot be
+        ConfigError: ``out`` is a file, sits under a file, lies in a dataset or in ``data``, or cannot be
             created or written; a result path inside it is a directory.
     """
     inside = _inside_data(out, data)
     if inside is not None:
-        raise EvalConfigError(
+        raise ConfigError(
             f"--out {out}: lies inside the dataset or data directory {inside}; results are never "
             "written into input data, choose another --out"
         )
     if out.exists() and not out.is_dir():
-        raise EvalConfigError(f"--out {out}: exists and is not a directory; pass a directory (created if missing)")
+        raise ConfigError(f"--out {out}: exists and is not a directory; pass a directory (created if missing)")
     for name in (f"{task}.json", f"{task}.png"):
         if (out / name).is_dir():
-            raise EvalConfigError(
+            raise ConfigError(
                 f"--out {out}: {out / name} is a directory, so the result cannot be written "
                 "there; move it away or choose another --out"
             )
@@ -183,7 +190,7 @@ def prepare_out(out: Path, task: str, data: str) -> list[Path]:
         os.unlink(probe)
     except OSError as err:
         _remove_empty(created)
-        raise EvalConfigError(
+        raise ConfigError(
             f"--out {out}: cannot write there ({err.strerror or err}); choose a writable directory"
         ) from None
     return created
@@ -198,7 +205,7 @@ def _remove_empty(created: list[Path]) -> None:
             return
 
 
-def _replace_atomically(path: Path, write: Callable[[Path], None]) -> None:
+def _replace_atomically(path: Path, write: Callable[[Path], object]) -> None:
     """``write`` a hidden temp file next to ``path``, then rename it over ``path``: never a half-written result."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.evaluation.config import EvalConfigError, load_eval_config
+from data_prep.schema import ConfigError
+from pipeline.evaluation.config import load_eval_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,7 +50,7 @@ def test_eval_writes_json_and_plot(tiny_export, tmp_path, task):
     ("args", "message"),
     [
         (["lengths=[8,64]"], "below one chunk"),
-        (["lenghts=[64]"], "unknown key 'lenghts' (did you mean 'lengths'?)"),
+        (["lenghts=[64]"], "unknown config key 'lenghts'; did you mean 'lengths'? (in override 'lenghts=[64]'"),
         (["variant=double"], "variant='double' is not one of"),
         (["samples=many"], "samples"),
     ],
@@ -68,7 +69,7 @@ def test_not_an_export(tmp_path, capsys):
 def test_yaml_config_files_load():
     for path in sorted((ROOT / "configs" / "eval").glob("*.yaml")):
         load_eval_config(str(path), [])
-    with pytest.raises(EvalConfigError, match="config file not found"):
+    with pytest.raises(ConfigError, match="config file not found"):
         load_eval_config("/nonexistent.yaml", [])
 
 
