@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+from helpers import EXACT, assert_close
 
 from model.offload import MemmapChunkMemory
 from model.stream import ChunkMemory
@@ -24,7 +25,7 @@ def test_same_logits_as_chunk_memory(tiny_model, tmp_path, ram_bytes):
         got = _stream(tiny_model, ids, memory, segment=96)
         assert memory.on_disk == (ram_bytes < 1 << 30)
         assert memory.size == 700 // 16
-    torch.testing.assert_close(got, reference, rtol=0, atol=0)
+    assert_close(got, reference, EXACT)
 
 
 def test_token_by_token_and_views(tmp_path):
@@ -34,12 +35,12 @@ def test_token_by_token_and_views(tmp_path):
         ref.append(keys, k, v)
         mem.append(keys, k, v)
     assert mem.on_disk and mem.ram_nbytes() < ref.nbytes()
-    torch.testing.assert_close(mem.keys, ref.keys, rtol=0, atol=0)
+    assert_close(mem.keys, ref.keys, EXACT)
     batch = torch.arange(2)[:, None, None]
     every = torch.arange(40).view(1, 40, 1).expand(2, 40, 1)
     for index in (every, torch.tensor([[[3, 0], [39, 17]], [[5, 5], [1, 38]]])):
-        torch.testing.assert_close(mem.k[batch, index], ref.k[batch, index], rtol=0, atol=0)
-        torch.testing.assert_close(mem.v[batch, index], ref.v[batch, index], rtol=0, atol=0)
+        assert_close(mem.k[batch, index], ref.k[batch, index], EXACT)
+        assert_close(mem.v[batch, index], ref.v[batch, index], EXACT)
     assert mem.k.shape == ref.k.shape
     with pytest.raises(IndexError, match="out of range"):
         mem.k[batch, torch.full((2, 1, 1), 40)]
@@ -61,7 +62,7 @@ def test_bf16_round_trip(tmp_path):
         mem.append(torch.randn(1, 3, 8).bfloat16(), k, k)
         got = mem.k[torch.zeros(1, 1, 1, dtype=torch.long), torch.tensor([[[2, 0, 1]]])]
         assert got.dtype == torch.bfloat16
-        torch.testing.assert_close(got[0, 0], k[0, [2, 0, 1]], rtol=0, atol=0)
+        assert_close(got[0, 0], k[0, [2, 0, 1]], EXACT)
 
 
 def test_device_gather_moves_only_the_picked_chunks():

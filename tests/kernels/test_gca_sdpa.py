@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import FP64_REFERENCE, assert_close
 
 from kernels.gca import gca_attention, naive_gca, sdpa_gca
 
@@ -17,7 +18,7 @@ def test_matches_reference_values_and_gradients(off_by_one, B, HQ, H, Q, R, S, D
     do = torch.randn(B, HQ, Q, D, dtype=torch.float64)
     ref = naive_gca(q, k, v, w, softmax_off_by_one=off_by_one)
     got = sdpa_gca(q, k, v, w, softmax_off_by_one=off_by_one)
-    torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
+    assert_close(got, ref, FP64_REFERENCE)
     grads_ref = torch.autograd.grad(ref, (q, k, v, w), do)
     grads_got = torch.autograd.grad(got, (q, k, v, w), do)
     for name, g_ref, g_got in zip(("dq", "dk", "dv", "dweights"), grads_ref, grads_got):

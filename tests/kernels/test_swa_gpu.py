@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import FP64_REFERENCE, assert_close
 
 from kernels.swa import alibi_slopes
 from kernels.swa.gpu import gpu_sliding_window_attention
@@ -42,7 +43,7 @@ def test_flex_path_matches_naive_on_cpu(case):
     slopes = alibi_slopes(shape[3])
     out = gpu_sliding_window_attention(q, k, v, window=window, alibi_slopes=slopes)
     ref = naive_sliding_window_attention(q, k, v, window=window, alibi_slopes=slopes)
-    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    assert_close(out, ref, FP64_REFERENCE)
 
 
 @pytest.mark.gpu

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import FP64_REFERENCE, assert_close
 
 from kernels.swa import (
     alibi_slopes,
@@ -36,7 +37,7 @@ def test_matches_reference_values_and_gradients(B, Tq, Tk, window, HQ, H):
     do = torch.randn(B, Tq, HQ, 8, dtype=torch.float64)
     ref = naive_sliding_window_attention(q, k, v, window=window, alibi_slopes=slopes)
     got = sdpa_sliding_window_attention(q, k, v, window=window, alibi_slopes=slopes)
-    torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
+    assert_close(got, ref, FP64_REFERENCE)
     for g_ref, g_got in zip(torch.autograd.grad(ref, (q, k, v), do), torch.autograd.grad(got, (q, k, v), do)):
         torch.testing.assert_close(g_got, g_ref, rtol=0, atol=1e-11)
 
