@@ -270,7 +270,7 @@ def test_generate_checks_its_options_before_loading(arg, fragment, export, capsy
         ("4096\n", "the top level must be a mapping"),
         ("lengths: [1024,\n", "not valid YAML"),
         (b"\xff\xfe\x00lengths", "not UTF-8"),
-        ("lenghts: [1024]\n", "unknown key 'lenghts' (did you mean 'lengths'?)"),
+        ("lenghts: [1024]\n", "unknown config key 'lenghts'; did you mean 'lengths'?"),
     ],
 )
 def test_config_file_that_is_not_a_mapping_of_keys_is_one_line(text, fragment, export, tmp_path, capsys, no_load):
@@ -444,7 +444,10 @@ def test_environment_values_never_reach_errors(export, tmp_path, capsys, caplog,
     caplog.set_level(logging.INFO)
     monkeypatch.setenv("GCA_EVAL_SAMPLES", f"many-{SECRET}")
     monkeypatch.setenv("GCA_EVAL_DATA", str(tmp_path / f"missing-{SECRET}.txt"))
-    cases = {"samples=${oc.env:GCA_EVAL_SAMPLES}": "samples: ", "data=${oc.env:GCA_EVAL_DATA}": "is not a file"}
+    cases = {
+        "samples=${oc.env:GCA_EVAL_SAMPLES}": "config key 'samples' has a wrong value",
+        "data=${oc.env:GCA_EVAL_DATA}": "is not a file",
+    }
     for arg, fragment in cases.items():
         assert _eval(export, tmp_path / "out", "lengths=[64]", arg) == 2
         printed = capsys.readouterr()

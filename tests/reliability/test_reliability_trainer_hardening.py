@@ -236,9 +236,9 @@ def test_bad_numbers_are_refused_naming_key_and_value(key, value, message, data,
 @pytest.mark.parametrize(
     "text, shown",
     [
-        ("- train\n- model\n", "its top level is a List, not a mapping of config keys"),
-        ("42\n", "is not a YAML mapping of config keys"),
-        ("train: [1,\n", "is not a YAML mapping of config keys"),
+        ("- train\n- model\n", "the top level must be a mapping of train keys, not a list"),
+        ("42\n", "the top level must be a mapping of train keys, not a single value"),
+        ("train: [1,\n", "not valid YAML (expected the node content, but found '<stream end>' at line 2, column 1)"),
     ],
 )
 def test_yaml_that_is_not_a_mapping_is_one_line_naming_the_file(text, shown, data, tmp_path, caplog):
