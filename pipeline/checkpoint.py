@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from data_prep.redaction import redact
-from pipeline import dist, faults
+from pipeline import dist
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,10 @@ TRAINER_STATE = "trainer_state.json"
 INTEGRITY_FILE = "integrity.json"
 STATE_FORMAT = 2
 """1: the first release (no integrity manifest, no parallel layout, no data fingerprint). 2: this one."""
+SAVE_POINTS = ("engine", "rng", "export", "trainer_state", "manifest", "renamed")
+"""Points inside ``CheckpointManager.save``, in order: after the engine state, the per-rank RNG files, the eval
+export, ``trainer_state.json``, the integrity manifest, and after the rename to ``step_N/`` (before the marker).
+``save_point`` listeners hear each one (the reliability tests' faults fire there)."""
 
 _MIN_TORCH = (2, 10)
 # weights_only=True had remote-code-execution bypasses before 2.10 (CVE-2025-32434 <= 2.5.1, CVE-2026-24747 < 2.10).
@@ -368,7 +372,7 @@ class CheckpointManager:
         keep_last: committed checkpoints kept after each commit (>= 1; 1 is safe: a new checkpoint commits
             before the old one is deleted).
         info: this process's rank and world size.
-        fault_plan: ``PIPE_FAULT`` faults that fire inside saves (tests only).
+        save_point: called as ``save_point(step, point)`` at each of `SAVE_POINTS` of every save.
         fallback_to_previous: when the newest checkpoint fails verification, resume from the newest one that
             passes (with a warning) instead of stopping.
     """
@@ -378,11 +382,12 @@ class CheckpointManager:
         run_dir: str | Path,
         keep_last: int,
         info: dist.DistInfo,
-        fault_plan: faults.FaultPlan | None = None,
+        save_point: Callable[[int, str], None] | None = None,
         fallback_to_previous: bool = False,
     ) -> None:
         self.root = Path(run_dir) / "checkpoints"
-        self.keep_last, self.info, self.fault_plan = keep_last, info, fault_plan
+        self.keep_last, self.info = keep_last, info
+        self.save_point = save_point or (lambda step, point: None)
         self.fallback_to_previous = fallback_to_previous
 
     def committed(self) -> list[Path]:
@@ -450,32 +455,32 @@ class CheckpointManager:
         t0 = time.perf_counter()
         final = self.root / f"step_{step:08d}"
         tmp = final.with_name(final.name + ".tmp")
-        rank, plan = self.info.rank, self.fault_plan
+        rank, reached = self.info.rank, self.save_point
         self._start_save(step, final, tmp)
         dist.barrier()
         engine.save(tmp)
-        faults.during_save(plan, step, rank, "engine")
+        reached(step, "engine")
         torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
-        faults.during_save(plan, step, rank, "rng")
+        reached(step, "rng")
         if export is not None:
             weights = engine.full_state_dict()
             if self.info.is_main:
                 export(weights, tmp / "export")
-        faults.during_save(plan, step, rank, "export")
+        reached(step, "export")
         if self.info.is_main:
             state = {"format": STATE_FORMAT, "step": step, "world_size": self.info.world_size, **trainer_state}
             (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=1, sort_keys=True))
-        faults.during_save(plan, step, rank, "trainer_state")
+        reached(step, "trainer_state")
         dist.barrier()
         write_integrity(tmp, self.info)
-        faults.during_save(plan, step, rank, "manifest")
+        reached(step, "manifest")
         dist.barrier()
         if self.info.is_main:
             if final.exists():
                 _remove_own(final, f"the save of step {step}")  # checked by _start_save: this trainer's own
             os.replace(tmp, final)
             _fsync_dir(self.root)
-            faults.during_save(plan, step, rank, "renamed")
+            reached(step, "renamed")
             with open(final / COMMIT_MARKER, "w") as f:
                 f.write(json.dumps({"step": step, "time": time.time()}))
                 f.flush()

@@ -20,17 +20,18 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 TIMEOUT_ENV = "PIPE_COLLECTIVE_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600
@@ -64,6 +65,24 @@ def is_collective_failure(err: BaseException) -> bool:
         return True
     text = str(err).lower()
     return isinstance(err, RuntimeError) and any(w in text for w in ("gloo", "nccl", "timed out", "connection"))
+
+
+def named_failure(rank: int, what: str, err: RuntimeError) -> CollectiveError:
+    """``err``, a communication failure, as a `CollectiveError` that names this rank and what it was doing."""
+    return CollectiveError(
+        f"rank {rank}: {what} failed: a peer rank died or did not answer within "
+        f"{collective_timeout_s():.0f} s ({TIMEOUT_ENV}): {str(err).splitlines()[0]}"
+    )
+
+
+def guarded_collective(rank: int, what: str, fn: Callable[[], T]) -> T:
+    """Run ``fn``; a communication failure (peer gone, timeout) is re-raised as `named_failure`."""
+    try:
+        return fn()
+    except RuntimeError as err:
+        if isinstance(err, CollectiveError) or not is_collective_failure(err):
+            raise
+        raise named_failure(rank, what, err) from err
 
 
 class Watchdog:

@@ -1,4 +1,4 @@
-"""Fault injection for the reliability tests (``tests/reliability``, docs/reliability.md), read from ``PIPE_FAULT``.
+"""The fault plan of the reliability tests (``tests/reliability``, docs/reliability.md), read from ``PIPE_FAULT``.
 
 ``PIPE_FAULT`` holds one fault or several separated by commas; each is ``<kind>:step=N[:rank=R][:key=value]``
 (no ``rank`` = every rank). ``step`` is the 1-based optimizer step the fault belongs to:
@@ -13,23 +13,20 @@
 - ``exit_during_save:step=8[:at=engine]``: ``os._exit(1)`` inside the save of that step, at one of `SAVE_POINTS`.
 - ``signal_during_save:step=5[:at=engine][:sig=usr1|term|int]``: send itself a signal inside that save.
 
-Off by default: with ``PIPE_FAULT`` unset, ``from_env`` returns ``None`` and every hook is one ``is None`` test.
-A malformed value is an error, so a typo never silently disables a test.
+Off by default: with ``PIPE_FAULT`` unset, ``from_env`` returns ``None`` and the trainer registers no fault
+injector (``pipeline.callbacks.fault_injection``, which fires the faults). A malformed value is an error, so a typo
+never silently disables a test.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
+from pipeline.checkpoint import SAVE_POINTS
 
-SAVE_POINTS = ("engine", "rng", "export", "trainer_state", "manifest", "renamed")
-"""Points inside ``CheckpointManager.save``, in order: after the engine state, the per-rank RNG files, the eval
-export, ``trainer_state.json``, the integrity manifest, and after the rename to ``step_N/`` (before the marker)."""
+__all__ = ["KINDS", "SAVE_POINTS", "SIGNALS", "Fault", "FaultPlan", "from_env"]
 
 _OPTIONS: dict[str, dict[str, str | None]] = {
     # kind -> {option: default}; every kind also takes step (required) and rank
@@ -45,7 +42,8 @@ _OPTIONS: dict[str, dict[str, str | None]] = {
 }
 KINDS = tuple(_OPTIONS)
 _OPTION_HELP = "; ".join(f"{kind}: {', '.join(opts)}" for kind, opts in _OPTIONS.items() if opts)
-_SIGNALS = {"usr1": signal.SIGUSR1, "term": signal.SIGTERM, "int": signal.SIGINT}
+# The signals ``signal_during_save`` can send, by their ``sig=`` name.
+SIGNALS = {"usr1": signal.SIGUSR1, "term": signal.SIGTERM, "int": signal.SIGINT}
 
 
 @dataclass(frozen=True)
@@ -88,8 +86,8 @@ def _parse_one(spec: str) -> Fault:
     options.update({k: v for k, v in values.items() if k not in ("step", "rank")})
     if kind in ("exit_during_save", "signal_during_save") and options["at"] not in SAVE_POINTS:
         raise ValueError(f"PIPE_FAULT entry {spec!r}: at= must be one of {', '.join(SAVE_POINTS)}")
-    if kind == "signal_during_save" and options["sig"] not in _SIGNALS:
-        raise ValueError(f"PIPE_FAULT entry {spec!r}: sig= must be one of {', '.join(_SIGNALS)}")
+    if kind == "signal_during_save" and options["sig"] not in SIGNALS:
+        raise ValueError(f"PIPE_FAULT entry {spec!r}: sig= must be one of {', '.join(SIGNALS)}")
     try:
         return Fault(kind, int(values["step"]), int(values["rank"]) if "rank" in values else None, options)
     except ValueError:
@@ -101,70 +99,3 @@ def from_env() -> FaultPlan | None:
     if not spec.strip():
         return None
     return FaultPlan(tuple(_parse_one(s) for s in spec.split(",") if s.strip()))
-
-
-def before_step(plan: FaultPlan | None, step: int, rank: int) -> None:
-    """Faults at the start of optimizer step ``step`` (1-based): a stuck rank, an out-of-memory error."""
-    if plan is None:
-        return
-    hang = plan.find("hang", step, rank)
-    if hang is not None:
-        time.sleep(float(hang.options["secs"]))
-    if plan.hits("oom", step, rank):
-        raise torch.OutOfMemoryError(f"injected out-of-memory error (PIPE_FAULT) at step {step} on rank {rank}")
-
-
-def after_step(plan: FaultPlan | None, step: int, rank: int) -> None:
-    """Process-level faults, fired after ``step`` completed."""
-    if plan is None:
-        return
-    if plan.hits("kill", step, rank):
-        os.kill(os.getpid(), signal.SIGKILL)
-    if plan.hits("sigusr1", step, rank):
-        os.kill(os.getpid(), signal.SIGUSR1)
-    if plan.hits("sigint", step, rank):
-        os.kill(os.getpid(), signal.SIGINT)
-
-
-def during_save(plan: FaultPlan | None, step: int, rank: int, point: str) -> None:
-    """Faults inside the save of ``step``, at ``point`` (one of `SAVE_POINTS`)."""
-    if plan is None:
-        return
-    sig = plan.find("signal_during_save", step, rank)
-    if sig is not None and sig.options["at"] == point:
-        os.kill(os.getpid(), _SIGNALS[sig.options["sig"]])
-    crash = plan.find("exit_during_save", step, rank)
-    if crash is not None and crash.options["at"] == point:
-        os._exit(1)  # no cleanup, no finally blocks: a torn save, as after a node failure
-
-
-class _InfGradient(torch.autograd.Function):
-    """Identity in the forward pass, +inf gradient in the backward pass."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return torch.full_like(grad, float("inf"))
-
-
-def install_inf_grad(plan: FaultPlan | None, module: torch.nn.Module, rank: int, step_of: Callable[[], int]) -> None:
-    """For ``inf_grad`` faults: a forward hook on ``module`` that gives the loss an infinite gradient.
-
-    The hook is installed only when such a fault is planned. ``step_of`` is a callable returning the step in
-    progress (1-based). Working on the loss means it reaches every engine's gradients, DeepSpeed's partitioned
-    ones included, while the loss value itself stays finite.
-    """
-    if plan is None or not plan.has("inf_grad"):
-        return
-
-    def hook(_module: torch.nn.Module, _inputs: object, output: object) -> object:
-        loss = getattr(output, "loss", None)
-        step = step_of()
-        if loss is not None and torch.is_grad_enabled() and plan.hits("inf_grad", step, rank):
-            output.loss = _InfGradient.apply(loss)  # type: ignore[attr-defined]
-        return output
-
-    module.register_forward_hook(hook)

@@ -81,9 +81,10 @@ def versions() -> dict[str, str]:
 
 def log_run_header(config_yaml: str, derived: dict[str, Any]) -> dict[str, Any]:
     """Log everything needed to reproduce the run; return it (also stored in metrics.jsonl's first line)."""
-    header = {"git_sha": git_sha(), "versions": versions(), "derived": derived}
+    sha, found = git_sha(), versions()
+    header = {"git_sha": sha, "versions": found, "derived": derived}
     log.info("resolved config:\n%s", config_yaml)
-    log.info("git %s | %s", header["git_sha"], " ".join(f"{k}={v}" for k, v in header["versions"].items()))
+    log.info("git %s | %s", sha, " ".join(f"{k}={v}" for k, v in found.items()))
     log.info("derived: %s", ", ".join(f"{k}={v}" for k, v in derived.items()))
     if torch.cuda.is_available():
         try:
