@@ -1,0 +1,75 @@
+"""Make an export folder (``model.io.save_pretrained``'s ``config.json`` + ``model.safetensors``) a ``transformers``
+model folder too: ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` and
+``AutoTokenizer.from_pretrained(dir)`` then load it with only torch, transformers and sentencepiece installed.
+
+``config.json`` keeps its ``model`` and ``export`` objects (``model.io.load_pretrained`` reads the same folder) and
+gains the keys ``transformers`` reads; the remote code is the repository's own model code (``pipeline.hf.bundle``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from model.io import CONFIG_NAME, read_export_config
+from pipeline.hf.bundle import MANIFEST_NAME, manifest, shipped_files
+from pipeline.hf.configuration_gca import GCAHFConfig
+from pipeline.hf.tokenizer import TOKENIZER_MODEL, special_token_ids, write_tokenizer_files
+
+HF_CLASS_NAMES = {
+    "AutoConfig": "configuration_gca.GCAHFConfig",
+    "AutoModelForCausalLM": "modeling_gca.GCAHFForCausalLM",
+}
+
+
+def _tokenizer_bytes(directory: Path, export: dict) -> bytes | None:
+    """The SentencePiece model the export names (``export.tokenizer``), or None for a model without one."""
+    name = export.get("tokenizer")
+    if not name:
+        return None
+    path = directory / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory / CONFIG_NAME}: export.tokenizer={name!r} but {path} does not exist")
+    return path.read_bytes()
+
+
+def write_hf_files(directory: str | os.PathLike) -> Path:
+    """Add the ``transformers`` files to the export in ``directory``: the ``config.json`` keys (``model_type``,
+    ``auto_map``, ``architectures``, special token ids), the remote code with its source manifest, and the tokenizer
+    files when the export names a SentencePiece tokenizer.
+
+    Raises:
+        FileNotFoundError: no ``config.json``, or the tokenizer it names is missing.
+        model.io.ExportError: ``config.json`` is not a valid export config.
+        pipeline.hf.tokenizer.UnsupportedTokenizerError: the tokenizer normalises text (not one data_prep trains).
+    """
+    root = Path(directory)
+    read_export_config(root)  # refuse anything that is not an export before writing into it
+    payload = json.loads((root / CONFIG_NAME).read_text(encoding="utf-8"))
+    export = payload.get("export", {})
+    tokenizer = _tokenizer_bytes(root, export)
+    files = shipped_files()
+    for shipped in files:
+        (root / shipped.name).write_text(shipped.text, encoding="utf-8")
+    (root / MANIFEST_NAME).write_text(json.dumps(manifest(files), indent=2, sort_keys=True), encoding="utf-8")
+    if tokenizer is not None:
+        write_tokenizer_files(root, tokenizer)
+        if export.get("tokenizer") != TOKENIZER_MODEL:  # AutoTokenizer and the export name the same file
+            export["tokenizer"] = TOKENIZER_MODEL
+    payload.update(
+        {
+            "export": export,
+            "model_type": GCAHFConfig.model_type,
+            "architectures": [HF_CLASS_NAMES["AutoModelForCausalLM"].split(".")[1]],
+            "auto_map": HF_CLASS_NAMES,
+            "torch_dtype": "float32",
+            "tie_word_embeddings": False,
+            "use_cache": True,
+            **(special_token_ids(tokenizer) if tokenizer is not None else {}),
+        }
+    )
+    tmp = root / (CONFIG_NAME + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True), encoding="utf-8")
+    os.replace(tmp, root / CONFIG_NAME)
+    return root

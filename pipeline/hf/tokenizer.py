@@ -1,0 +1,143 @@
+"""Hugging Face tokenizer files for an export, encoding exactly as the SentencePiece model the data was made with.
+
+The project's SentencePiece models are lossless (``data_prep.tokenize.train_tokenizer``): identity normalisation,
+no dummy prefix, no stripping, byte fallback; spaces become ``▁`` and nothing else changes; no BOS/EOS is added to a
+text. ``transformers``' generic SentencePiece converter strips trailing spaces and rewrites space runs, so it would
+not encode the same ids; ``tokenizer.json`` is therefore built here from the model's own pieces and scores:
+
+- ``bpe`` (data prep's default) is exact for any text. ``unigram`` is exact except on text that literally spells
+  a control or byte piece (see ``_unigram``).
+- ``unigram`` models: the same pieces and scores, Viterbi segmentation (SentencePiece's algorithm).
+- ``bpe`` models: SentencePiece merges the adjacent pair whose merged piece has the highest score; the scores are
+  the pieces' negated ranks, so listing every pair that forms a piece, ordered by that piece's score, gives
+  ``tokenizers``' rank-ordered BPE the same merge order.
+
+Control pieces (``<s>``, ``</s>``) are special tokens for decoding, but typed text is never split at them
+(``split_special_tokens``), as in SentencePiece, which encodes the characters ``</s>`` as text.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from sentencepiece import sentencepiece_model_pb2
+from tokenizers import Tokenizer
+
+SPACE = "\u2581"
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+"""``ModelProto.SentencePiece.Type`` values."""
+_UNIGRAM, _BPE = 1, 2
+TOKENIZER_MODEL = "tokenizer.model"
+
+
+class UnsupportedTokenizerError(ValueError):
+    """A SentencePiece model whose encoding the HF files cannot reproduce exactly."""
+
+
+def _proto(model: bytes) -> sentencepiece_model_pb2.ModelProto:
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(model)
+    return proto
+
+
+def _check_lossless(proto: sentencepiece_model_pb2.ModelProto) -> None:
+    spec = proto.normalizer_spec
+    if spec.precompiled_charsmap or spec.add_dummy_prefix or spec.remove_extra_whitespaces:
+        raise UnsupportedTokenizerError(
+            "the SentencePiece model normalises text (charsmap, dummy prefix or whitespace removal); only the "
+            "lossless models data_prep trains can be exported as Hugging Face tokenizer files"
+        )
+    if proto.trainer_spec.model_type not in (_UNIGRAM, _BPE):
+        raise UnsupportedTokenizerError(f"SentencePiece model type {proto.trainer_spec.model_type} is not supported")
+
+
+def _bpe_merges(pieces: list[tuple[str, float, int]]) -> list[tuple[str, str]]:
+    """Every split of every mergeable piece into two vocabulary pieces, best (highest-score) merged piece first."""
+    vocab = {piece for piece, _, kind in pieces if kind in (_NORMAL, _USER_DEFINED, _UNUSED)}
+    merges = []
+    for rank, (piece, score, kind) in enumerate(pieces):
+        if kind != _NORMAL or len(piece) < 2:
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                merges.append((-score, rank, left, right))
+    merges.sort()
+    return [(left, right) for _, _, left, right in merges]
+
+
+def _unigram(pieces: list[tuple[str, float, int]], unk_id: int) -> Tokenizer:
+    """SentencePiece's unigram model: the same pieces and scores, Viterbi segmentation.
+
+    SentencePiece never matches text against control, unknown or byte pieces; ``tokenizers`` matches every
+    vocabulary string, so those get a score below every normal piece. That reproduces SentencePiece except on text
+    that literally spells such a piece (``</s>``, ``<0x41>``), which ``tokenizers`` may still read as that piece:
+    it prices unknown characters below the lowest score, and byte fallback needs the byte pieces' names.
+    """
+    from tokenizers.models import Unigram
+
+    lowest = min(score for _, score, kind in pieces if kind == _NORMAL) - 1.0
+    scored = [(piece, score if kind == _NORMAL else lowest) for piece, score, kind in pieces]
+    return Tokenizer(Unigram(scored, unk_id=unk_id, byte_fallback=True))
+
+
+def tokenizer_json(model: bytes) -> str:
+    """``tokenizer.json`` text for the serialized SentencePiece ``model``.
+
+    Raises:
+        UnsupportedTokenizerError: the model normalises text, or is neither unigram nor BPE.
+    """
+    from tokenizers import decoders, normalizers
+    from tokenizers.models import BPE
+
+    proto = _proto(model)
+    _check_lossless(proto)
+    pieces = [(p.piece, p.score, p.type) for p in proto.pieces]
+    unk_id = proto.trainer_spec.unk_id
+    if proto.trainer_spec.model_type == _UNIGRAM:
+        tok = _unigram(pieces, unk_id)
+    else:
+        vocab = {piece: i for i, (piece, _, _) in enumerate(pieces)}
+        tok = Tokenizer(BPE(vocab, _bpe_merges(pieces), unk_token=pieces[unk_id][0], fuse_unk=True, byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", SPACE)
+    tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tok.to_str(pretty=True)
+
+
+def special_tokens(model: bytes) -> dict[str, str]:
+    """``unk_token`` / ``bos_token`` / ``eos_token`` / ``pad_token`` pieces the model defines."""
+    proto = _proto(model)
+    spec = proto.trainer_spec
+    found = {}
+    for key, index in (("unk_token", spec.unk_id), ("bos_token", spec.bos_id), ("eos_token", spec.eos_id)):
+        if 0 <= index < len(proto.pieces):
+            found[key] = proto.pieces[index].piece
+    if 0 <= spec.pad_id < len(proto.pieces):
+        found["pad_token"] = proto.pieces[spec.pad_id].piece
+    return found
+
+
+def special_token_ids(model: bytes) -> dict[str, int]:
+    """``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` for ``config.json`` (generation stops at EOS)."""
+    spec = _proto(model).trainer_spec
+    ids = {"bos_token_id": spec.bos_id, "eos_token_id": spec.eos_id, "pad_token_id": spec.pad_id}
+    return {key: value for key, value in ids.items() if value >= 0}
+
+
+def write_tokenizer_files(directory: Path, model: bytes) -> None:
+    """Write ``tokenizer.model``, ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json``."""
+    tokens = special_tokens(model)
+    (directory / TOKENIZER_MODEL).write_bytes(model)
+    (directory / "tokenizer.json").write_text(tokenizer_json(model), encoding="utf-8")
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **tokens,
+        # SentencePiece's encode adds nothing and decodes exactly; keep transformers from doing otherwise.
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": True,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
+    (directory / "special_tokens_map.json").write_text(json.dumps(tokens, indent=2, sort_keys=True), encoding="utf-8")
