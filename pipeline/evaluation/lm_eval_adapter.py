@@ -1,11 +1,16 @@
 """lm-evaluation-harness adapter: ``@register_model("gca")``, so downstream jobs can run
 ``python -m pipeline.evaluation --model gca --model_args checkpoint=<export dir> --tasks <task>``.
 
-Importing this module registers the model (the stock ``lm_eval`` command has no plugin hook for models, hence
-the ``python -m pipeline.evaluation`` wrapper, which is ``lm_eval`` with this import done first). Requests are
-scored one at a time through the streaming path, so long documents cost bounded memory. Every sequence starts
-with the tokenizer's EOS as a start token (a newline for the byte tokenizer, which has none), so the first real
-token is scored too.
+Every export also runs under lm-eval's stock ``hf`` model (``lm_eval --model hf --model_args
+pretrained=<export>,trust_remote_code=True``; see ``pipeline.hf``), which scores a batch of requests in one
+whole-sequence forward and cuts documents longer than its ``max_length`` into windows. This adapter is kept for what
+that path cannot do: every request is streamed through ``forward_stream`` segment by segment, with chunk K/V moved
+to disk past ``offload_mb``, so a document of millions of tokens is scored in one pass (no windows, every token
+conditioned on the whole prefix) with bounded memory. Every sequence starts with the tokenizer's EOS as a start
+token (a newline for the byte tokenizer, which has none), so the first real token is scored too.
+
+Importing this module registers the model (lm-eval 0.4.13 has no plugin hook for models, hence the
+``python -m pipeline.evaluation`` wrapper, which is ``lm_eval`` with this import done first).
 """
 
 from __future__ import annotations
