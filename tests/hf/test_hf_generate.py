@@ -19,12 +19,12 @@ def _prompt(vocab: int, length: int, seed: int) -> list[int]:
     return torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("prompt_len", [5, 8, 29])
+@pytest.mark.parametrize("prompt_len", [5, 29])
 def test_greedy_generate_equals_native_streamed_generation(hf_model, hf_export, prompt_len):
-    """Past the training length (64) and across many chunk boundaries (chunk 8)."""
+    """Across many chunk boundaries (chunk 8), and past the training length (64) from the longer prompt."""
     native, _ = hf_export
     prompt = _prompt(native.cfg.vocab_size, prompt_len, seed=prompt_len)
-    new = 70
+    new = 40
     expected = list(native_generate(native, prompt, new, temperature=0.0, segment=7))
     out = hf_model.generate(
         torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0
