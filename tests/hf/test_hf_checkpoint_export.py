@@ -1,0 +1,84 @@
+"""``export_checkpoint``: a committed training checkpoint becomes an export both loaders read."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+from hf_export_helpers import hf_model_config
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from model import GCAForCausalLM, load_pretrained, save_pretrained
+from pipeline.checkpoint import COMMIT_MARKER, TRAINER_STATE, CheckpointCorruptError, CheckpointError, write_integrity
+from pipeline.hf.checkpoint_export import _ONE_PROCESS, export_checkpoint
+
+
+def _checkpoint(tmp_path, tokenizer: bytes, with_export: bool):
+    """A checkpoint laid out as the trainer's single-process save: engine ``state.pt``, trainer state with the
+    model config, the config text and the data fingerprint, optionally the eval export, then manifest and marker."""
+    import sentencepiece as spm
+
+    vocab = spm.SentencePieceProcessor(model_proto=tokenizer).get_piece_size()
+    torch.manual_seed(1)
+    model = GCAForCausalLM(hf_model_config(vocab)).eval()
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "tokenizer.model").write_bytes(tokenizer)
+    step = tmp_path / "run" / "checkpoints" / "step_00000010"
+    step.mkdir(parents=True)
+    wrapped = {k.replace("lower.0.", "lower.0._checkpoint_wrapped_module."): v for k, v in model.state_dict().items()}
+    torch.save({"model": wrapped, "optim": {}}, step / "state.pt")
+    state = {
+        "format": 2,
+        "step": 10,
+        "model_config": model.cfg.to_dict(),
+        "config_yaml": f"data:\n  path: {data}\ntrain:\n  seq_len: 64\n",
+        "data_fingerprint": {"tokenizer_sha256": hashlib.sha256(tokenizer).hexdigest()},
+    }
+    (step / TRAINER_STATE).write_text(json.dumps(state))
+    if with_export:
+        (step / "export").mkdir()
+        (step / "export" / "tokenizer.model").write_bytes(tokenizer)
+        save_pretrained(model, step / "export", extra={"step": 10, "seq_len": 64, "tokenizer": "tokenizer.model"})
+    write_integrity(step, _ONE_PROCESS)
+    (step / COMMIT_MARKER).write_text("{}")
+    return model, step
+
+
+@pytest.mark.parametrize("with_export", [True, False], ids=["eval-export", "engine-state"])
+def test_checkpoint_becomes_a_loadable_export(tmp_path, bpe_tokenizer, with_export):
+    model, step = _checkpoint(tmp_path, bpe_tokenizer, with_export)
+    out = export_checkpoint(step, tmp_path / "out")
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 45), generator=torch.Generator().manual_seed(0))
+    hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    with torch.no_grad():
+        expected = model(ids).logits
+        assert torch.equal(load_pretrained(out)(ids).logits, expected)
+        assert (hf(ids, use_cache=False).logits - expected).abs().max() <= 1e-5
+    assert (out / "tokenizer.model").read_bytes() == bpe_tokenizer
+    assert AutoTokenizer.from_pretrained(out).encode("the river") != []
+    assert json.loads((out / "config.json").read_text())["export"]["step"] == 10
+
+
+def test_refuses_what_is_not_a_committed_intact_checkpoint(tmp_path, bpe_tokenizer):
+    _, step = _checkpoint(tmp_path, bpe_tokenizer, with_export=False)
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "file").write_text("x")
+    with pytest.raises(FileExistsError, match="not an empty directory"):
+        export_checkpoint(step, tmp_path / "taken")
+    with open(step / "state.pt", "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(CheckpointCorruptError, match="state.pt"):
+        export_checkpoint(step, tmp_path / "out")
+    (step / COMMIT_MARKER).unlink()
+    with pytest.raises(CheckpointError, match="not a committed training checkpoint"):
+        export_checkpoint(step, tmp_path / "out2")
+
+
+def test_refuses_a_tokenizer_other_than_the_trained_one(tmp_path, bpe_tokenizer):
+    _, step = _checkpoint(tmp_path, bpe_tokenizer, with_export=False)
+    (tmp_path / "data" / "tokenizer.model").write_bytes(bpe_tokenizer + b"changed")
+    with pytest.raises(CheckpointError, match="not the one this checkpoint was trained with"):
+        export_checkpoint(step, tmp_path / "out")
