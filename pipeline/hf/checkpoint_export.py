@@ -11,17 +11,19 @@ trained on (the data fingerprint's ``tokenizer_sha256``).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
 
-from model import GCAConfig, build_model, save_pretrained
+from model import GCAConfig, build_model, read_export_config, save_pretrained
 from pipeline.checkpoint import COMMIT_MARKER, TRAINER_STATE, CheckpointError, scan_pickles, verify_integrity
 from pipeline.data import read_tokenizer
 from pipeline.dist import DistInfo
@@ -37,6 +39,32 @@ _CHECKPOINT_WRAPPER = "_checkpoint_wrapped_module."
 """What activation checkpointing inserts into parameter names of a ``state.pt`` model state."""
 
 
+def _check_out(target: Path) -> None:
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise FileExistsError(f"--out {target} exists and is not an empty directory; choose a new one")
+
+
+@contextlib.contextmanager
+def _removed_on_failure(target: Path) -> Iterator[None]:
+    """A failed export leaves no half-written directory behind."""
+    try:
+        yield
+    except BaseException:
+        shutil.rmtree(target, ignore_errors=True)
+        raise
+
+
+def export_directory(export: str | Path, out: str | Path) -> Path:
+    """Copy the export directory ``export`` (``model.save_pretrained``'s) to the new directory ``out`` and add the
+    Hugging Face files (an export written before they existed, say)."""
+    source, target = Path(export), Path(out)
+    _check_out(target)
+    read_export_config(source)
+    with _removed_on_failure(target):
+        shutil.copytree(source, target, dirs_exist_ok=True)
+        return write_hf_files(target)
+
+
 def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
     """Write the export of the committed training checkpoint ``checkpoint`` into the new directory ``out``.
 
@@ -46,8 +74,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
         pipeline.checkpoint.CheckpointCorruptError / UnsafeCheckpointError: it fails verification.
     """
     source, target = Path(checkpoint), Path(out)
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise FileExistsError(f"--out {target} exists and is not an empty directory; choose a new one")
+    _check_out(target)
     if not (source / COMMIT_MARKER).is_file():
         raise CheckpointError(
             f"{source} is not a committed training checkpoint (no {COMMIT_MARKER} marker); pass "
@@ -55,12 +82,13 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
         )
     verify_integrity(source, _ONE_PROCESS)
     state = _trainer_state(source)
-    if (source / EXPORT_DIR / "model.safetensors").is_file():
-        shutil.copytree(source / EXPORT_DIR, target, dirs_exist_ok=True)
-    else:
-        scan_pickles(source)
-        _export_engine_state(source, state, target)
-    write_hf_files(target)
+    with _removed_on_failure(target):
+        if (source / EXPORT_DIR / "model.safetensors").is_file():
+            shutil.copytree(source / EXPORT_DIR, target, dirs_exist_ok=True)
+        else:
+            scan_pickles(source)
+            _export_engine_state(source, state, target)
+        write_hf_files(target)
     log.info("exported %s (step %s) to %s", source, state.get("step"), target)
     return target
 

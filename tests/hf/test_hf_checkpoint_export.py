@@ -82,3 +82,22 @@ def test_refuses_a_tokenizer_other_than_the_trained_one(tmp_path, bpe_tokenizer)
     (tmp_path / "data" / "tokenizer.model").write_bytes(bpe_tokenizer + b"changed")
     with pytest.raises(CheckpointError, match="not the one this checkpoint was trained with"):
         export_checkpoint(step, tmp_path / "out")
+
+
+def test_cli_exports_a_checkpoint_or_an_older_export_and_refuses_with_status_2(tmp_path, bpe_tokenizer):
+    from pipeline.cli.export import main
+
+    model, step = _checkpoint(tmp_path, bpe_tokenizer, with_export=False)
+    assert main(["--checkpoint", str(step), "--out", str(tmp_path / "a")]) == 0
+    assert (tmp_path / "a" / "modeling_gca.py").is_file() and (tmp_path / "a" / "tokenizer.json").is_file()
+    plain = tmp_path / "plain"
+    save_pretrained(model, plain)  # an export as releases before the Hugging Face files wrote it
+    assert main(["--checkpoint", str(plain), "--out", str(tmp_path / "b")]) == 0
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "b", trust_remote_code=True).eval()
+    ids = torch.arange(3, 40)[None]
+    with torch.no_grad():
+        assert (hf(ids, use_cache=False).logits - model(ids).logits).abs().max() <= 1e-5
+    (step / "trainer_state.json").write_text("{}")
+    assert main(["--checkpoint", str(step), "--out", str(tmp_path / "c")]) == 2
+    assert main(["--checkpoint", str(tmp_path / "nothing"), "--out", str(tmp_path / "d")]) == 2
+    assert not (tmp_path / "c").exists() and not (tmp_path / "d").exists()
