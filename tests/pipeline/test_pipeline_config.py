@@ -157,3 +157,23 @@ def test_cli_rejects_typo_before_creating_anything(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "unknown config key 'train.max_stpes'" in proc.stderr and "did you mean 'train.max_steps'" in proc.stderr
     assert not run_dir.exists()
+
+
+def test_every_tool_reports_a_bad_key_as_the_one_shared_config_error():
+    """Prep, training and eval load through one loader: the same error type and wording for the same mistake."""
+    from data_prep import schema
+    from data_prep.config import load_config as load_prep_config
+    from data_prep.errors import PrepError
+    from pipeline.evaluation.config import load_eval_config
+
+    assert ConfigError is schema.ConfigError
+    loaders = {
+        "train": lambda: load_config(None, [*BASE, "seeed=1"]),
+        "prep": lambda: load_prep_config(None, ["seeed=1"]),
+        "eval": lambda: load_eval_config(None, ["seeed=1"]),
+    }
+    for name, load in loaders.items():
+        with pytest.raises(schema.ConfigError) as caught:
+            load()
+        assert str(caught.value).startswith("unknown config key 'seeed'"), (name, str(caught.value))
+        assert isinstance(caught.value, PrepError) == (name == "prep"), "prep's is also a PrepError, for its CLI"
