@@ -59,7 +59,6 @@ class GCAHFForCausalLM(PreTrainedModel, GenerationMixin):  # type: ignore[misc]
     """The export's tensors are named as in the native model; ``transformers`` adds this prefix when loading."""
     main_input_name = "input_ids"
     _is_stateful = True  # the cache is the native stream state: generate must not build a key/value cache
-    _supports_cache_class = False
 
     def __init__(self, config: GCAHFConfig) -> None:
         super().__init__(config)

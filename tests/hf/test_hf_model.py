@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import FP32_REORDERED, assert_close
+from hf_export_helpers import hf_model_config
 from transformers import AutoModelForCausalLM
 
-from model import lm_loss, load_pretrained
+from model import GCAConfig, build_model, lm_loss, load_pretrained, save_pretrained
+from pipeline.hf import write_hf_files
 from pipeline.hf.configuration_gca import GCAHFConfig
 from pipeline.hf.modeling_gca import native_config
 
@@ -116,3 +118,18 @@ def test_backends_the_folder_cannot_ship_are_replaced(saved, runs):
     """The Triton kernels and the GPU window path are not shipped: the PyTorch operators run instead."""
     cfg = native_config(GCAHFConfig(model={"vocab_size": 300, "d_model": 64, "n_heads": 2, "n_kv_heads": 2, **saved}))
     assert (cfg.gca_backend, cfg.swa_backend) == runs
+
+
+def test_sliding_window_baseline_exports_too(tmp_path):
+    """``model.arch=swa`` exports load the same way (``build_model`` picks the class)."""
+    torch.manual_seed(0)
+    native = build_model(GCAConfig(**{**hf_model_config(300).to_dict(), "arch": "swa"})).eval()
+    write_hf_files(save_pretrained(native, tmp_path / "swa"))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "swa", trust_remote_code=True).eval()
+    ids = _ids(300, 1, 70, seed=5)
+    with torch.no_grad():
+        expected = native(ids).logits
+        assert (hf(ids, use_cache=False).logits - expected).abs().max() <= ATOL
+        assert (hf(ids, use_cache=True).logits - expected).abs().max() <= ATOL
+    out = hf.generate(ids[:, :10], max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert out.shape == (1, 18)
