@@ -9,13 +9,16 @@ gains the keys ``transformers`` reads; the remote code is the repository's own m
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
 from model.io import CONFIG_NAME, read_export_config
 from pipeline.hf.bundle import MANIFEST_NAME, manifest, shipped_files
 from pipeline.hf.configuration_gca import GCAHFConfig
-from pipeline.hf.tokenizer import TOKENIZER_MODEL, special_token_ids, write_tokenizer_files
+from pipeline.hf.tokenizer import TOKENIZER_MODEL, UnsupportedTokenizerError, special_token_ids, write_tokenizer_files
+
+log = logging.getLogger(__name__)
 
 HF_CLASS_NAMES = {
     "AutoConfig": "configuration_gca.GCAHFConfig",
@@ -24,13 +27,14 @@ HF_CLASS_NAMES = {
 
 
 def _tokenizer_bytes(directory: Path, export: dict) -> bytes | None:
-    """The SentencePiece model the export names (``export.tokenizer``), or None for a model without one."""
+    """The SentencePiece model the export names (``export.tokenizer``) if it is there, else None."""
     name = export.get("tokenizer")
     if not name:
         return None
     path = directory / name
     if not path.is_file():
-        raise FileNotFoundError(f"{directory / CONFIG_NAME}: export.tokenizer={name!r} but {path} does not exist")
+        log.warning("%s names tokenizer %s, which is missing: no Hugging Face tokenizer files", directory, path)
+        return None
     return path.read_bytes()
 
 
@@ -39,10 +43,12 @@ def write_hf_files(directory: str | os.PathLike) -> Path:
     ``auto_map``, ``architectures``, special token ids), the remote code with its source manifest, and the tokenizer
     files when the export names a SentencePiece tokenizer.
 
+    A tokenizer that is missing, or that normalises text (not one data prep trains, so its encoding cannot be
+    reproduced exactly), gets no tokenizer files and a warning; the model files are written all the same.
+
     Raises:
-        FileNotFoundError: no ``config.json``, or the tokenizer it names is missing.
+        FileNotFoundError: no ``config.json``.
         model.io.ExportError: ``config.json`` is not a valid export config.
-        pipeline.hf.tokenizer.UnsupportedTokenizerError: the tokenizer normalises text (not one data_prep trains).
     """
     root = Path(directory)
     read_export_config(root)  # refuse anything that is not an export before writing into it
@@ -54,9 +60,13 @@ def write_hf_files(directory: str | os.PathLike) -> Path:
         (root / shipped.name).write_text(shipped.text, encoding="utf-8")
     (root / MANIFEST_NAME).write_text(json.dumps(manifest(files), indent=2, sort_keys=True), encoding="utf-8")
     if tokenizer is not None:
-        write_tokenizer_files(root, tokenizer)
-        if export.get("tokenizer") != TOKENIZER_MODEL:  # AutoTokenizer and the export name the same file
-            export["tokenizer"] = TOKENIZER_MODEL
+        try:
+            write_tokenizer_files(root, tokenizer)
+        except UnsupportedTokenizerError as err:
+            log.warning("%s: no Hugging Face tokenizer files (%s); the model itself loads", root, err)
+            tokenizer = None
+    if tokenizer is not None and export.get("tokenizer") != TOKENIZER_MODEL:
+        export["tokenizer"] = TOKENIZER_MODEL  # AutoTokenizer and the native loader read the same file
     payload.update(
         {
             "export": export,

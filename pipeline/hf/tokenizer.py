@@ -48,6 +48,8 @@ def _check_lossless(proto: sentencepiece_model_pb2.ModelProto) -> None:
             "the SentencePiece model normalises text (charsmap, dummy prefix or whitespace removal); only the "
             "lossless models data_prep trains can be exported as Hugging Face tokenizer files"
         )
+    if not proto.trainer_spec.byte_fallback:
+        raise UnsupportedTokenizerError("the SentencePiece model has no byte fallback (data prep always enables it)")
     if proto.trainer_spec.model_type not in (_UNIGRAM, _BPE):
         raise UnsupportedTokenizerError(f"SentencePiece model type {proto.trainer_spec.model_type} is not supported")
 

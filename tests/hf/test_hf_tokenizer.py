@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import sentencepiece as spm
-from hf_export_helpers import sample_texts, trained_tokenizer
+from hf_export_helpers import hf_model_config, sample_texts, trained_tokenizer
 from transformers import AutoTokenizer
 
 from pipeline.hf.tokenizer import write_tokenizer_files
@@ -59,3 +59,37 @@ def test_special_tokens_are_sentencepiece_ids(tokenizers):
     sp, tok = tokenizers
     assert (tok.unk_token_id, tok.bos_token_id, tok.eos_token_id) == (sp.unk_id(), sp.bos_id(), sp.eos_id())
     assert tok.decode([sp.eos_id()], skip_special_tokens=True) == ""
+
+
+def test_a_normalising_tokenizer_gets_no_files_but_the_model_still_exports(tmp_path, caplog):
+    """A SentencePiece model data prep would not train (dummy prefix, NFKC) cannot be reproduced exactly: the export
+    gets the model files and a warning, never a tokenizer that encodes differently."""
+    import io
+
+    from model import GCAForCausalLM, save_pretrained
+    from pipeline.hf import write_hf_files
+
+    writer = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(sample_texts(200, seed=3)), model_writer=writer, vocab_size=150, minloglevel=2
+    )
+    directory = tmp_path / "export"
+    directory.mkdir()
+    (directory / "tokenizer.model").write_bytes(writer.getvalue())
+    save_pretrained(GCAForCausalLM(hf_model_config(300)), directory, extra={"tokenizer": "tokenizer.model"})
+    write_hf_files(directory)
+    assert "no Hugging Face tokenizer files" in caplog.text
+    assert (directory / "modeling_gca.py").is_file() and not (directory / "tokenizer.json").exists()
+
+
+def test_a_named_but_missing_tokenizer_is_a_warning(tmp_path, caplog):
+    """The trainer names ``tokenizer.model`` even when the dataset had none to copy: the export still gets its model
+    files."""
+    from model import GCAForCausalLM, save_pretrained
+    from pipeline.hf import write_hf_files
+
+    directory = save_pretrained(
+        GCAForCausalLM(hf_model_config(300)), tmp_path / "x", extra={"tokenizer": "tokenizer.model"}
+    )
+    write_hf_files(directory)
+    assert "which is missing" in caplog.text and (directory / "modeling_gca.py").is_file()
