@@ -15,11 +15,13 @@ from pathlib import Path
 
 from model.io import CONFIG_NAME, read_export_config
 from pipeline.hf.bundle import MANIFEST_NAME, manifest, shipped_files
-from pipeline.hf.configuration_gca import GCAHFConfig
 from pipeline.hf.tokenizer import TOKENIZER_MODEL, UnsupportedTokenizerError, special_token_ids, write_tokenizer_files
 
 log = logging.getLogger(__name__)
 
+MODEL_TYPE = "gca"
+"""``GCAHFConfig.model_type`` (a test checks they agree): importing the class would load transformers into every
+training process that writes an export."""
 HF_CLASS_NAMES = {
     "AutoConfig": "configuration_gca.GCAHFConfig",
     "AutoModelForCausalLM": "modeling_gca.GCAHFForCausalLM",
@@ -70,7 +72,7 @@ def write_hf_files(directory: str | os.PathLike) -> Path:
     payload.update(
         {
             "export": export,
-            "model_type": GCAHFConfig.model_type,
+            "model_type": MODEL_TYPE,
             "architectures": [HF_CLASS_NAMES["AutoModelForCausalLM"].split(".")[1]],
             "auto_map": HF_CLASS_NAMES,
             "torch_dtype": "float32",

@@ -133,3 +133,9 @@ def test_sliding_window_baseline_exports_too(tmp_path):
         assert (hf(ids, use_cache=True).logits - expected).abs().max() <= ATOL
     out = hf.generate(ids[:, :10], max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert out.shape == (1, 18)
+
+
+def test_writer_names_the_config_class_model_type():
+    from pipeline.hf.export import MODEL_TYPE
+
+    assert MODEL_TYPE == GCAHFConfig.model_type
