@@ -60,7 +60,7 @@ STATE_FORMAT = 2
 SAVE_POINTS = ("engine", "rng", "export", "trainer_state", "manifest", "renamed")
 """Points inside ``CheckpointManager.save``, in order: after the engine state, the per-rank RNG files, the eval
 export, ``trainer_state.json``, the integrity manifest, and after the rename to ``step_N/`` (before the marker).
-``save_point`` listeners hear each one (the reliability tests' faults fire there)."""
+A ``save_point`` listener hears each one (the reliability tests' faults fire there)."""
 
 _MIN_TORCH = (2, 10)
 # weights_only=True had remote-code-execution bypasses before 2.10 (CVE-2025-32434 <= 2.5.1, CVE-2026-24747 < 2.10).
@@ -372,7 +372,6 @@ class CheckpointManager:
         keep_last: committed checkpoints kept after each commit (>= 1; 1 is safe: a new checkpoint commits
             before the old one is deleted).
         info: this process's rank and world size.
-        save_point: called as ``save_point(step, point)`` at each of `SAVE_POINTS` of every save.
         fallback_to_previous: when the newest checkpoint fails verification, resume from the newest one that
             passes (with a warning) instead of stopping.
     """
@@ -382,12 +381,10 @@ class CheckpointManager:
         run_dir: str | Path,
         keep_last: int,
         info: dist.DistInfo,
-        save_point: Callable[[int, str], None] | None = None,
         fallback_to_previous: bool = False,
     ) -> None:
         self.root = Path(run_dir) / "checkpoints"
         self.keep_last, self.info = keep_last, info
-        self.save_point = save_point or (lambda step, point: None)
         self.fallback_to_previous = fallback_to_previous
 
     def committed(self) -> list[Path]:
@@ -450,37 +447,39 @@ class CheckpointManager:
         engine: Any,
         trainer_state: dict[str, Any],
         export: Callable[[dict[str, torch.Tensor], Path], None] | None,
+        save_point: Callable[[str], None] | None = None,
     ) -> Path:
-        """Save everything needed for an exact resume (collective: every rank must call it)."""
+        """Save everything needed for an exact resume (collective: every rank must call it); ``save_point`` is
+        called with each of `SAVE_POINTS` as the save passes it."""
         t0 = time.perf_counter()
         final = self.root / f"step_{step:08d}"
         tmp = final.with_name(final.name + ".tmp")
-        rank, reached = self.info.rank, self.save_point
+        rank, reached = self.info.rank, save_point or (lambda point: None)
         self._start_save(step, final, tmp)
         dist.barrier()
         engine.save(tmp)
-        reached(step, "engine")
+        reached("engine")
         torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
-        reached(step, "rng")
+        reached("rng")
         if export is not None:
             weights = engine.full_state_dict()
             if self.info.is_main:
                 export(weights, tmp / "export")
-        reached(step, "export")
+        reached("export")
         if self.info.is_main:
             state = {"format": STATE_FORMAT, "step": step, "world_size": self.info.world_size, **trainer_state}
             (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=1, sort_keys=True))
-        reached(step, "trainer_state")
+        reached("trainer_state")
         dist.barrier()
         write_integrity(tmp, self.info)
-        reached(step, "manifest")
+        reached("manifest")
         dist.barrier()
         if self.info.is_main:
             if final.exists():
                 _remove_own(final, f"the save of step {step}")  # checked by _start_save: this trainer's own
             os.replace(tmp, final)
             _fsync_dir(self.root)
-            reached(step, "renamed")
+            reached("renamed")
             with open(final / COMMIT_MARKER, "w") as f:
                 f.write(json.dumps({"step": step, "time": time.time()}))
                 f.flush()

@@ -118,12 +118,7 @@ class Trainer:
         self.tokenizer = read_tokenizer(cfg.data.path)  # once, read safely; the needles and every export use it
         self.batches, self.data_fingerprint = self._train_batches()
         self.callbacks = CallbackList([*default_callbacks(cfg, info), *(callbacks or [])])
-        self.ckpt = CheckpointManager(
-            self.run_dir,
-            cfg.checkpoint.keep_last,
-            info,
-            save_point=lambda step, point: self.callbacks.on_save_point(self, step, point),
-        )
+        self.ckpt = CheckpointManager(self.run_dir, cfg.checkpoint.keep_last, info)
         self.step = 0
         self.tokens_seen = 0
         self.resumed = False
@@ -308,10 +303,13 @@ class Trainer:
         path = dist.guarded_collective(
             self.info.rank,
             f"checkpoint save of step {self.step}",
-            lambda: self.ckpt.save(self.step, self.engine, state, export),
+            lambda: self.ckpt.save(self.step, self.engine, state, export, self._save_point),
         )
         self.callbacks.post_checkpoint(self, self.step, path)
         return path
+
+    def _save_point(self, point: str) -> None:
+        self.callbacks.on_save_point(self, self.step, point)
 
     def resume(self) -> bool:
         def same_data(path: Path, state: dict[str, Any]) -> None:

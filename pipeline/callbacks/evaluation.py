@@ -41,6 +41,11 @@ class PeriodicEval(Callback):
             ) from err
         trainer.callbacks.on_eval(trainer, step, val_loss)
 
+    def post_train(self, trainer: Trainer) -> None:
+        if self._reader is not None:
+            self._reader.close()  # its private shard cache goes now, not whenever the reader is collected
+            self._reader = None
+
     @torch.no_grad()
     def evaluate(self, trainer: Trainer) -> float:
         """Mean validation loss over ``train.eval_batches`` global batches (collective).

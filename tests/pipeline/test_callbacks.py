@@ -3,6 +3,8 @@ named, cleanup reaches every callback, and the fault injector exists only when a
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -142,3 +144,19 @@ def test_the_fault_injector_is_registered_only_when_a_fault_is_planned(tmp_path,
     planned = _trainer(tmp_path, tiny_data, overrides, [])
     injectors = [cb for cb in planned.callbacks if isinstance(cb, FaultInjector)]
     assert len(injectors) == 1 and injectors[0].plan.hits("sigusr1", 3, 1)
+
+
+def test_a_finished_trainer_is_freed_without_the_cycle_collector(tmp_path, tiny_data, overrides, monkeypatch):
+    """No reference cycle runs through the callbacks or the checkpoint manager: dropping the trainer frees it (and
+    its readers delete their private shard caches) at once, not at some later garbage collection."""
+    monkeypatch.delenv("PIPE_FAULT", raising=False)
+    trainer = _trainer(tmp_path, tiny_data, overrides, [Recorder()], **{"train.max_steps": 3, "train.eval_every": 1})
+    assert trainer.train() == 0
+    freed = weakref.ref(trainer)
+    gc.disable()
+    try:
+        del trainer
+        assert freed() is None
+    finally:
+        gc.enable()
+    assert list((tmp_path / "run/data_cache").iterdir()) == []
