@@ -4,7 +4,6 @@ import dataclasses
 import json
 import logging
 import os
-import runpy
 import shutil
 import subprocess
 from collections.abc import Callable
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from data_prep.cli import slices_main
 from data_prep.config import PrepConfig, load_config
 from data_prep.errors import ConfigError, InputError, OutputExistsError
 from data_prep.format import EMPTY_SPLIT_SHA256, IncompleteDatasetError, read_manifest
@@ -31,7 +31,7 @@ def _config(out: Path, corpus_dir: Path, **extra: object) -> PrepConfig:
 
 
 def _cli() -> Callable[[list[str]], int]:
-    return runpy.run_path(str(REPO / "launch/slurm/prep_slices.py"))["cli"]
+    return slices_main  # what launch/slurm/prep_slices.py runs
 
 
 def _make_slices(corpus_dir: Path, out: Path, val_fraction: float = 0.2, **extra: object) -> PrepConfig:
@@ -136,7 +136,7 @@ def test_merge_refuses_slices_without_a_training_document(corpus, tmp_path):
 
 
 def test_merge_cli_reports_one_line(sliced, capsys):
-    cli = runpy.run_path(str(REPO / "launch/slurm/prep_slices.py"))["cli"]
+    cli = _cli()
     assert (
         cli(
             [
@@ -215,7 +215,7 @@ def test_merge_refuses_a_hostile_slice_in_one_line(hostile, sliced, tmp_path, ca
         (split / "index.json").write_text(json.dumps(index))
         expected = f"shard 0 zip_data: shard file name '{hostile}.zstd' is not a plain relative path"
     before = sorted((p.name, p.lstat().st_size) for p in split.iterdir())
-    cli = runpy.run_path(str(REPO / "launch/slurm/prep_slices.py"))["cli"]
+    cli = _cli()
     assert (
         cli(
             [
