@@ -80,7 +80,8 @@ def load_schema(
     layers: list[tuple[str, DictConfig]] = []
     if path is not None:
         layers.append((f"config file {path}", _read_yaml(Path(path), what)))
-    layers += [(f"override {item!r}", _parse_override(item, schema)) for item in overrides]
+    # An override is named by its key only: the value may be a secret that no redaction rule knows.
+    layers += [(f"override '{item.partition('=')[0]}=...'", _parse_override(item, schema)) for item in overrides]
     merged = OmegaConf.structured(schema)
     origins: dict[str, str] = {}
     for source, layer in layers:
@@ -140,7 +141,7 @@ def _parse_override(item: str, schema: type) -> DictConfig:
     key, sep, _ = item.partition("=")
     if not sep or not key:
         raise ConfigError(f"override {item!r} is not of the form key=value")
-    _check_dotted_key(key, schema, f"override {item!r}")
+    _check_dotted_key(key, schema, f"override '{key}=...'")
     try:
         return OmegaConf.from_dotlist([item])
     except yaml.YAMLError as err:

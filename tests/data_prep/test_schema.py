@@ -87,19 +87,19 @@ def test_a_single_value_of_a_one_or_list_field_is_a_list(monkeypatch):
     [
         (
             "inner.widht=3",
-            "unknown config key 'inner.widht'; did you mean 'inner.width'? (in override 'inner.widht=3'; "
+            "unknown config key 'inner.widht'; did you mean 'inner.width'? (in override 'inner.widht=...'; "
             "known keys under 'inner': label, mode, rate, width)",
         ),
         (
             "innr.width=3",
-            "unknown config key 'innr'; did you mean 'inner'? (in override 'innr.width=3'; known keys: "
+            "unknown config key 'innr'; did you mean 'inner'? (in override 'innr.width=...'; known keys: "
             "inner, inputs, out, parts, text)",
         ),
-        ("stamp={a: b}", "unknown config key 'stamp' (in override 'stamp={a: b}'; known keys: inner, inputs, out,"),
-        ("zzz=1", "unknown config key 'zzz' (in override 'zzz=1'; known keys: inner, inputs, out, parts, text)"),
+        ("stamp={a: b}", "unknown config key 'stamp' (in override 'stamp=...'; known keys: inner, inputs, out,"),
+        ("zzz=1", "unknown config key 'zzz' (in override 'zzz=...'; known keys: inner, inputs, out, parts, text)"),
         ("parts=[{nme: x}]", "unknown config key 'parts[0].nme'; did you mean 'parts[0].name'?"),
         ("inner={widht: 3}", "unknown config key 'inner.widht'; did you mean 'inner.width'?"),
-        ("inner=3", "config key 'inner' must be a mapping of keys (in override 'inner=3'); got 3"),
+        ("inner=3", "config key 'inner' must be a mapping of keys (in override 'inner=...'); got 3"),
     ],
 )
 def test_unknown_keys_at_any_depth_name_the_key_a_near_miss_and_the_known_keys(override, expected):
@@ -119,13 +119,13 @@ def test_an_unknown_key_in_the_file_names_the_file(tmp_path):
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
-        ("inner.width=4x", "config key 'inner.width' has a wrong value (in override 'inner.width=4x'): Value '4x'"),
+        ("inner.width=4x", "config key 'inner.width' has a wrong value (in override 'inner.width=...'): Value '4x'"),
         (
             "inner.mode=medium",
-            "config key 'inner.mode' has a wrong value (in override 'inner.mode=medium'): "
+            "config key 'inner.mode' has a wrong value (in override 'inner.mode=...'): "
             "Invalid value 'medium', expected one of ['fast', 'slow']",
         ),
-        ("inputs={a: 1}", "config key 'inputs' has a wrong value (in override 'inputs={a: 1}'): a list is expected"),
+        ("inputs={a: 1}", "config key 'inputs' has a wrong value (in override 'inputs=...'): a list is expected"),
     ],
 )
 def test_a_wrong_value_names_the_key_the_value_and_where_it_came_from(override, expected):
@@ -136,7 +136,7 @@ def test_a_wrong_value_names_the_key_the_value_and_where_it_came_from(override, 
 
 def test_text_read_as_a_mapping_gets_the_quoting_hint():
     message = error(None, "text={key}")
-    assert message.startswith("config key 'text' has a wrong value (in override 'text={key}')"), message
+    assert message.startswith("config key 'text' has a wrong value (in override 'text=...')"), message
     assert "values are read as YAML, so quote text" in message and "'text=\"" in message
 
 
@@ -203,3 +203,10 @@ def test_secret_shapes_in_a_value_are_redacted():
     token = "hf_" + "a1B2c3D4e5" * 4
     message = error(None, f"inner.width={token}")
     assert token not in message and "<redacted>" in message
+
+
+def test_an_override_is_named_by_its_key_never_its_value():
+    """A value under an unknown key may be a credential no redaction rule recognises; the error names the key only."""
+    message = error(None, "inner.api_kee=abcdefgh12345")
+    assert message.startswith("unknown config key 'inner.api_kee' (in override 'inner.api_kee=...';"), message
+    assert "abcdefgh12345" not in message

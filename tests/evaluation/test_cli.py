@@ -50,7 +50,7 @@ def test_eval_writes_json_and_plot(tiny_export, tmp_path, task):
     ("args", "message"),
     [
         (["lengths=[8,64]"], "below one chunk"),
-        (["lenghts=[64]"], "unknown config key 'lenghts'; did you mean 'lengths'? (in override 'lenghts=[64]'"),
+        (["lenghts=[64]"], "unknown config key 'lenghts'; did you mean 'lengths'? (in override 'lenghts=...'"),
         (["variant=double"], "variant='double' is not one of"),
         (["samples=many"], "samples"),
     ],
