@@ -10,6 +10,8 @@ from kernels.swa import SWA_BACKENDS
 
 ARCHS = ("gca", "swa")
 RETRIEVAL_SCALES = ("d_model", "head_dim")
+BACKEND_FIELDS = ("gca_backend", "swa_backend", "attn_backend")
+"""Fields that choose how the model is computed, not what it computes (its weights and outputs stay the same)."""
 
 
 class ConfigError(ValueError):

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from data_prep.redaction import redact
+from model.config import BACKEND_FIELDS
 from pipeline import dist
 
 log = logging.getLogger(__name__)
@@ -538,7 +539,9 @@ class CheckpointManager:
         if state.get("format") != STATE_FORMAT:
             raise CheckpointError(f"{path}: trainer state format {state.get('format')} is not {STATE_FORMAT}")
         saved = state.get("model_config", {})
-        diff = sorted(k for k in set(saved) | set(model_config) if saved.get(k) != model_config.get(k))
+        # Backends choose how the same model is computed (a GPU run may resume on CPU), not what it computes.
+        compared = (set(saved) | set(model_config)) - set(BACKEND_FIELDS)
+        diff = sorted(k for k in compared if saved.get(k) != model_config.get(k))
         if diff:
             details = ", ".join(
                 f"model.{k}: checkpoint {saved.get(k)!r} vs config {model_config.get(k)!r}" for k in diff

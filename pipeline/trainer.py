@@ -56,6 +56,7 @@ from pipeline.data import (
     eos_id_of,
     read_tokenizer,
 )
+from pipeline.hf import write_hf_files
 from pipeline.logging import flops_per_token, matmul_params, memory_gb, peak_flops, setup_logging
 from pipeline.needle import NeedleInserter
 from pipeline.optim import lr_at, set_lr
@@ -271,7 +272,8 @@ class Trainer:
 
     # -- checkpoints and export ---------------------------------------------------------------------------
     def export(self, weights: dict[str, torch.Tensor], directory: Path) -> None:
-        """Write an eval export (rank 0): safetensors weights, config.json and the tokenizer."""
+        """Write an eval export (rank 0): safetensors weights, config.json and the tokenizer, plus the files that make
+        it a Hugging Face model folder (remote code and tokenizer files; never fails the run)."""
         with dist.isolated_rng():  # the model's random init must not advance the training RNG
             model = build_model(self.cfg.model)
         model.load_state_dict(weights)
@@ -282,6 +284,7 @@ class Trainer:
             (directory / TOKENIZER_FILE).write_bytes(self.tokenizer)
         else:
             log.warning("no local %s next to data.path; the export in %s has no tokenizer", TOKENIZER_FILE, directory)
+        write_hf_files(directory)
 
     def _parallel(self) -> dict[str, Any]:
         return {"engine": self.cfg.parallel.engine, "zero_stage": self.cfg.parallel.zero_stage}

@@ -96,6 +96,16 @@ def test_t20_architecture_mismatch_lists_every_differing_field(data, tmp_path):
         main(None, overrides(run, data, **{"model.window": 8, "model.ffn_hidden": 96}))
 
 
+def test_t20_a_different_backend_is_not_a_different_architecture(data, tmp_path):
+    """Backends choose how the same model is computed: a run resumes under another one (e.g. GPU -> CPU), and
+    under the older `attn_backend` shorthand."""
+    run = tmp_path / "run"
+    assert main(None, overrides(run, data, **{"train.max_steps": 4})) == 0
+    assert main(None, overrides(run, data, **{"train.max_steps": 6, "model.gca_backend": "naive"})) == 0
+    assert main(None, overrides(run, data, **{"train.max_steps": 8, "model.attn_backend": "sdpa"})) == 0
+    assert committed(run)[-1] == "step_00000008"
+
+
 # -- T23 -----------------------------------------------------------------------------------------------------------
 
 _EVAL_SCRIPT = """
