@@ -42,7 +42,7 @@ import torch.distributed as tdist
 
 from data_prep import format as fmt
 from data_prep.safe_files import INDEX_FILENAME, UnsafeDatasetError, index_file_names, read_index, stat_regular
-from model import GCAForCausalLM
+from model import build_model, count_parameters
 from pipeline import dist
 from pipeline.config import ConfigError, TrainConfig, load_config
 from pipeline.data import is_remote
@@ -164,7 +164,7 @@ def check_writable(run_dir: Path) -> list[str]:
 def checkpoint_bytes(cfg: TrainConfig) -> int:
     """Estimated size of one checkpoint: the parameter count (model built on the meta device) x bytes per param."""
     with torch.device("meta"):
-        n_params = sum(p.numel() for p in GCAForCausalLM(cfg.model).parameters())
+        n_params = count_parameters(build_model(cfg.model))
     return n_params * (STATE_BYTES_PER_PARAM + (EXPORT_BYTES_PER_PARAM if cfg.checkpoint.export else 0))
 
 

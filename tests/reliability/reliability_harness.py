@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import markov_pieces, write_mds_split
 
 from data_prep import format as fmt
-from data_prep.streaming_compat import ensure_streaming_importable
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = 64
@@ -38,32 +38,12 @@ CONFIG = str(REPO / "configs/train/debug.yaml")
 
 
 def write_split(root: Path, split: str, n_docs: int, seed: int, size_limit: int = 4096) -> fmt.SplitStats:
-    """``n_docs`` documents of a fixed Markov chain (learnable in a few steps), 40-200 tokens, 1-3 pieces each."""
-    ensure_streaming_importable()
-    from streaming import MDSWriter
-
-    rng = np.random.default_rng(seed)
-    succ = np.random.default_rng(0).permutation(np.arange(2, VOCAB))
-    pieces = tokens_total = 0
-    with MDSWriter(
-        out=str(root / split),
-        columns=fmt.mds_columns("uint16"),
-        compression="zstd",
-        size_limit=size_limit,
-        hashes=["sha256", "xxh64"],
-    ) as writer:
-        for doc_id in range(n_docs):
-            length = int(rng.integers(40, 200))
-            tokens = np.empty(length, dtype=np.uint16)
-            tokens[0] = rng.integers(2, VOCAB)
-            for t in range(1, length):
-                tokens[t] = succ[tokens[t - 1] - 2] if rng.random() < 0.9 else rng.integers(2, VOCAB)
-            for piece, part in enumerate(np.array_split(tokens, int(rng.integers(1, 4)))):
-                writer.write({fmt.TOKENS: part, fmt.DOC_ID: doc_id, fmt.PIECE: piece})
-                pieces += 1
-            tokens_total += length
+    """``n_docs`` documents of the shared Markov chain (learnable in a few steps), 40-200 tokens, 1-3 pieces each."""
+    rows = list(markov_pieces(n_docs, seed, vocab=VOCAB))
+    write_mds_split(root / split, rows, size_limit=size_limit, hashes=("sha256", "xxh64"))
     index = hashlib.sha256((root / split / "index.json").read_bytes()).hexdigest()
-    return fmt.SplitStats(documents=n_docs, pieces=pieces, tokens=tokens_total, index_sha256=index)
+    tokens = sum(len(part) for _, _, part in rows)
+    return fmt.SplitStats(documents=n_docs, pieces=len(rows), tokens=tokens, index_sha256=index)
 
 
 def tokenizer_bytes() -> bytes:
