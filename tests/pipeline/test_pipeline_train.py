@@ -84,7 +84,10 @@ def test_export_matches_trainer_logits_and_loads_without_pickle(tmp_path, tiny_d
     trainer = Trainer(cfg, dist.init_distributed("none"))
     assert trainer.train() == 0
     for export in (run / "export", run / "checkpoints/step_00000003/export"):
-        assert sorted(p.name for p in export.iterdir()) == ["config.json", "model.safetensors", "tokenizer.model"]
+        names = {p.name for p in export.iterdir()}
+        # the native files, plus the Hugging Face remote code (tests/hf); nothing that would be unpickled
+        assert {"config.json", "model.safetensors", "tokenizer.model", "modeling_gca.py"} <= names
+        assert not [n for n in names if n.endswith((".pt", ".pth", ".bin", ".pkl", ".pickle"))], names
         model = load_pretrained(export)
         x = torch.randint(0, 64, (2, 48))
         trainer.engine.module.eval()
