@@ -38,6 +38,44 @@ def tiny_config(**overrides: object) -> GCAConfig:
     return GCAConfig(**{**TINY_MODEL, **overrides})
 
 
+TINY_TRAIN_OVERRIDES: Mapping[str, object] = {
+    "seed": 7,
+    "model.vocab_size": 64,
+    "model.d_model": 32,
+    "model.n_heads": 2,
+    "model.n_kv_heads": 2,
+    "model.ffn_hidden": 64,
+    "model.n_lower_layers": 1,
+    "model.groups": "[1]",
+    "model.n_encoder_layers": 1,
+    "model.chunk_size": 8,
+    "model.top_k": 2,
+    "model.window": 16,
+    "model.gca_backend": "naive",
+    "model.swa_backend": "naive",
+    "train.seq_len": 64,
+    "train.micro_batch": 2,
+    "train.global_batch": 4,
+    "train.max_steps": 8,
+    "optim.lr": 3e-3,
+    "optim.min_lr": 3e-4,
+    "schedule.warmup_steps": 2,
+    "data.shuffle_window": 8,
+    "logging.every": 1,
+    "logging.progress": False,
+}
+"""The trainer's ``key=value`` settings for a ~0.05M-parameter GCA model over a 64-token vocabulary (a few ms per
+step on CPU); the tests' training runs add their own keys on top."""
+
+
+def train_overrides(run_dir: Path, data: Path, *layers: Mapping[str, object]) -> list[str]:
+    """``run_dir``, ``data.path``, `TINY_TRAIN_OVERRIDES`, then each of ``layers`` (later wins), as overrides."""
+    merged: dict[str, object] = {"run_dir": str(run_dir), "data.path": str(data), **TINY_TRAIN_OVERRIDES}
+    for layer in layers:
+        merged.update(layer)
+    return [f"{k}={v}" for k, v in merged.items()]
+
+
 # ---------------------------------------------------------------- datasets
 
 MARKOV_VOCAB = 64

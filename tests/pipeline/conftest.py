@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import MARKOV_VOCAB, markov_pieces, write_mds_split
+from helpers import MARKOV_VOCAB, markov_pieces, train_overrides, write_mds_split
 
 from data_prep import format as fmt
 
@@ -76,36 +76,7 @@ def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def tiny_overrides(run_dir: Path, data: Path, **extra: object) -> list[str]:
     """Overrides for a ~0.05M-parameter model on ``tiny_data`` (CPU, naive backend, a few ms per step)."""
-    base = {
-        "run_dir": str(run_dir),
-        "data.path": str(data),
-        "seed": 7,
-        "model.vocab_size": VOCAB,
-        "model.d_model": 32,
-        "model.n_heads": 2,
-        "model.n_kv_heads": 2,
-        "model.ffn_hidden": 64,
-        "model.n_lower_layers": 1,
-        "model.groups": "[1]",
-        "model.n_encoder_layers": 1,
-        "model.chunk_size": 8,
-        "model.top_k": 2,
-        "model.window": 16,
-        "model.gca_backend": "naive",
-        "model.swa_backend": "naive",
-        "train.seq_len": 64,
-        "train.micro_batch": 2,
-        "train.global_batch": 4,
-        "train.max_steps": 8,
-        "optim.lr": 3e-3,
-        "optim.min_lr": 3e-4,
-        "schedule.warmup_steps": 2,
-        "data.shuffle_window": 8,
-        "logging.every": 1,
-        "logging.progress": False,
-    }
-    base.update(extra)
-    return [f"{k}={v}" for k, v in base.items()]
+    return train_overrides(run_dir, data, extra)
 
 
 @pytest.fixture(scope="session")

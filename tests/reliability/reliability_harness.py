@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import markov_pieces, write_mds_split
+from helpers import markov_pieces, train_overrides, write_mds_split
 
 from data_prep import format as fmt
 
@@ -102,41 +102,18 @@ def write_dataset(root: Path, n_train: int = 200, n_val: int = 20) -> Path:
 # -- runs ------------------------------------------------------------------------------------------------------
 
 
+HARNESS_SETTINGS = {
+    "train.eval_every": 0,
+    "checkpoint.every": 4,
+    "checkpoint.keep_last": 10,
+    "checkpoint.export": False,
+}
+"""What the catalogue's runs pin on top of the shared tiny model, for speed (no eval, no export)."""
+
+
 def overrides(run_dir: Path, data_dir: Path, **extra: object) -> list[str]:
     """A ~0.05M-parameter GCA model on the test data (naive backend, a few ms per step on CPU)."""
-    base = {
-        "run_dir": str(run_dir),
-        "data.path": str(data_dir),
-        "seed": 7,
-        "model.vocab_size": VOCAB,
-        "model.d_model": 32,
-        "model.n_heads": 2,
-        "model.n_kv_heads": 2,
-        "model.ffn_hidden": 64,
-        "model.n_lower_layers": 1,
-        "model.groups": "[1]",
-        "model.n_encoder_layers": 1,
-        "model.chunk_size": 8,
-        "model.top_k": 2,
-        "model.window": 16,
-        "model.attn_backend": "naive",
-        "train.seq_len": 64,
-        "train.micro_batch": 2,
-        "train.global_batch": 4,
-        "train.max_steps": 8,
-        "train.eval_every": 0,
-        "optim.lr": 3e-3,
-        "optim.min_lr": 3e-4,
-        "schedule.warmup_steps": 2,
-        "data.shuffle_window": 8,
-        "logging.every": 1,
-        "logging.progress": False,
-        "checkpoint.every": 4,
-        "checkpoint.keep_last": 10,
-        "checkpoint.export": False,
-    }
-    base.update(extra)
-    return [f"{k}={v}" for k, v in base.items()]
+    return train_overrides(run_dir, data_dir, HARNESS_SETTINGS, extra)
 
 
 @dataclass

@@ -38,7 +38,13 @@ from pipeline.trainer import main
 pytestmark = pytest.mark.reliability
 
 STEPS = 10
-_HARNESS_CHOICES = ("checkpoint.export", "checkpoint.keep_last", "checkpoint.every", "model.attn_backend")
+_HARNESS_CHOICES = (
+    "checkpoint.export",
+    "checkpoint.keep_last",
+    "checkpoint.every",
+    "model.gca_backend",
+    "model.swa_backend",
+)
 """Settings the harness pins for speed; these tests leave them at the trainer's defaults unless they say so."""
 
 
