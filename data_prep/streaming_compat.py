@@ -7,26 +7,25 @@ streaming (MDSWriter, StreamingDataset) touches torchvision, so a minimal stub i
 
 Our own modules call `ensure_streaming_importable` before they import streaming. So that any script in the
 project's environment can ``import streaming`` first, ``make install`` also writes a startup hook
-(`write_startup_hook`): a ``.pth`` file in the venv's site-packages that registers a meta-path finder which runs
-`ensure_streaming_importable` the moment ``streaming`` is imported, and does nothing else. Why a hook: no CPU
+(`write_startup_hook`): a ``.pth`` file in the venv's site-packages that registers a meta-path finder
+(`data_prep.streaming_hook`) which runs `ensure_streaming_importable` the moment ``streaming`` is imported, and
+does nothing else. Why a hook: no CPU
 build of torchvision matching torch 2.13 exists on the package registries (the 0.28.0 wheel there is linked
 against CUDA and fails to load, ``libc10_cuda.so`` missing), and 0.13.0 is the newest mosaicml-streaming, still
 importing vision at package import. Until ``streaming`` is imported nothing changes: ``find_spec("torchvision")``
 stays None, so libraries that probe for torchvision are not misled.
 """
 
-import importlib.abc
 import importlib.machinery
 import logging
 import sys
 import sysconfig
 import types
-from collections.abc import Sequence
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["STARTUP_HOOK_FILE", "ensure_streaming_importable", "install_import_hook", "write_startup_hook"]
+__all__ = ["STARTUP_HOOK_FILE", "ensure_streaming_importable", "write_startup_hook"]
 
 STARTUP_HOOK_FILE = "gca_pretrain_streaming_compat.pth"
 """Sorts after setuptools' ``__editable__.*.pth``, which puts this repository on ``sys.path`` first."""
@@ -68,33 +67,16 @@ def ensure_streaming_importable() -> bool:
     return True
 
 
-class _PrepareBeforeStreaming(importlib.abc.MetaPathFinder):
-    """Runs `ensure_streaming_importable` just before ``streaming`` is imported; it finds no module itself."""
-
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname == "streaming":
-            ensure_streaming_importable()
-        return None
-
-
-def install_import_hook() -> None:
-    """Register the finder (first in ``sys.meta_path``, once per interpreter); what the startup hook runs."""
-    if not any(isinstance(finder, _PrepareBeforeStreaming) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _PrepareBeforeStreaming())
-
-
 def write_startup_hook(site_packages: str | Path | None = None) -> Path:
     """Write the ``.pth`` startup hook into ``site_packages`` (default: this interpreter's purelib directory).
 
-    The line imports this module only when ``data_prep`` is importable, so an environment where the project was
-    uninstalled starts without an error.
+    The line imports `data_prep.streaming_hook` (which imports nothing more at start-up) only when ``data_prep`` is
+    importable, so an environment where the project was uninstalled starts without an error.
     """
     directory = Path(site_packages or sysconfig.get_paths()["purelib"])
     line = (
         "import importlib.util; importlib.util.find_spec('data_prep') is not None and "
-        "__import__('data_prep.streaming_compat').streaming_compat.install_import_hook()\n"
+        "__import__('data_prep.streaming_hook').streaming_hook.install()\n"
     )
     path = directory / STARTUP_HOOK_FILE
     path.write_text(line)

@@ -41,8 +41,8 @@ def test_a_fresh_interpreter_imports_streaming_first_and_reads_a_prepared_split(
 def test_without_the_hook_the_same_script_fails_on_torchvision(tmp_path):
     """The control: the hook (first in sys.meta_path) is what makes the import work."""
     unhook = (
-        "from data_prep.streaming_compat import _PrepareBeforeStreaming\n"
-        "sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _PrepareBeforeStreaming)]"
+        "from data_prep.streaming_hook import PrepareBeforeStreaming\n"
+        "sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, PrepareBeforeStreaming)]"
     )
     done = _fresh_interpreter(READ_WITH_STREAMING_FIRST.format(before=unhook), "x", "y", cwd=tmp_path)
     assert done.returncode != 0 and "No module named 'torchvision'" in done.stderr, done.stderr
@@ -61,7 +61,7 @@ def test_the_hook_file_runs_in_a_site_directory(tmp_path):
     write_startup_hook(tmp_path)  # rewriting is harmless
     code = (
         "import site, sys; site.addsitedir(sys.argv[1]); site.addsitedir(sys.argv[1]);"
-        "from data_prep.streaming_compat import _PrepareBeforeStreaming as F;"
+        "from data_prep.streaming_hook import PrepareBeforeStreaming as F;"
         "print(sum(isinstance(f, F) for f in sys.meta_path))"
     )
     assert (tmp_path / STARTUP_HOOK_FILE).is_file()
