@@ -15,6 +15,7 @@ import json
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -37,9 +38,9 @@ TINY = GCAConfig(
 EXPORT_EXTRA = {"train_seq_len": 1024}
 
 
-def run_one(export: Path, length: int, out: Path, timeout: int) -> dict:
-    """One passkey eval of ``export`` at ``length`` tokens in a fresh process: its time, peak RSS and speed, or
-    the reason it failed."""
+def run_one(export: Path, length: int, out: Path, timeout: int, overrides: Sequence[str] = ()) -> dict:
+    """One passkey eval of ``export`` at ``length`` tokens in a fresh process (extra eval ``overrides`` last): its
+    time, peak RSS and speed, or the reason it failed."""
     cmd = [
         sys.executable,
         "-m",
@@ -55,6 +56,7 @@ def run_one(export: Path, length: int, out: Path, timeout: int) -> dict:
         "depths=[0.5]",
         "progress=false",
         "offload_mb=0",
+        *overrides,
     ]
     try:
         subprocess.run(cmd, check=True, timeout=timeout, capture_output=True, text=True)

@@ -42,6 +42,21 @@ def missing_packages() -> list[str]:
     return missing
 
 
+PIP_INSTALL_INTO = (
+    "-m",
+    "pip",
+    "install",
+    "-q",
+    "--no-index",
+    "--no-deps",
+    "--no-compile",
+    "--no-cache-dir",
+    "--upgrade",
+    "--target",
+)
+"""``python`` + these + a folder + the wheels: the offline install of the carried wheels into their own folder."""
+
+
 def install_wheels(wheel_dir: Path, site: Path, missing: list[str]) -> str | None:
     """Install the carried wheels and restart with them on PYTHONPATH; returns an error line, or never returns."""
     if os.environ.get(REEXEC):
@@ -54,21 +69,7 @@ def install_wheels(wheel_dir: Path, site: Path, missing: list[str]) -> str | Non
         )
     print(f"gpu-check: installing {len(found)} wheels from {wheel_dir} into {site}", flush=True)
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-index",
-            "--no-deps",
-            "--no-compile",
-            "--no-cache-dir",
-            "--upgrade",
-            "--target",
-            str(site),
-            *map(str, found),
-        ],
+        [sys.executable, *PIP_INSTALL_INTO, str(site), *map(str, found)],
         capture_output=True,
         text=True,
         timeout=600,

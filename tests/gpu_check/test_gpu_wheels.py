@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.gpucheck import wheels
+from pipeline.gpucheck.cli import PIP_INSTALL_INTO
 
 pytestmark = [pytest.mark.gpuwheels, pytest.mark.slow]
 
@@ -35,19 +36,6 @@ ROOT = Path(__file__).resolve().parents[2]
 LOCAL_VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
 LOCAL_WHEELS = ROOT / "build" / "gpu-wheels" / f"cp{LOCAL_VERSION.replace('.', '')}"
 GPU_WHEELS = ROOT / ".whl"
-# The GPU machine's install command, word for word apart from the target folder and the wheel folder.
-PIP_TARGET = [
-    "-m",
-    "pip",
-    "install",
-    "-q",
-    "--no-index",
-    "--no-deps",
-    "--no-compile",
-    "--no-cache-dir",
-    "--upgrade",
-    "--target",
-]
 TIMEOUT_S = 600
 
 
@@ -99,7 +87,8 @@ def gpu_env(tmp_path_factory) -> dict:
     Path(purelib, "gpu_image.pth").write_text(str(base / "image") + "\n")
     site = base / "site"
     done = _run(
-        [sys.executable, *PIP_TARGET, str(site), *map(str, sorted(LOCAL_WHEELS.glob("*.whl")))], env=dict(os.environ)
+        [sys.executable, *PIP_INSTALL_INTO, str(site), *map(str, sorted(LOCAL_WHEELS.glob("*.whl")))],
+        env=dict(os.environ),
     )
     assert done.returncode == 0, done.stderr[-3000:]
     env = {
@@ -263,7 +252,7 @@ def test_cp312_binary_wheels_load_in_cpython_312(tmp_path):
     python = shutil.which("python3.12")
     env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), "PYENV_VERSION": "3.12"}
     site = tmp_path / "site"
-    done = _run([python, *PIP_TARGET, str(site), *map(str, sorted(GPU_WHEELS.glob("*.whl")))], env)
+    done = _run([python, *PIP_INSTALL_INTO, str(site), *map(str, sorted(GPU_WHEELS.glob("*.whl")))], env)
     assert done.returncode == 0, done.stderr[-3000:]
     probe = textwrap.dedent("""
         import sys, brotli, catalogue, cramjam, hjson, omegaconf, pydantic, snappy, zstd
