@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +24,9 @@ from typing import Any
 import torch
 import yaml
 
+from data_prep.safe_files import open_regular
 from model import GCAConfig, build_model, read_export_config, save_pretrained
+from model.io import CONFIG_NAME, WEIGHTS_NAME, ExportError, check_safetensors
 from pipeline.checkpoint import COMMIT_MARKER, TRAINER_STATE, CheckpointError, scan_pickles, verify_integrity
 from pipeline.data import read_tokenizer
 from pipeline.dist import DistInfo
@@ -61,7 +64,7 @@ def export_directory(export: str | Path, out: str | Path) -> Path:
     _check_out(target)
     read_export_config(source)
     with _removed_on_failure(target):
-        shutil.copytree(source, target, dirs_exist_ok=True)
+        _copy_export(source, target)
         return write_hf_files(target)
 
 
@@ -83,14 +86,34 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
     verify_integrity(source, _ONE_PROCESS)
     state = _trainer_state(source)
     with _removed_on_failure(target):
-        if (source / EXPORT_DIR / "model.safetensors").is_file():
-            shutil.copytree(source / EXPORT_DIR, target, dirs_exist_ok=True)
+        if (source / EXPORT_DIR / WEIGHTS_NAME).is_file():
+            _copy_export(source / EXPORT_DIR, target)
         else:
             scan_pickles(source)
             _export_engine_state(source, state, target)
         write_hf_files(target)
     log.info("exported %s (step %s) to %s", source, state.get("step"), target)
     return target
+
+
+def _copy_export(source: Path, target: Path) -> None:
+    """Copy an export's own files -- ``config.json``, the weights and the tokenizer it names by a plain file name --
+    each only as a regular file reached without a link (a FIFO or a link to elsewhere is refused, never read);
+    the copied weights must be a safetensors file."""
+    _, export = read_export_config(source)
+    names = [CONFIG_NAME, WEIGHTS_NAME]
+    tokenizer = export.get("tokenizer")
+    if isinstance(tokenizer, str) and tokenizer:
+        if "/" in tokenizer or tokenizer in (".", ".."):
+            raise ExportError(
+                f"{source / CONFIG_NAME}: export.tokenizer={tokenizer!r} must be a file name in the export"
+            )
+        names.append(tokenizer)
+    target.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        with os.fdopen(open_regular(source, name), "rb") as src, (target / name).open("xb") as dst:
+            shutil.copyfileobj(src, dst)
+    check_safetensors(target / WEIGHTS_NAME)
 
 
 def _trainer_state(source: Path) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import logging
 import os
 from pathlib import Path
 
+from data_prep.safe_files import UnsafeDatasetError, read_regular
 from model.io import CONFIG_NAME, read_export_config
 from pipeline.hf.bundle import MANIFEST_NAME, manifest, shipped_files
 from pipeline.hf.tokenizer import TOKENIZER_MODEL, UnsupportedTokenizerError, special_token_ids, write_tokenizer_files
@@ -33,11 +34,14 @@ def _tokenizer_bytes(directory: Path, export: dict) -> bytes | None:
     name = export.get("tokenizer")
     if not name:
         return None
-    path = directory / name
-    if not path.is_file():
-        log.warning("%s names tokenizer %s, which is missing: no Hugging Face tokenizer files", directory, path)
+    if not isinstance(name, str) or "/" in name or name in (".", ".."):
+        log.warning("%s: export.tokenizer=%r is not a file name in the export: no tokenizer files", directory, name)
         return None
-    return path.read_bytes()
+    try:
+        return read_regular(directory, name)
+    except (FileNotFoundError, UnsafeDatasetError) as err:
+        log.warning("%s: tokenizer %s not read (%s): no Hugging Face tokenizer files", directory, name, err)
+        return None
 
 
 def write_hf_files(directory: str | os.PathLike) -> Path:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 
 import pytest
 import torch
@@ -101,3 +102,61 @@ def test_cli_exports_a_checkpoint_or_an_older_export_and_refuses_with_status_2(t
     assert main(["--checkpoint", str(step), "--out", str(tmp_path / "c")]) == 2
     assert main(["--checkpoint", str(tmp_path / "nothing"), "--out", str(tmp_path / "d")]) == 2
     assert not (tmp_path / "c").exists() and not (tmp_path / "d").exists()
+
+
+def _older_export(tmp_path, tokenizer: bytes):
+    """An export as releases before the Hugging Face files wrote it: config, weights, tokenizer."""
+    (tmp_path / "run").mkdir()
+    model, _ = _checkpoint(tmp_path / "run", tokenizer, with_export=False)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "tokenizer.model").write_bytes(tokenizer)
+    save_pretrained(model, plain, extra={"tokenizer": "tokenizer.model"})
+    return plain
+
+
+def _link_weights_elsewhere(plain):
+    outside = plain.parent / "outside.safetensors"
+    (plain / "model.safetensors").rename(outside)
+    (plain / "model.safetensors").symlink_to(outside)
+
+
+def _fifo_tokenizer(plain):
+    (plain / "tokenizer.model").unlink()
+    os.mkfifo(plain / "tokenizer.model")
+
+
+def _tokenizer_outside(plain):
+    config = json.loads((plain / "config.json").read_text())
+    config["export"]["tokenizer"] = "../tokenizer.model"
+    (plain / "config.json").write_text(json.dumps(config))
+    (plain.parent / "tokenizer.model").write_bytes((plain / "tokenizer.model").read_bytes())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("hostile", [_link_weights_elsewhere, _fifo_tokenizer, _tokenizer_outside])
+def test_a_hostile_export_is_refused_before_anything_is_written(tmp_path, bpe_tokenizer, hostile, capsys):
+    """Only the export's own regular files are copied: a link out of it, a FIFO (never opened for reading, so
+    nothing blocks) or a tokenizer name leaving it is an error naming the file, with exit 2 and no output."""
+    from pipeline.cli.export import main
+
+    plain = _older_export(tmp_path, bpe_tokenizer)
+    hostile(plain)
+    before = sorted((p.name, p.lstat().st_size) for p in tmp_path.iterdir())
+    assert main(["--checkpoint", str(plain), "--out", str(tmp_path / "out")]) == 2
+    assert "error:" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    assert sorted((p.name, p.lstat().st_size) for p in tmp_path.iterdir()) == before
+
+
+def test_an_exports_tokenizer_link_gets_no_tokenizer_files(tmp_path, bpe_tokenizer, caplog):
+    """write_hf_files (the trainer's path) reads the tokenizer only as a regular file inside the export."""
+    from pipeline.hf import write_hf_files
+
+    plain = _older_export(tmp_path, bpe_tokenizer)
+    outside = tmp_path / "elsewhere.model"
+    (plain / "tokenizer.model").rename(outside)
+    (plain / "tokenizer.model").symlink_to(outside)
+    write_hf_files(plain)
+    assert not (plain / "tokenizer.json").exists() and "no Hugging Face tokenizer files" in caplog.text
+    assert (plain / "modeling_gca.py").is_file()
