@@ -39,9 +39,11 @@ def _tokenizer_bytes(directory: Path, export: dict) -> bytes | None:
         return None
     try:
         return read_regular(directory, name)
-    except (FileNotFoundError, UnsafeDatasetError) as err:
+    except FileNotFoundError:
+        log.warning("%s names tokenizer %s, which is missing: no Hugging Face tokenizer files", directory, name)
+    except UnsafeDatasetError as err:
         log.warning("%s: tokenizer %s not read (%s): no Hugging Face tokenizer files", directory, name, err)
-        return None
+    return None
 
 
 def write_hf_files(directory: str | os.PathLike) -> Path:
