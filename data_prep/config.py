@@ -59,6 +59,11 @@ class PrepConfig:
     """Files, globs or directories (``.txt``, ``.jsonl``, ``.parquet``, optionally ``.gz``/``.zst``),
     ``hf:<name>`` for a Hugging Face dataset, or ``builtin:python_stdlib`` for the offline default corpus.
     A single string is accepted too."""
+    exclude: list[str] = field(default_factory=list, metadata=ONE_OR_LIST)
+    """Shell-style patterns of input files to leave out (held-out evaluation text), matched against each file's
+    path relative to its input directory or built-in corpus root (a glob's matches and named files as written);
+    ``*`` matches across ``/``: ``["email/*", "json/*"]`` leaves out two stdlib packages. A pattern that matches
+    no file is an error. Records inside one file (jsonl lines, parquet rows, ``hf:`` datasets) are not filtered."""
     format: Literal["auto", "txt", "jsonl", "parquet"] = "auto"
     """File format; ``auto`` decides by extension. A ``.txt`` file is one document, a jsonl line or a
     parquet row is one document."""
@@ -155,6 +160,8 @@ def validate(cfg: PrepConfig) -> None:
     for item in cfg.input:
         if not item:
             raise _bad("input", cfg.input, "empty entry")
+    if any(not pattern for pattern in cfg.exclude):
+        raise _bad("exclude", cfg.exclude, "empty pattern")
     tok = cfg.tokenizer
     if (tok.model is None) == (tok.vocab_size is None):
         raise ConfigError(

@@ -68,7 +68,17 @@ __all__ = ["merge_slices", "prepare_tokenizer", "slice_dir", "slices_root"]
 
 _SHARD_NAME = re.compile(r"shard\.\d+(\.mds(?:\.[A-Za-z0-9]+)?)")
 """MDSWriter's shard basenames: ``shard.00012.mds`` (raw) and ``shard.00012.mds.zstd`` (compressed)."""
-_CONTENT_KEYS = ("format", "text_field", "hf", "val_fraction", "split_seed", "max_piece_tokens", "min_tokens", "strict")
+_CONTENT_KEYS = (
+    "format",
+    "text_field",
+    "hf",
+    "val_fraction",
+    "split_seed",
+    "max_piece_tokens",
+    "min_tokens",
+    "strict",
+    "exclude",
+)
 """Config keys that change what a slice holds; every slice must agree with the merge's config on them (the input
 files are compared separately, as resolved paths)."""
 _SLICES_MARKER = ".prep-slices"

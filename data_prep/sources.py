@@ -7,6 +7,7 @@ by reason in `SkipCounter`, and warned about with ``file:line``; with ``strict``
 """
 
 import abc
+import fnmatch
 import glob
 import gzip
 import hashlib
@@ -14,7 +15,7 @@ import io
 import json
 import logging
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -251,13 +252,44 @@ class HFSource(Source):
             yield Document(where, text)
 
 
+class ExcludeFilter:
+    """`PrepConfig.exclude`: shell-style patterns matched against each input file's name relative to its input
+    (the built-in corpus root or the input directory; a glob match or a named file as written). ``*`` matches
+    across ``/``, so ``email/*`` leaves out a whole package. Counts the files each pattern removed, so a pattern
+    that matches nothing (a typo) is reported instead of silently training on what it was meant to hold out."""
+
+    def __init__(self, patterns: Sequence[str]) -> None:
+        self.patterns = list(patterns)
+        self.hits: Counter[str] = Counter()
+
+    def keeps(self, name: str) -> bool:
+        for pattern in self.patterns:
+            if fnmatch.fnmatchcase(name, pattern):
+                self.hits[pattern] += 1
+                return False
+        return True
+
+    def check_all_used(self) -> None:
+        unused = [p for p in self.patterns if not self.hits[p]]
+        if unused:
+            raise InputError(
+                f"exclude={self.patterns}: {unused} matched no input file (patterns match the path relative to "
+                "the input directory or built-in corpus root, e.g. 'email/*')"
+            )
+        if self.patterns:
+            logger.info("exclude: left out %d input file(s)", sum(self.hits.values()))
+
+
 class BuiltinSource(Source):
     """A built-in corpus (see `data_prep.builtin`): many txt files fingerprinted as one input."""
 
-    def __init__(self, corpus: str) -> None:
+    def __init__(self, corpus: str, excluded: ExcludeFilter) -> None:
         self.name = f"{builtin.BUILTIN_PREFIX}{corpus}"
         self.root, files = builtin.corpus_files(corpus)
-        self.files = [FileSource(p, "txt", "text", label=p.relative_to(self.root).as_posix()) for p in files]
+        labels = [(p, p.relative_to(self.root).as_posix()) for p in files]
+        self.files = [FileSource(p, "txt", "text", label=label) for p, label in labels if excluded.keeps(label)]
+        if not self.files:
+            raise InputError(f"input '{self.name}': every file is excluded by exclude={excluded.patterns}")
 
     def size_bytes(self) -> int | None:
         return sum(f.path.stat().st_size for f in self.files)
@@ -278,22 +310,26 @@ class BuiltinSource(Source):
             yield from f.documents(skips)
 
 
-def _expand(entry: str, cfg: PrepConfig) -> list[Source]:
+def _expand(entry: str, cfg: PrepConfig, excluded: ExcludeFilter) -> list[Source]:
     if entry.startswith(builtin.BUILTIN_PREFIX):
-        return [BuiltinSource(entry.removeprefix(builtin.BUILTIN_PREFIX))]
+        return [BuiltinSource(entry.removeprefix(builtin.BUILTIN_PREFIX), excluded)]
     if entry.startswith(HF_PREFIX):
         return [HFSource(entry.removeprefix(HF_PREFIX), cfg)]
     path = Path(entry)
     if any(ch in entry for ch in "*?["):
         paths = [Path(p) for p in sorted(glob.glob(entry, recursive=True)) if Path(p).is_file()]
+        paths = [p for p in paths if excluded.keeps(p.as_posix())]
         explicit = False
     elif path.is_dir():
         paths = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+        paths = [p for p in paths if excluded.keeps(p.relative_to(path).as_posix())]
         explicit = False
     elif path.is_file():
-        paths, explicit = [path], True
+        paths, explicit = ([path] if excluded.keeps(path.as_posix()) else []), True
     else:
         raise InputError(f"input '{entry}' does not exist")
+    if not paths and excluded.patterns:
+        raise InputError(f"input '{entry}': every file is excluded by exclude={excluded.patterns}")
     sources: list[Source] = []
     for p in paths:
         fmt = _detect_format(p, cfg.format)
@@ -311,11 +347,14 @@ def resolve_sources(cfg: PrepConfig) -> list[Source]:
     """Expand `PrepConfig.input` into sources, in a deterministic order (each glob / directory sorted).
 
     Raises:
-        InputError: an entry does not exist, matches no readable files, or names an unknown built-in corpus.
+        InputError: an entry does not exist, matches no readable files (or only excluded ones), or names an unknown
+            built-in corpus; an ``exclude`` pattern matches no file.
     """
+    excluded = ExcludeFilter(cfg.exclude)
     sources: list[Source] = []
     for entry in cfg.input:
-        sources.extend(_expand(entry, cfg))
+        sources.extend(_expand(entry, cfg, excluded))
+    excluded.check_all_used()
     return sources
 
 

@@ -256,3 +256,34 @@ def test_hf_source_without_network(run_prep, monkeypatch, tmp_path, corpus):
         r"Couldn't find a dataset script or data files\)$",
     ):
         run_prep(output=tmp_path / "o2", inputs=["hf:missing/dataset"])
+
+
+def test_excluded_files_never_reach_the_dataset(run_prep, corpus, read_split, tmp_path, join_documents):
+    """`exclude` holds files out: the dataset holds exactly the documents of the other files (train + val)."""
+    root, _ = corpus
+    kept_books = [p for p in sorted((root / "books").glob("*.txt")) if p.name not in ("book00.txt", "book07.txt")]
+    run_prep(inputs=[str(root / "books")], exclude='["book00.txt", "book0[7].txt"]', val_fraction=0.0)
+    docs = join_documents(read_split(tmp_path / "out" / "train"))
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "out" / "tokenizer.model"))
+    got = sorted(sp.decode(tokens) for tokens in docs.values())
+    assert got == sorted(p.read_text(encoding="utf-8") for p in kept_books)
+
+
+def test_exclude_matches_relative_paths_across_directories(run_prep, corpus, read_split, tmp_path):
+    """``*`` crosses ``/``: one pattern leaves out a whole sub-directory of a directory input."""
+    root, _ = corpus
+    manifest = run_prep(inputs=[str(root)], exclude="books/*", val_fraction=0.0)
+    assert manifest.splits["train"].documents == 40 + 40 + 30 + 40  # every record but the 12 books
+
+
+def test_exclude_pattern_matching_nothing_is_an_error(run_prep, corpus, tmp_path):
+    root, _ = corpus
+    with pytest.raises(InputError, match=r"exclude=.*\['emial/\*'\] matched no input file"):
+        run_prep(inputs=[str(root / "books")], exclude='["book00.txt", "emial/*"]')
+    assert not (tmp_path / "out").exists()
+
+
+def test_excluding_every_file_of_an_input_is_an_error(run_prep, corpus, tmp_path):
+    root, _ = corpus
+    with pytest.raises(InputError, match=r"every file is excluded by exclude=\['\*'\]"):
+        run_prep(inputs=[str(root / "books")], exclude='"*"')
