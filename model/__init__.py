@@ -1,7 +1,10 @@
-"""GCA (DRT) language model: ``GCAConfig``, ``GCAForCausalLM``, streaming state and export/import."""
+"""GCA (DRT) language model and its baselines: ``GCAConfig``, ``build_model`` (``GCAForCausalLM``, ``SlidingWindowLM``,
+``FullAttentionLM``), streaming state and export/import."""
 
-from model.baseline import SlidingWindowLM, build_model
+from model.archs import build_model
+from model.baseline import SlidingWindowLM
 from model.config import ConfigError, GCAConfig
+from model.full import FullAttentionLM
 from model.gca import GCAForCausalLM
 from model.io import load_pretrained, read_export_config, save_pretrained
 from model.lm import CausalLM, CausalLMOutput, count_parameters, lm_loss
@@ -11,6 +14,7 @@ __all__ = [
     "CausalLM",
     "CausalLMOutput",
     "ConfigError",
+    "FullAttentionLM",
     "GCAConfig",
     "GCAForCausalLM",
     "SlidingWindowLM",

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 
 from model.chunk_store import ChunkStore
 from model.config import GCAConfig
-from model.gca import GCAForCausalLM
 from model.layers import DecoderLayer, KVCache, RMSNorm
 from model.lm import CausalLM
 from model.stream import StreamState
@@ -65,8 +64,3 @@ class SlidingWindowLM(CausalLM):
         if last_logits is not None:
             h = h[:, max(0, h.shape[1] - last_logits) :]
         return F.linear(self.norm(h), self.embed.weight)
-
-
-def build_model(cfg: GCAConfig) -> CausalLM:
-    """The model named by ``cfg.arch``: ``GCAForCausalLM`` or the ``SlidingWindowLM`` baseline."""
-    return GCAForCausalLM(cfg) if cfg.arch == "gca" else SlidingWindowLM(cfg)

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field, fields
 from kernels.gca import GCA_BACKENDS, MAX_HEAD_DIM, MIN_HEAD_DIM
 from kernels.swa import SWA_BACKENDS
 
-ARCHS = ("gca", "swa")
+ARCHS = ("gca", "swa", "full")
 RETRIEVAL_SCALES = ("d_model", "head_dim")
 BACKEND_FIELDS = ("gca_backend", "swa_backend", "attn_backend")
 """Fields that choose how the model is computed, not what it computes (its weights and outputs stay the same)."""
@@ -22,7 +22,9 @@ class ConfigError(ValueError):
 class GCAConfig:
     arch: str = "gca"
     """``gca``: the DRT model. ``swa``: the same-size sliding-window baseline (no encoder, no retrieval; its
-    ``n_lower_layers + sum(groups) + n_encoder_layers`` plain sliding-window layers, like the paper's "+2 layers")."""
+    ``n_lower_layers + sum(groups) + n_encoder_layers`` plain sliding-window layers, like the paper's "+2 layers").
+    ``full``: a full-attention transformer with RoPE, as many layers as ``swa`` (``window``, ``chunk_size``,
+    ``top_k`` and the retrieval and backend keys do not apply to it)."""
     vocab_size: int = 4096
     """Tokenizer vocabulary size (the landmark is a learned vector, not a vocabulary id)."""
     d_model: int = 128
@@ -69,7 +71,8 @@ class GCAConfig:
     norm_eps: float = 1e-5
     """RMSNorm epsilon (one value everywhere, the encoder included)."""
     rope_theta: float = 10000.0
-    """RoPE base of the chunk encoder (positions restart in every chunk)."""
+    """RoPE base of the chunk encoder (positions restart in every chunk) and of the ``full`` model (absolute stream
+    positions)."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of every linear and embedding weight."""
 
@@ -88,15 +91,16 @@ class GCAConfig:
             raise ConfigError(f"model.groups must be a non-empty list of positive layer counts; got {self.groups!r}")
         if self.d_model % self.n_heads != 0:
             raise ConfigError(f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads}")
-        if self.n_encoder_layers and self.head_dim % 2:
+        if self.arch not in ARCHS:
+            raise ConfigError(f"model.arch={self.arch!r} is not one of {ARCHS}")
+        if self.head_dim % 2 and (self.arch == "full" or self.n_encoder_layers):
+            user = "model.arch=full" if self.arch == "full" else "the chunk encoder"
             raise ConfigError(
-                f"model.d_model / model.n_heads = {self.head_dim} must be even: the chunk encoder's RoPE rotates "
+                f"model.d_model / model.n_heads = {self.head_dim} must be even: the RoPE of {user} rotates "
                 "pairs of dimensions"
             )
         if self.n_heads % self.n_kv_heads != 0:
             raise ConfigError(f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads}")
-        if self.arch not in ARCHS:
-            raise ConfigError(f"model.arch={self.arch!r} is not one of {ARCHS}")
         gca_key = self._apply_backend_shorthand()
         if self.gca_backend not in GCA_BACKENDS:
             raise ConfigError(f"model.gca_backend={self.gca_backend!r} is not one of {GCA_BACKENDS}")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from model.baseline import build_model
+from model.archs import build_model
 from model.config import GCAConfig
 from model.lm import CausalLM
 
@@ -157,7 +157,7 @@ def _check_shapes(weights: Path, file_shapes: dict[str, list[int]], model: torch
 
 
 def load_pretrained(directory: str | os.PathLike, *, device: str | torch.device = "cpu", **overrides) -> CausalLM:
-    """Build the model (``GCAForCausalLM``, or the baseline for ``arch=swa``) from ``config.json`` (``overrides``
+    """Build the model ``config.json`` describes (``build_model`` picks the class its ``arch`` names; ``overrides``
     replace config fields, e.g. ``gca_backend``) and load ``model.safetensors`` strictly: a missing, unexpected
     or mis-shaped tensor is an error naming it.
 

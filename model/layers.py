@@ -17,10 +17,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32: bf16 sums of squares lose the small components.
-        xf = x.float()
+        # Normalise in fp32 (fp64 for fp64 inputs): bf16 sums of squares lose the small components.
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        xf = x.to(dtype)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        return (xf * self.weight.to(dtype)).to(x.dtype)
 
 
 class SwiGLU(nn.Module):
@@ -35,18 +36,20 @@ class SwiGLU(nn.Module):
 
 
 class KVCache:
-    """The last ``window`` stream positions of one layer's keys and values (streaming inference only)."""
+    """The last ``window`` stream positions of one layer's keys and values, or all of them for full attention
+    (streaming inference only)."""
 
     def __init__(self) -> None:
         self.k: torch.Tensor | None = None  # [B, <=W, H, D]
         self.v: torch.Tensor | None = None
 
-    def extend(self, k: torch.Tensor, v: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return cache + new keys/values (what the new queries attend to) and keep the last ``window``."""
+    def extend(self, k: torch.Tensor, v: torch.Tensor, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return cache + new keys/values (what the new queries attend to) and keep the last ``window`` (``None``:
+        keep every position)."""
         if self.k is not None and self.v is not None:
             k = torch.cat([self.k, k], dim=1)
             v = torch.cat([self.v, v], dim=1)
-        self.k, self.v = k[:, -window:], v[:, -window:]
+        self.k, self.v = (k, v) if window is None else (k[:, -window:], v[:, -window:])
         return k, v
 
 
@@ -92,13 +95,16 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.mlp_norm(h))
 
 
-def apply_rope(x: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding over axis -3 (positions restart at 0 in every chunk); ``x [..., P, H, D]``."""
+def apply_rope(x: torch.Tensor, theta: float, start: int = 0) -> torch.Tensor:
+    """Rotary embedding of ``x [..., P, H, D]`` at positions ``start .. start + P - 1`` along axis -3, rotating the
+    pairs of dimensions (0, 1), (2, 3), ... The chunk encoder restarts at 0 in every chunk; the full-attention
+    model passes the stream position of its first token. Computed in fp32 (fp64 for fp64 inputs)."""
     P, D = x.shape[-3], x.shape[-1]
-    inv_freq = theta ** (-torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)  # [D/2]
-    angles = torch.arange(P, device=x.device, dtype=torch.float32)[:, None] * inv_freq  # [P, D/2]
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    inv_freq = theta ** (-torch.arange(0, D, 2, device=x.device, dtype=dtype) / D)  # [D/2]
+    angles = torch.arange(start, start + P, device=x.device, dtype=dtype)[:, None] * inv_freq  # [P, D/2]
     cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]  # [P, 1, D/2]
-    x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
+    x1, x2 = x.to(dtype)[..., 0::2], x.to(dtype)[..., 1::2]
     out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)  # [..., P, H, D/2, 2]
     return out.flatten(-2).to(x.dtype)
 

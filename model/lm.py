@@ -1,7 +1,8 @@
 """What every causal LM here shares: the output type, the next-token loss and parameter counting.
 
-``GCAForCausalLM`` and the ``SlidingWindowLM`` baseline derive from ``CausalLM``; the trainer's token-weighted
-loss calls ``lm_loss`` too, so there is one definition of "the loss" whichever way it is asked for.
+``GCAForCausalLM`` and the baselines (``SlidingWindowLM``, ``FullAttentionLM``) derive from ``CausalLM``; the
+trainer's token-weighted loss calls ``lm_loss`` too, so there is one definition of "the loss" whichever way it is
+asked for.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``transformers`` model of an exported GCA model (shipped in every export as ``modeling_gca.py``).
 
-``GCAHFForCausalLM`` wraps the repository's own model (``model.baseline.build_model``), so the logits are the native
+``GCAHFForCausalLM`` wraps the repository's own model (``model.archs.build_model``), so the logits are the native
 ones. Generation carries the native streaming state between decode steps (``GCAStreamCache``): each new token runs
 one ``forward_stream`` step against the window caches, the chunk memory and the retrieval rows, so the cost of a
 token does not grow with a re-read prefix.
@@ -19,7 +19,7 @@ import torch.nn as nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from model.baseline import build_model
+from model.archs import build_model
 from model.config import GCAConfig
 from model.lm import CausalLM, lm_loss
 from model.stream import StreamState
