@@ -1,4 +1,5 @@
-"""Forward throughput and peak memory of a GCA model vs a same-size full-attention baseline (``make bench``).
+"""Forward throughput and peak memory of a GCA model vs the same-size full-attention baseline ``model.arch=full``
+(``make bench``).
 
 Every measurement runs in a fresh subprocess so that the peak resident memory (``ru_maxrss``) belongs to that
 configuration alone; results are printed as ratios against the baseline measured in the same run.
@@ -15,13 +16,11 @@ import sys
 import time
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 from kernels.cpu_math import flush_denormals
+from model.archs import build_model
 from model.config import GCAConfig
-from model.gca import GCAForCausalLM
-from model.layers import RMSNorm, SwiGLU
+from model.lm import CausalLM
 
 BENCH_CONFIG = GCAConfig(
     vocab_size=8192,
@@ -38,47 +37,15 @@ BENCH_CONFIG = GCAConfig(
 )
 
 
-class FullAttentionBlock(nn.Module):
-    """Pre-norm causal full-attention layer (PyTorch SDPA) with the GCA model's SwiGLU MLP."""
-
-    def __init__(self, cfg: GCAConfig) -> None:
-        super().__init__()
-        self.n_heads = cfg.n_heads
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
-        self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.d_model, cfg.ffn_hidden)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        B, T, _ = h.shape
-        q, k, v = self.qkv(self.attn_norm(h)).view(B, T, 3, self.n_heads, -1).unbind(2)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        h = h + self.wo(o.transpose(1, 2).reshape(B, T, -1))
-        return h + self.mlp(self.mlp_norm(h))
-
-
-class FullAttentionLM(nn.Module):
-    """Baseline: causal full attention, same width and number of decoder layers as the GCA model."""
-
-    def __init__(self, cfg: GCAConfig) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        n_layers = cfg.n_lower_layers + cfg.n_upper_layers + cfg.n_encoder_layers
-        self.layers = nn.ModuleList(FullAttentionBlock(cfg) for _ in range(n_layers))
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.embed(ids)
-        for layer in self.layers:
-            h = layer(h)
-        return F.linear(self.norm(h), self.embed.weight)
+def bench_model(arch: str) -> CausalLM:
+    """The benchmark's model of architecture ``arch`` (``model.arch``: ``gca``, ``swa`` or ``full``)."""
+    return build_model(GCAConfig(**{**BENCH_CONFIG.to_dict(), "arch": arch}))
 
 
 def _measure(kind: str, length: int, repeats: int) -> dict:
     flush_denormals()  # as the trainer and the eval jobs do
     torch.manual_seed(0)
-    model = (GCAForCausalLM(BENCH_CONFIG) if kind == "gca" else FullAttentionLM(BENCH_CONFIG)).eval()
+    model = bench_model(kind).eval()
     ids = torch.randint(0, BENCH_CONFIG.vocab_size, (1, length))
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     times = []
@@ -109,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.one:
         sys.stdout.write(json.dumps(_measure(args.one[0], int(args.one[1]), args.repeats)) + "\n")
         return
-    n_params = GCAForCausalLM(BENCH_CONFIG).num_parameters()
+    n_params = bench_model("gca").num_parameters()
     sys.stdout.write(f"GCA model: {n_params / 1e6:.1f}M parameters, {BENCH_CONFIG}\n")
     sys.stdout.write(f"torch {torch.__version__}, {torch.get_num_threads()} threads, forward only, batch 1\n\n")
     columns = [("T", 7), ("GCA tok/s", 10), ("full tok/s", 10), ("speed ratio", 11), ("GCA MB", 8), ("full MB", 8)]

@@ -22,26 +22,16 @@ from typing import TextIO
 import torch
 
 from kernels.cpu_math import flush_denormals, retain_freed_memory
-from model.baseline import SlidingWindowLM
-from model.bench import BENCH_CONFIG, FullAttentionLM
-from model.config import GCAConfig
-from model.gca import GCAForCausalLM
+from model.bench import BENCH_CONFIG, bench_model
 from model.lm import lm_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("gca", "swa", "full")
+"""The ``model.arch`` of each compared model."""
 TRAIN_MODULE = "pipeline.cli.train"
 """What the trainer runs are started as (``python -m`` / ``deepspeed --module``)."""
 STEP_MODULE = "pipeline.cli.bench_train"
 """The benchmark's own command line; its hidden ``--one KIND LENGTH`` times one configuration."""
-
-
-def _build(kind: str) -> torch.nn.Module:
-    if kind == "gca":
-        return GCAForCausalLM(BENCH_CONFIG)
-    if kind == "swa":
-        return SlidingWindowLM(GCAConfig(**{**BENCH_CONFIG.to_dict(), "arch": "swa"}))
-    return FullAttentionLM(BENCH_CONFIG)
 
 
 def time_step(kind: str, length: int, repeats: int) -> dict:
@@ -49,15 +39,13 @@ def time_step(kind: str, length: int, repeats: int) -> dict:
     flush_denormals()  # as the trainer does
     retain_freed_memory()
     torch.manual_seed(0)
-    model = _build(kind)
+    model = bench_model(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, BENCH_CONFIG.vocab_size, (1, length))
     times = []
     for _ in range(repeats + 1):  # the first step warms up allocator and kernels
         start = time.perf_counter()
-        out = model(ids)
-        logits = out.logits if hasattr(out, "logits") else out
-        lm_loss(logits, ids).backward()
+        lm_loss(model(ids).logits, ids).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)

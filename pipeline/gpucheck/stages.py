@@ -175,14 +175,10 @@ TRAIN_VARIANTS = {
     ),
     "train_full_zero1": (
         ["parallel.engine=deepspeed", "parallel.zero_stage=1"],
-        ["model.arch=swa", "FULL"],
-        "full causal attention (model.arch=swa with model.window=train.seq_len), ZeRO-1",
+        ["model.arch=full"],
+        "same-size full-attention transformer (model.arch=full), DeepSpeed ZeRO-1",
     ),
 }
-
-
-def _seq_len(plan: Plan) -> int:
-    return 16380 if plan.cuda else 256
 
 
 def train_metrics(run_dir: Path) -> dict:
@@ -216,8 +212,6 @@ def train_metrics(run_dir: Path) -> dict:
 def train_stage(plan: Plan, name: str) -> Stage:
     engine, model, what = TRAIN_VARIANTS[name]
     run_dir = plan.work / "train" / name
-    seq = _seq_len(plan)
-    model = [f"model.window={seq}" if m == "FULL" else m for m in model]
     shape = [] if plan.cuda else TINY_MODEL
     steps = plan.steps if plan.cuda else 4
     export = "true" if name == "train_gca_zero1" else "false"  # the passkey stage reads this export
