@@ -120,19 +120,28 @@ def test_backends_the_folder_cannot_ship_are_replaced(saved, runs):
     assert (cfg.gca_backend, cfg.swa_backend) == runs
 
 
-def test_sliding_window_baseline_exports_too(tmp_path):
-    """``model.arch=swa`` exports load the same way (``build_model`` picks the class)."""
+@pytest.mark.parametrize("arch", ["swa", "full"])
+def test_the_baselines_export_too(tmp_path, arch):
+    """``model.arch=swa`` and ``model.arch=full`` exports load the same way (``build_model`` picks the class, and
+    the export ships its module): the native logits whole and streamed, and greedy generation is the native
+    model's argmax continuation recomputed from scratch at every step."""
     torch.manual_seed(0)
-    native = build_model(GCAConfig(**{**hf_model_config(300).to_dict(), "arch": "swa"})).eval()
-    write_hf_files(save_pretrained(native, tmp_path / "swa"))
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "swa", trust_remote_code=True).eval()
-    ids = _ids(300, 1, 70, seed=5)
+    native = build_model(GCAConfig(**{**hf_model_config(300).to_dict(), "arch": arch})).eval()
+    write_hf_files(save_pretrained(native, tmp_path / arch))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / arch, trust_remote_code=True).eval()
+    shipped = type(hf.gca)  # the export's own copy of the native class (model/full.py -> model_full.py)
+    assert shipped.__name__ == type(native).__name__
+    assert shipped.__module__.endswith("." + type(native).__module__.replace(".", "_"))
+    ids = _ids(300, 2, 70, seed=5)
     with torch.no_grad():
         expected = native(ids).logits
         assert (hf(ids, use_cache=False).logits - expected).abs().max() <= ATOL
         assert (hf(ids, use_cache=True).logits - expected).abs().max() <= ATOL
-    out = hf.generate(ids[:, :10], max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert out.shape == (1, 18)
+        want = ids[:1, :10]
+        for _ in range(8):
+            want = torch.cat([want, native(want).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    out = hf.generate(ids[:1, :10], max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(out, want)
 
 
 def test_writer_names_the_config_class_model_type():
