@@ -21,6 +21,7 @@ from data_prep.redaction import restore_env_interpolations
 from data_prep.safe_files import is_within
 from data_prep.schema import load_schema
 from model.config import GCAConfig
+from pipeline.dist import TIMEOUT_ENV, collective_timeout_s
 
 _ENV_PATHS = "_env_interpolations"
 """Attribute of a loaded ``TrainConfig`` (outside its schema) holding `env_interpolations`."""
@@ -154,6 +155,27 @@ class LogConfig:
 
 
 @dataclass
+class TrainEvalConfig:
+    """Evaluation during training beyond the validation loss: the extrapolation monitor
+    (``pipeline.callbacks.extrapolation``)."""
+
+    extrapolation_every: int = 0
+    """Run the extrapolation monitor every N steps (0 = never): a passkey probe and perplexity by context at
+    multiples of ``train.seq_len``, on rank 0, logged as ``extrap/*`` step metrics."""
+    extrapolation_lengths: list[int] = field(default_factory=lambda: [1, 16, 256])
+    """Probe lengths as multiples of ``train.seq_len`` (a probe of multiple m reads m x seq_len tokens)."""
+    extrapolation_samples: int = 2
+    """Passkey samples per length (one per depth, spread evenly over the haystack), and validation windows the
+    perplexity is averaged over."""
+    extrapolation_score_len: int | None = None
+    """Tokens scored at the end of each validation window, with the tokens before them as context; ``None``:
+    min(train.seq_len // 2, 1024). Must be shorter than the shortest probe length."""
+    extrapolation_budget_s: float = 120.0
+    """Wall-clock seconds the probes of one monitor step may take (shortest first); a probe still running when
+    it is spent is abandoned, and it and every probe after it count in ``extrap/skipped``."""
+
+
+@dataclass
 class TrainConfig:
     run_dir: str = MISSING
     """Output directory: checkpoints, metrics.jsonl, export/, wandb/."""
@@ -169,6 +191,7 @@ class TrainConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LogConfig = field(default_factory=LogConfig)
+    eval: TrainEvalConfig = field(default_factory=TrainEvalConfig)
 
     def grad_accum(self, world_size: int) -> int:
         """Micro-batches per optimizer step on each rank."""
@@ -177,6 +200,12 @@ class TrainConfig:
     @property
     def tokens_per_step(self) -> int:
         return self.train.global_batch * self.train.seq_len
+
+    @property
+    def extrapolation_score_len(self) -> int:
+        """``eval.extrapolation_score_len``, or its default: half the training length, at most 1024 tokens."""
+        configured = self.eval.extrapolation_score_len
+        return configured if configured is not None else max(1, min(self.train.seq_len // 2, 1024))
 
 
 def env_interpolations(cfg: TrainConfig) -> dict[str, str]:
@@ -251,10 +280,51 @@ def _check_ranges(cfg: TrainConfig) -> None:
         raise ConfigError(f"logging.peak_tflops must be > 0 (or null to guess); got {cfg.logging.peak_tflops}")
 
 
+def _check_extrapolation(cfg: TrainConfig, world_size: int) -> None:
+    """The monitor's settings, checked even while it is off, so that turning it on never meets a stale typo."""
+    e = cfg.eval
+    if e.extrapolation_every < 0:
+        raise ConfigError(f"eval.extrapolation_every must be >= 0 (0 = off); got {e.extrapolation_every}")
+    lengths = e.extrapolation_lengths
+    if not lengths or min(lengths) < 1:
+        raise ConfigError(
+            f"eval.extrapolation_lengths must be a non-empty list of positive integers (multiples of "
+            f"train.seq_len); got {lengths}"
+        )
+    if len(set(lengths)) != len(lengths):
+        raise ConfigError(f"eval.extrapolation_lengths must not repeat a length; got {lengths}")
+    if e.extrapolation_samples < 1:
+        raise ConfigError(f"eval.extrapolation_samples must be >= 1; got {e.extrapolation_samples}")
+    shortest = min(lengths) * cfg.train.seq_len
+    if not 1 <= cfg.extrapolation_score_len < shortest:
+        raise ConfigError(
+            f"eval.extrapolation_score_len={cfg.extrapolation_score_len} must be >= 1 and shorter than the shortest "
+            f"probe, min(eval.extrapolation_lengths) x train.seq_len = {shortest} tokens (the tokens before the "
+            "scored ones are the context)"
+        )
+    budget = e.extrapolation_budget_s
+    if not budget > 0:
+        raise ConfigError(f"eval.extrapolation_budget_s must be > 0; got {budget}")
+    if e.extrapolation_every and world_size > 1:
+        # The other ranks wait for rank 0's probes in a collective, which fails after the collective timeout;
+        # half of it leaves room for gathering the weights and for the segment that overruns the budget.
+        try:
+            timeout = collective_timeout_s()
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        if budget > timeout / 2:
+            raise ConfigError(
+                f"eval.extrapolation_budget_s={budget} must be at most half the collective timeout "
+                f"({timeout:g} s, {TIMEOUT_ENV}): the other {world_size - 1} rank(s) wait for the monitor in a "
+                f"collective; lower the budget or raise {TIMEOUT_ENV}"
+            )
+
+
 def validate(cfg: TrainConfig, world_size: int) -> None:
     """Cross-field rules; each error states the rule and the values."""
     _check_finite(cfg)
     _check_ranges(cfg)
+    _check_extrapolation(cfg, world_size)
     _check_outputs_outside_data(cfg)
     t, o, p, c = cfg.train, cfg.optim, cfg.parallel, cfg.checkpoint
     positive: tuple[tuple[str, float], ...] = (
