@@ -11,16 +11,22 @@ from pipeline.evaluation.passkey import VARIANTS, NeedleSpec, check_templates
 from pipeline.evaluation.runtime import check_device
 
 TASKS = ("ppl", "passkey")
+PPL_DOCUMENTS = ("documents", "windows")
 
 
 @dataclass
 class EvalConfig:
-    lengths: list[int] = field(default_factory=lambda: [1024, 4096, 16384])
-    """Sequence lengths in tokens (each at least one chunk)."""
+    lengths: list[int] = field(default_factory=lambda: [2048, 4096, 16384])
+    """Sequence lengths in tokens (each at least one chunk); ppl: context lengths, each above ``score_len``."""
     data: str = "builtin"
     """Token source: builtin | stdlib | an MDS split | a prepared dataset dir (val) | text file(s) | a dir."""
     samples: int = 4
-    """ppl: windows per length; passkey: samples per (length, depth)."""
+    """ppl: the most documents scored per length (the first long enough); passkey: samples per (length, depth)."""
+    score_len: int = 1024
+    """ppl: the final tokens of each document scored at every context length."""
+    ppl_documents: str = "documents"
+    """ppl: documents (each document of ``data``; builtin: ``samples`` seeded filler documents of the longest
+    length) | windows (the token stream, documents joined with EOS, cut into windows of the longest length)."""
     seed: int = 0
     segment: int = 4096
     """Tokens per forward_stream call: bounds activation memory, any value gives the same logits."""
@@ -55,22 +61,25 @@ MAX_KEY_DIGITS = 18
 """Keys are drawn as int64: 10**19 no longer fits."""
 
 
-def load_eval_config(path: str | None, overrides: Sequence[str]) -> tuple[EvalConfig, dict[str, str]]:
+def load_eval_config(
+    path: str | None, overrides: Sequence[str], task: str | None = None
+) -> tuple[EvalConfig, dict[str, str]]:
     """YAML (optional) + ``key=value`` overrides -> ``(validated EvalConfig, env_paths)``; unknown keys are errors.
 
     ``env_paths`` maps every key whose text reads the environment (``${oc.env:NAME}``) to that text, for
-    ``restore_env_interpolations`` when the config is written out.
+    ``restore_env_interpolations`` when the config is written out. ``task`` adds that task's cross-key rules.
 
     Raises:
         ConfigError: a bad key, value or file, named (values from the environment redacted).
     """
     cfg, env_paths = load_schema(EvalConfig, path, overrides, what="eval")
-    validate(cfg)
+    validate(cfg, task=task)
     return cfg, env_paths
 
 
-def validate(cfg: EvalConfig, chunk_size: int | None = None) -> None:
-    """Value rules, each naming the key and value; with ``chunk_size`` also "every length holds a chunk"."""
+def validate(cfg: EvalConfig, chunk_size: int | None = None, task: str | None = None) -> None:
+    """Value rules, each naming the key and value; with ``chunk_size`` also "every length holds a chunk", with
+    ``task`` that task's rules across keys."""
     if not cfg.lengths or any(n < 2 for n in cfg.lengths):
         raise ConfigError(f"lengths={cfg.lengths}: need at least one length, each >= 2")
     if chunk_size is not None and min(cfg.lengths) < chunk_size:
@@ -78,9 +87,16 @@ def validate(cfg: EvalConfig, chunk_size: int | None = None) -> None:
             f"lengths={cfg.lengths}: {min(cfg.lengths)} is below one chunk of the model "
             f"(chunk_size={chunk_size}); retrieval needs whole chunks"
         )
-    for key in ("samples", "segment", "key_digits", "needles"):
+    for key in ("samples", "segment", "key_digits", "needles", "score_len"):
         if getattr(cfg, key) < 1:
             raise ConfigError(f"{key}={getattr(cfg, key)} must be >= 1")
+    if task == "ppl" and cfg.score_len >= min(cfg.lengths):
+        raise ConfigError(
+            f"score_len={cfg.score_len} must be below the shortest length ({min(cfg.lengths)} in lengths="
+            f"{cfg.lengths}): each length scores the final score_len tokens after length - score_len of context"
+        )
+    if cfg.ppl_documents not in PPL_DOCUMENTS:
+        raise ConfigError(f"ppl_documents={cfg.ppl_documents!r} is not one of {PPL_DOCUMENTS}")
     if cfg.key_digits > MAX_KEY_DIGITS:
         raise ConfigError(f"key_digits={cfg.key_digits} must be <= {MAX_KEY_DIGITS}")
     if cfg.seed < 0:

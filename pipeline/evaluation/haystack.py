@@ -11,10 +11,11 @@ Documents are joined with the tokenizer's EOS when it has one.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -99,6 +100,19 @@ class TokenSource:
         self._cache = np.concatenate(parts)
         return self._cache[:n]
 
+    def documents(self, filler_len: int) -> Generator[np.ndarray, None, None]:
+        """The source's documents in order, each read only when asked for; ``builtin``: an endless run of seeded
+        filler documents of ``filler_len`` tokens."""
+        if self.unbounded:
+            return (self.filler(filler_len, np.random.default_rng([self.seed, i])) for i in itertools.count())
+        return self._document_iter()
+
+    def windows(self, n: int, count: int) -> list[np.ndarray]:
+        """The first ``count`` consecutive non-overlapping windows of ``n`` tokens of the token stream (documents
+        joined as ``prefix`` joins them; fewer windows if the stream is shorter)."""
+        stream = self.prefix(n * count)
+        return [stream[i * n : (i + 1) * n] for i in range(len(stream) // n)]
+
     def window(self, n: int, rng: np.random.Generator) -> np.ndarray:
         """``n`` consecutive tokens at a random offset.
 
@@ -116,7 +130,7 @@ class TokenSource:
         start = int(rng.integers(0, len(stream) - n + 1))
         return stream[start : start + n]
 
-    def _document_iter(self) -> Iterator[np.ndarray]:
+    def _document_iter(self) -> Generator[np.ndarray, None, None]:
         path = Path(self.data)
         if self.data == "stdlib":
             from data_prep.builtin import corpus_files

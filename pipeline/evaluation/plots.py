@@ -12,18 +12,34 @@ import numpy as np  # noqa: E402
 
 
 def plot_ppl(rows: list[dict], train_seq_len: int | None, title: str, path: Path) -> None:
-    """Perplexity vs length on a log x axis, the training length marked."""
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([r["length"] for r in rows], [r["ppl"] for r in rows], marker="o")
+    """Perplexity of the same scored tokens vs context length (log2 x axis), the training length marked and the
+    whole-document perplexity as a dashed horizontal line."""
+    plot_ppl_models({"": rows}, train_seq_len, title, path)
+
+
+def plot_ppl_models(rows_by_model: dict[str, list[dict]], train_seq_len: int | None, title: str, path: Path) -> None:
+    """``plot_ppl`` for several models on one axes: one line per model (labelled by its name, if not empty), each
+    model's document perplexity a dashed line in its colour."""
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    lengths: set[int] = set()
+    for model, rows in rows_by_model.items():
+        context = sorted((r for r in rows if r.get("kind") == "context"), key=lambda r: r["length"])
+        lengths.update(r["length"] for r in context)
+        line = ax.plot([r["length"] for r in context], [r["ppl"] for r in context], marker="o", label=model or None)
+        for r in rows:
+            if r.get("kind") == "document":
+                name = f"{model}: " if model else ""
+                ax.axhline(r["ppl"], color=line[0].get_color(), linestyle=":", label=f"{name}whole documents")
     if train_seq_len:
         ax.axvline(train_seq_len, color="gray", linestyle="--", label=f"training length {train_seq_len}")
-        ax.legend()
     ax.set_xscale("log", base=2)
-    ax.set_xticks([r["length"] for r in rows], [short_length(r["length"]) for r in rows])
-    ax.set_xlabel("evaluation length (tokens)")
+    ax.set_xticks(sorted(lengths), [short_length(n) for n in sorted(lengths)])
+    ax.set_xlabel("context length (tokens; the same final tokens scored at each)")
     ax.set_ylabel("perplexity")
     ax.set_title(title)
     ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120, format="png")  # the path may be a temp name
     plt.close(fig)

@@ -1,8 +1,13 @@
-"""Perplexity vs length (the official script reported the mean NLL as ppl): ppl = exp(mean token NLL), not the mean NLL.
+"""Perplexity by context length on identical tokens, and whole-document streaming perplexity.
 
-For each length ``L`` the corpus is cut into non-overlapping windows of ``L`` tokens from its start; each window
-is evaluated independently from an empty memory, streamed segment by segment (same logits as one full forward),
-and every predicted position (``L - 1`` per window) counts.
+ppl = exp(mean token NLL) (the official script reported the mean NLL as ppl).
+
+``context_ppl``: for every document ``d`` of ``N`` tokens and every context length ``L``, the same final
+``score_len`` tokens of ``d`` are scored, with the ``L - score_len`` tokens before them as context: the model
+streams tokens ``[N - L, N - 1)`` from a fresh state and the targets are ``d[N - score_len:]``. Lengths are
+compared on the same text, so a change of ppl with ``L`` is the effect of context alone.
+
+``document_ppl``: every predicted position of each whole document, streamed from its start.
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -20,6 +25,9 @@ from model import CausalLM
 from pipeline.evaluation.runtime import stream_segments, stream_state
 
 log = logging.getLogger(__name__)
+
+Progress = Callable[[int, int], Callable[[int], None]]
+"""``progress(length, total_tokens)`` returns a per-segment callback (e.g. a tqdm update)."""
 
 
 def window_nll(
@@ -43,52 +51,167 @@ def window_nll(
     return total, count
 
 
-def evaluate_ppl(
+def scored_tail_nll(
     model: CausalLM,
-    tokens: np.ndarray,
-    lengths: list[int],
-    samples: int,
+    document: np.ndarray,
+    length: int,
+    score_len: int,
     segment: int,
     offload_mb: int = -1,
     offload_dir: str | None = None,
-    progress: Callable[[int, int], Callable[[int], None]] | None = None,
+    on_tokens: Callable[[int], None] | None = None,
+) -> tuple[float, range]:
+    """Summed NLL (fp64) of the last ``score_len`` tokens of ``document`` with ``length - score_len`` tokens of
+    context, and the document positions of the targets actually scored (for the caller's bookkeeping check).
+
+    Segments that end ``window_reach`` tokens or more before the first scored logit are streamed with
+    ``memory_only`` (no logits; what later tokens read is kept, see ``GCAForCausalLM.forward_stream``), so the
+    scored logits are the same as a full forward's; the rest only computes the logits that are scored.
+    """
+    n = len(document)
+    offset = n - length  # document position of the window's first token
+    device = next(model.parameters()).device
+    inputs = torch.tensor(document[offset : n - 1], dtype=torch.long, device=device)[None]
+    targets = torch.tensor(document, dtype=torch.long, device=device)
+    first = length - 1 - score_len  # window index of the first scored logit
+    reach = getattr(model, "window_reach", None)
+    skip = 0 if reach is None else max(0, first - reach + 1)
+    total, lo, hi = 0.0, None, None
+    with stream_state(model, offload_mb, offload_dir) as state:
+        for start in range(0, inputs.shape[1], segment):
+            piece = inputs[:, start : start + segment]
+            end = start + piece.shape[1]
+            with torch.inference_mode():
+                if end <= skip:
+                    model.forward_stream(piece, state, memory_only=True)
+                elif end <= first:  # fills the windows the scored logits read; one logit is the cheapest call
+                    model.forward_stream(piece, state, last_logits=1)
+                else:
+                    k = end - max(start, first)
+                    logits = model.forward_stream(piece, state, last_logits=k)[:, -k:]
+                    # logits[:, j] sits at window index end - k + j and predicts the token after it.
+                    a, b = offset + end - k + 1, offset + end + 1
+                    total += F.cross_entropy(logits[0].float(), targets[a:b], reduction="sum").item()
+                    lo, hi = a if lo is None else lo, b
+            if on_tokens is not None:
+                on_tokens(piece.shape[1])
+    return total, range(0) if lo is None or hi is None else range(lo, hi)
+
+
+def too_short(length: int, longest: int) -> ValueError:
+    """The error for a context length no document is long enough for."""
+    return ValueError(
+        f"length={length}: no document holds {length} tokens (the longest holds {longest}); evaluate shorter "
+        "lengths, or cut the token stream into windows of the longest length (eval key ppl_documents=windows)"
+    )
+
+
+def context_ppl(
+    model: CausalLM,
+    documents: Sequence[np.ndarray],
+    lengths: list[int],
+    score_len: int,
+    segment: int,
+    offload_mb: int = -1,
+    offload_dir: str | None = None,
+    progress: Progress | None = None,
+    same_documents: bool = True,
+    samples: int | None = None,
 ) -> list[dict]:
-    """One result row per length: ``{"length", "ppl", "nll", "n", "tokens", "seconds", "tokens_per_s"}``.
+    """One row per length: ``{"kind": "context", "length", "ppl", "nll", "tokens", "documents", "seconds",
+    "tokens_per_s"}`` (``nll``: mean per scored token; ``tokens``: scored tokens; ``tokens_per_s``: tokens
+    streamed through the model per second).
 
     Args:
-        tokens: the corpus token stream (at least one window of the longest length).
-        samples: windows per length (fewer if the corpus runs out; ``n`` says how many were used).
-        progress: ``progress(length, total_tokens)`` returns a per-segment callback (e.g. a tqdm update).
+        documents: int64 token arrays, in source order.
+        same_documents: every length scores the documents long enough for the longest length (identical scored
+            tokens across lengths); False: each length scores the documents holding at least ``length`` tokens.
+        samples: the most documents per length (the first eligible ones); None: all eligible.
 
     Raises:
-        ValueError: the corpus is shorter than one window of some length.
+        ValueError: ``score_len < 1``, a length not above ``score_len``, or a length no document is long enough for
+            (naming the length and the longest document).
+        AssertionError: a document was scored at different positions for different lengths (a bookkeeping bug).
     """
-    rows = []
-    for length in lengths:
-        n = min(samples, len(tokens) // length)
-        if n == 0:
-            raise ValueError(f"the data holds {len(tokens)} tokens, fewer than one window of length={length}")
-        if n < samples:
-            log.warning("length %d: the data holds only %d of the %d windows asked for", length, n, samples)
-        on_tokens = progress(length, n * length) if progress else None
+    if score_len < 1:
+        raise ValueError(f"score_len={score_len} must be >= 1")
+    if any(length <= score_len for length in lengths):
+        raise ValueError(f"lengths={lengths}: each must be > score_len={score_len} (some tokens of context)")
+    longest = max((len(d) for d in documents), default=0)
+    plan = []
+    for length in lengths:  # every length is checked before any work
+        need = max(lengths) if same_documents else length
+        plan.append((length, [i for i, d in enumerate(documents) if len(d) >= need][:samples]))
+        if not plan[-1][1]:
+            raise too_short(need, longest)
+    rows: list[dict] = []
+    scored_at: dict[int, range] = {}
+    for length, chosen in plan:
+        on_tokens = progress(length, len(chosen) * (length - 1)) if progress else None
         t0 = time.perf_counter()
-        total, count = 0.0, 0
-        for i in range(n):
-            window = torch.from_numpy(tokens[i * length : (i + 1) * length].astype(np.int64))[None]
-            nll, m = window_nll(model, window, segment, offload_mb, offload_dir, on_tokens)
-            total, count = total + nll, count + m
+        total = 0.0
+        for i in chosen:
+            nll, positions = scored_tail_nll(
+                model, documents[i], length, score_len, segment, offload_mb, offload_dir, on_tokens
+            )
+            total += nll
+            n = len(documents[i])
+            if scored_at.setdefault(i, positions) != positions or positions != range(n - score_len, n):
+                raise AssertionError(
+                    f"document {i}: length={length} scored positions {positions}, another length "
+                    f"{scored_at[i]}; each length must score the same {score_len} final tokens"
+                )
         seconds = time.perf_counter() - t0
-        mean = total / count
+        tokens = len(chosen) * score_len
         rows.append(
             {
+                "kind": "context",
                 "length": length,
-                "ppl": math.exp(mean),
-                "nll": mean,
-                "n": n,
-                "tokens": count,
+                "ppl": math.exp(total / tokens),
+                "nll": total / tokens,
+                "tokens": tokens,
+                "documents": len(chosen),
                 "seconds": round(seconds, 3),
-                "tokens_per_s": round(n * length / seconds, 1),
+                "tokens_per_s": round(len(chosen) * (length - 1) / seconds, 1),
             }
         )
-        log.info("ppl length=%d: %.3f (%d windows, %.1fs)", length, math.exp(mean), n, seconds)
+        log.info("ppl by context length=%d: %.3f (%d documents, %.1fs)", length, rows[-1]["ppl"], len(chosen), seconds)
     return rows
+
+
+def document_ppl(
+    model: CausalLM,
+    documents: Sequence[np.ndarray],
+    segment: int,
+    offload_mb: int = -1,
+    offload_dir: str | None = None,
+    progress: Progress | None = None,
+) -> dict:
+    """Every predicted position of each whole document, streamed from its start: ``{"kind": "document", "ppl",
+    "nll", "tokens", "documents", "seconds", "tokens_per_s"}``.
+
+    Raises:
+        ValueError: no document holds two tokens (nothing to predict).
+    """
+    chosen = [d for d in documents if len(d) >= 2]
+    if not chosen:
+        raise ValueError("document ppl: no document holds two tokens (nothing to predict)")
+    streamed = sum(len(d) for d in chosen)
+    on_tokens = progress(max(len(d) for d in chosen), streamed) if progress else None
+    t0 = time.perf_counter()
+    total, count = 0.0, 0
+    for d in chosen:
+        ids = torch.tensor(d, dtype=torch.long)[None]
+        nll, m = window_nll(model, ids, segment, offload_mb, offload_dir, on_tokens)
+        total, count = total + nll, count + m
+    seconds = time.perf_counter() - t0
+    log.info("document ppl: %.3f (%d documents, %.1fs)", math.exp(total / count), len(chosen), seconds)
+    return {
+        "kind": "document",
+        "ppl": math.exp(total / count),
+        "nll": total / count,
+        "tokens": count,
+        "documents": len(chosen),
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(streamed / seconds, 1),
+    }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from data_prep.format import COMPLETE_MARKER, MANIFEST_FILENAME
@@ -24,7 +26,7 @@ from pipeline.evaluation.config import TASKS, EvalConfig, load_eval_config, need
 from pipeline.evaluation.haystack import TokenSource
 from pipeline.evaluation.passkey import evaluate_passkey
 from pipeline.evaluation.plots import plot_passkey, plot_ppl
-from pipeline.evaluation.ppl import evaluate_ppl
+from pipeline.evaluation.ppl import context_ppl, document_ppl, too_short
 from pipeline.evaluation.runtime import load_checkpoint
 
 log = logging.getLogger(__name__)
@@ -75,7 +77,7 @@ def run_eval(checkpoint: str, task: str, out: str | Path, overrides: list[str], 
     flush_denormals()  # before torch starts its thread pool (see kernels/cpu_math.py)
     if task not in TASKS:
         raise ConfigError(f"--task {task!r} is not one of {TASKS}")
-    cfg, env_paths = load_eval_config(config, overrides)
+    cfg, env_paths = load_eval_config(config, overrides, task)
     out = Path(out)
     created = prepare_out(out, task, cfg.data)
     try:
@@ -106,15 +108,15 @@ def run_eval(checkpoint: str, task: str, out: str | Path, overrides: list[str], 
 def _evaluate(checkpoint: str, task: str, cfg: EvalConfig) -> dict:
     """Load the export, run the task, return the result (config still resolved)."""
     ckpt = load_checkpoint(checkpoint, cfg.device, cfg.attn_backend)
-    validate(cfg, ckpt.model.cfg.chunk_size)
+    validate(cfg, ckpt.model.cfg.chunk_size, task)
     source = TokenSource(cfg.data, ckpt.tokenizer, cfg.seed)
     progress = _Progress(task) if cfg.progress else None
     t0 = time.perf_counter()
     if task == "ppl":
-        tokens = source.prefix(max(cfg.lengths) * cfg.samples)
-        rows = evaluate_ppl(
-            ckpt.model, tokens, cfg.lengths, cfg.samples, cfg.segment, cfg.offload_mb, cfg.offload_dir, progress
-        )
+        documents = ppl_documents(source, cfg)
+        run = (ckpt.model, documents)
+        rows = context_ppl(*run, cfg.lengths, cfg.score_len, cfg.segment, cfg.offload_mb, cfg.offload_dir, progress)
+        rows.append(document_ppl(*run, cfg.segment, cfg.offload_mb, cfg.offload_dir, progress))
     else:
         rows = evaluate_passkey(
             ckpt.model,
@@ -143,6 +145,31 @@ def _evaluate(checkpoint: str, task: str, cfg: EvalConfig) -> dict:
         # ru_maxrss is KiB on Linux: the whole process's peak, model and Python included.
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }
+
+
+def ppl_documents(source: TokenSource, cfg: EvalConfig) -> list[np.ndarray]:
+    """The documents ``--task ppl`` scores: the first ``samples`` documents holding the longest length (reading
+    no further), or the first ``samples`` windows of the longest length of the token stream (``ppl_documents``)."""
+    need = max(cfg.lengths)
+    if cfg.ppl_documents == "windows":
+        windows = source.windows(need, cfg.samples)
+        if not windows:
+            raise ValueError(
+                f"data={cfg.data} holds {len(source.prefix(need))} tokens, fewer than one window of the longest "
+                f"length {need}; evaluate shorter lengths or use more data"
+            )
+        return windows
+    chosen, longest = [], 0
+    with contextlib.closing(source.documents(need)) as documents:
+        for document in documents:
+            longest = max(longest, len(document))
+            if len(document) >= need:
+                chosen.append(document)
+            if len(chosen) == cfg.samples:
+                break
+    if not chosen:
+        raise too_short(need, longest)
+    return chosen
 
 
 def _inside_data(out: Path, data: str) -> Path | None:
