@@ -3,9 +3,9 @@
 ``main(config_path, overrides)`` validates the config and the inputs before anything starts
 (``pipeline.train_inputs``), sets up the process group, and runs ``Trainer.train()``: resume
 (``checkpoint.restore``), then ``train_step`` until ``train.max_steps``, then the eval export. Everything around
-the step is a callback (``pipeline.callbacks``), in this order: the hang watchdog, retrieval telemetry, metrics
-and logging, fault injection (only when ``PIPE_FAULT`` plans a fault), periodic evaluation, the signal stop and
-the checkpoint cadence.
+the step is a callback (``pipeline.callbacks``), in this order: the hang watchdog, retrieval telemetry, the
+extrapolation monitor (only when ``eval.extrapolation_every > 0``), metrics and logging, fault injection (only
+when ``PIPE_FAULT`` plans a fault), periodic evaluation, the signal stop and the checkpoint cadence.
 
 Failure handling (tests/reliability, docs/reliability.md): values from the environment never reach a log or a
 written file; resume refuses corrupt checkpoints and changed data; a non-finite loss or gradient norm stops every
@@ -34,6 +34,7 @@ from pipeline.callbacks import (
     CallbackList,
     CheckpointCadence,
     EvalError,
+    ExtrapolationMonitor,
     HangWatchdog,
     MetricsLogging,
     PeriodicEval,
@@ -85,6 +86,7 @@ def default_callbacks(cfg: TrainConfig, info: dist.DistInfo) -> list[Callback]:
     return [
         HangWatchdog(),
         RetrievalTelemetry(),
+        *([ExtrapolationMonitor()] if cfg.eval.extrapolation_every else []),
         MetricsLogging(),
         *([injector] if injector is not None else []),
         *([PeriodicEval(cfg.train.eval_every)] if cfg.train.eval_every else []),

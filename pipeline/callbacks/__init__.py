@@ -4,6 +4,7 @@ from pipeline.callbacks import fault_injection
 from pipeline.callbacks.base import Callback, CallbackList
 from pipeline.callbacks.checkpointing import CheckpointCadence
 from pipeline.callbacks.evaluation import EvalError, PeriodicEval
+from pipeline.callbacks.extrapolation import ExtrapolationMonitor
 from pipeline.callbacks.metrics import MetricsLogging
 from pipeline.callbacks.signals import EXIT_INTERRUPTED, SignalStop
 from pipeline.callbacks.telemetry import RetrievalTelemetry
@@ -15,6 +16,7 @@ __all__ = [
     "CallbackList",
     "CheckpointCadence",
     "EvalError",
+    "ExtrapolationMonitor",
     "HangWatchdog",
     "MetricsLogging",
     "PeriodicEval",

@@ -14,8 +14,8 @@ if TYPE_CHECKING:
 class HangWatchdog(Callback):
     """Arms the watchdog before each step and disarms it after; the step region is the data read, forward/backward
     with the gradient reduction, the optimizer step and the loss all-reduce. Registered first, so it is armed
-    before any other ``pre_step`` hook runs and disarmed before the ``post_step`` work (logging, evaluation, saves,
-    whose collectives have their own timeout)."""
+    before any other ``pre_step`` hook runs and disarmed before the ``post_step`` work (logging, evaluation, the
+    extrapolation monitor, saves, whose collectives have their own timeout): time spent there is never a hang."""
 
     def __init__(self) -> None:
         self.watchdog: dist.Watchdog | None = None
