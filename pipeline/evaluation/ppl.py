@@ -30,6 +30,11 @@ Progress = Callable[[int, int], Callable[[int], None]]
 """``progress(length, total_tokens)`` returns a per-segment callback (e.g. a tqdm update)."""
 
 
+def at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
+    """Half-precision logits in fp32 for the log-softmax; fp32 and fp64 ones as they are."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
 def window_nll(
     model: CausalLM,
     ids: torch.Tensor,
@@ -45,7 +50,7 @@ def window_nll(
         for start, logits in stream_segments(model, state, device_ids, segment, on_tokens):
             # logits[:, j] predicts token start + j + 1, which may sit in the next segment: ids holds it already.
             target = device_ids[:, start + 1 : start + 1 + logits.shape[1]]
-            pred = logits[:, : target.shape[1]].float()
+            pred = at_least_fp32(logits[:, : target.shape[1]])
             total += F.cross_entropy(pred.flatten(0, 1), target.flatten(), reduction="sum").item()
             count += target.numel()
     return total, count
@@ -84,14 +89,14 @@ def scored_tail_nll(
             with torch.inference_mode():
                 if end <= skip:
                     model.forward_stream(piece, state, memory_only=True)
-                elif end <= first:  # fills the windows the scored logits read; one logit is the cheapest call
-                    model.forward_stream(piece, state, last_logits=1)
+                elif end <= first:  # no logits: it fills the windows the scored logits read
+                    model.forward_stream(piece, state, last_logits=0)
                 else:
                     k = end - max(start, first)
                     logits = model.forward_stream(piece, state, last_logits=k)[:, -k:]
                     # logits[:, j] sits at window index end - k + j and predicts the token after it.
                     a, b = offset + end - k + 1, offset + end + 1
-                    total += F.cross_entropy(logits[0].float(), targets[a:b], reduction="sum").item()
+                    total += F.cross_entropy(at_least_fp32(logits[0]), targets[a:b], reduction="sum").item()
                     lo, hi = a if lo is None else lo, b
             if on_tokens is not None:
                 on_tokens(piece.shape[1])

@@ -2,12 +2,13 @@
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import pytest
 
 from data_prep.schema import ConfigError
-from pipeline.evaluation.config import load_eval_config
+from pipeline.evaluation.config import TASKS, load_eval_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,7 +23,7 @@ def _launch(name):
 @pytest.mark.parametrize("task", ["ppl", "passkey"])
 def test_eval_writes_json_and_plot(tiny_export, tmp_path, task):
     lengths = "lengths=[400,800]" if task == "passkey" else "lengths=[256,512]"
-    extra = ["depths=[0,1]", "variant=multi", "samples=1", "needles=2"] if task == "passkey" else ["samples=2"]
+    extra = ["depths=[0,1]", "variant=multi", "samples=1", "needles=2"] if task == "passkey" else ["score_len=64"]
     rc = _launch("eval")(
         [
             "--checkpoint",
@@ -40,19 +41,27 @@ def test_eval_writes_json_and_plot(tiny_export, tmp_path, task):
     assert rc == 0
     result = json.loads((tmp_path / f"{task}.json").read_text())
     assert result["task"] == task and result["checkpoint"] == str(tiny_export) and result["train_seq_len"] == 128
-    assert [r["length"] for r in result["results"]] == ([256, 512] if task == "ppl" else [400, 400, 800, 800])
-    keys = {"ppl", "n"} if task == "ppl" else {"depth", "accuracy", "exact_match", "n"}
-    assert all(keys <= set(r) for r in result["results"])
+    rows = result["results"]
+    if task == "ppl":  # the context rows, then the whole-document row, over the same 4 filler documents
+        assert [(r["kind"], r.get("length")) for r in rows] == [("context", 256), ("context", 512), ("document", None)]
+        assert [(r["documents"], r["tokens"]) for r in rows] == [(4, 4 * 64), (4, 4 * 64), (4, 4 * 511)]
+        assert all(r["ppl"] == pytest.approx(math.exp(r["nll"])) for r in rows)
+    else:
+        assert [r["length"] for r in rows] == [400, 400, 800, 800]
+        assert all({"depth", "accuracy", "exact_match", "n"} <= set(r) for r in rows)
     assert (tmp_path / f"{task}.png").stat().st_size > 1000
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["lengths=[8,64]"], "below one chunk"),
+        (["lengths=[8,64]", "score_len=4"], "below one chunk"),
         (["lenghts=[64]"], "unknown config key 'lenghts'; did you mean 'lengths'? (in override 'lenghts=...'"),
         (["variant=double"], "variant='double' is not one of"),
         (["samples=many"], "samples"),
+        (["lengths=[256,512]", "score_len=256"], "score_len=256 must be below the shortest length (256 in lengths="),
+        (["ppl_documents=files"], "ppl_documents='files' is not one of ('documents', 'windows')"),
+        (["lengths=[64,1048576]", "score_len=32", f"data={ROOT / 'README.md'}"], "no document holds 1048576 tokens"),
     ],
 )
 def test_eval_errors_name_the_key(tiny_export, tmp_path, capsys, args, message):
@@ -68,7 +77,7 @@ def test_not_an_export(tmp_path, capsys):
 
 def test_yaml_config_files_load():
     for path in sorted((ROOT / "configs" / "eval").glob("*.yaml")):
-        load_eval_config(str(path), [])
+        load_eval_config(str(path), [], task=next((t for t in TASKS if path.stem.startswith(t)), None))
     with pytest.raises(ConfigError, match="config file not found"):
         load_eval_config("/nonexistent.yaml", [])
 
