@@ -71,6 +71,9 @@ class DemoConfig:
     haystack: str = "stdlib"
     ppl_lengths: list[int] = field(default_factory=lambda: [1024, 4096, 16384])
     ppl_samples: int = 4
+    """Windows of the longest ppl length cut from the validation split (its documents are shorter)."""
+    ppl_score_len: int = 512
+    """The final tokens of each window scored at every ppl length (below the shortest)."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -78,6 +81,11 @@ class DemoConfig:
         if unknown:
             raise ValueError(
                 f"config key 'models' has a wrong value: {unknown} are not among {sorted(MODEL_OVERRIDES)}"
+            )
+        if not self.ppl_lengths or not 1 <= self.ppl_score_len < min(self.ppl_lengths):
+            raise ValueError(
+                f"config key 'ppl_score_len' has a wrong value: {self.ppl_score_len} must be >= 1 and below the "
+                f"shortest of ppl_lengths={self.ppl_lengths} (each length scores it after its context)"
             )
 
 
@@ -188,6 +196,8 @@ class Stages:
             str(out),
             f"lengths={cfg.ppl_lengths}",
             f"samples={cfg.ppl_samples}",
+            f"score_len={cfg.ppl_score_len}",
+            "ppl_documents=windows",
             f"seed={cfg.seed}",
             f"data={ROOT / cfg.data}",
         ]

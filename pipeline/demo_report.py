@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import matplotlib
@@ -10,7 +11,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from pipeline.evaluation.plots import short_length  # noqa: E402
+from pipeline.evaluation.plots import plot_ppl_models, short_length  # noqa: E402
+
+log = logging.getLogger(__name__)
 
 
 def _read(path: Path) -> dict:
@@ -47,15 +50,22 @@ def collect_passkey(run_dir: Path, models: list[str]) -> tuple[list[dict], int |
 
 
 def collect_ppl(run_dir: Path, models: list[str]) -> list[dict]:
+    """Every model's ``--task ppl`` rows (by context length, then the whole-document row), each with a "model" key.
+    A result of the older format (one window set per length, no "kind") is left out with a warning."""
     rows = []
     for model in models:
         path = run_dir / "eval" / model / "ppl" / "ppl.json"
-        if path.is_file():
-            rows += [{"model": model, **{k: r[k] for k in ("length", "ppl", "n")}} for r in _read(path)["results"]]
+        if not path.is_file():
+            continue
+        results = _read(path)["results"]
+        if any("kind" not in r for r in results):
+            log.warning("%s is of an older format (different text per length); delete it to evaluate again", path)
+            continue
+        rows += [{"model": model, **r} for r in results]
     return rows
 
 
-def _plot(rows: list[dict], metric: str, ylabel: str, train_len: int | None, path: Path, log_y: bool = False) -> None:
+def _plot(rows: list[dict], metric: str, ylabel: str, train_len: int | None, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model]
@@ -63,8 +73,6 @@ def _plot(rows: list[dict], metric: str, ylabel: str, train_len: int | None, pat
     if train_len:
         ax.axvline(train_len, color="gray", linestyle="--", label=f"training length {train_len}")
     ax.set_xscale("log", base=2)
-    if log_y:
-        ax.set_yscale("log")
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
@@ -90,6 +98,27 @@ def _table(rows: list[dict], models: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _ppl_table(rows: list[dict], models: list[str]) -> list[str]:
+    """The caption and table of the perplexity rows: one column per context length, one of whole windows."""
+    context = [r for r in rows if r["kind"] == "context"]
+    if not context:
+        return []
+    lengths = sorted({r["length"] for r in context})
+    cell = {(r["model"], r.get("length")): f"{r['ppl']:.2f}" for r in rows}
+    first = context[0]
+    lines = [
+        f"Perplexity of the same final {first['tokens'] // first['documents']} tokens of {first['documents']} "
+        "windows of the validation split, with each length of context; the last column streams each whole window.",
+        "",
+        "| model | " + " | ".join(short_length(n) for n in lengths) + " | whole windows |",
+        "|---" * (len(lengths) + 2) + "|",
+    ]
+    for model in models:
+        cells = [cell.get((model, n), "–") for n in [*lengths, None]]
+        lines.append(f"| {model} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
 def write_report(run_dir: Path, models: list[str], timings: dict[str, float]) -> str:
     """Write the merged JSONs, plots and ``results.md``; return the markdown (also printed by the demo)."""
     passkey, train_len = collect_passkey(run_dir, models)
@@ -99,11 +128,8 @@ def write_report(run_dir: Path, models: list[str], timings: dict[str, float]) ->
     if passkey:
         _plot(passkey, "accuracy", "passkey accuracy (first answer token)", train_len, run_dir / "passkey.png")
     if ppl:
-        _plot(ppl, "ppl", "perplexity", train_len, run_dir / "ppl.png", log_y=True)
-    ppl_lines = ["| model | " + " | ".join(short_length(r["length"]) for r in ppl if r["model"] == models[0]) + " |"]
-    ppl_lines.append("|---" * (1 + sum(r["model"] == models[0] for r in ppl)) + "|")
-    for model in models:
-        ppl_lines.append(f"| {model} | " + " | ".join(f"{r['ppl']:.2f}" for r in ppl if r["model"] == model) + " |")
+        by_model = {model: [r for r in ppl if r["model"] == model] for model in models}
+        plot_ppl_models(by_model, train_len, "perplexity of the same tokens vs context", run_dir / "ppl.png")
     timing_lines = [f"| {name} | {seconds:.0f} s |" for name, seconds in timings.items()]
     report = "\n".join(
         [
@@ -114,10 +140,7 @@ def write_report(run_dir: Path, models: list[str], timings: dict[str, float]) ->
             "",
             _table(passkey, models),
             "",
-            "Perplexity on the validation split (non-overlapping windows of each length).",
-            "",
-            *ppl_lines,
-            "",
+            *_ppl_table(ppl, models),
             "Stage timings.",
             "",
             "| stage | wall time |",

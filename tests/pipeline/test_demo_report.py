@@ -16,6 +16,15 @@ def _write(path, results, train_seq_len=512):
     path.write_text(json.dumps({"task": path.stem, "train_seq_len": train_seq_len, "results": results}))
 
 
+def _ppl_rows(ppl):
+    context = {"kind": "context", "nll": 1.0, "tokens": 1536, "documents": 3, "seconds": 1.0, "tokens_per_s": 9.0}
+    return [
+        {**context, "length": 1024, "ppl": ppl},
+        {**context, "length": 4096, "ppl": ppl - 1},
+        {**context, "kind": "document", "ppl": ppl + 2, "tokens": 12285},
+    ]
+
+
 def test_pooling_and_artefacts(tmp_path):
     rows = [
         {"length": 1024, "depth": 0.0, "accuracy": 1.0, "exact_match": 0.5, "n": 2},
@@ -26,7 +35,7 @@ def test_pooling_and_artefacts(tmp_path):
         tmp_path / "eval/gca/passkey_1/passkey.json",
         [{"length": 1048576, "depth": 0.5, "accuracy": 0.5, "exact_match": 0.5, "n": 10}],
     )
-    _write(tmp_path / "eval/gca/ppl/ppl.json", [{"length": 1024, "ppl": 12.5, "n": 3}])
+    _write(tmp_path / "eval/gca/ppl/ppl.json", _ppl_rows(12.5))
     report = write_report(tmp_path, ["gca"], {"train-gca": 10.0, "passkey-gca-0": 5.0})
     merged = json.loads((tmp_path / "passkey.json").read_text())["results"]
     assert merged[0] == {
@@ -42,6 +51,41 @@ def test_pooling_and_artefacts(tmp_path):
     assert "| total | 15 s |" in report
     for name in ("ppl.json", "passkey.png", "ppl.png", "results.md"):
         assert (tmp_path / name).is_file()
+
+
+def test_ppl_rows_of_every_model_in_one_table(tmp_path, caplog):
+    _write(tmp_path / "eval/gca/ppl/ppl.json", _ppl_rows(12.5))
+    _write(tmp_path / "eval/baseline/ppl/ppl.json", _ppl_rows(20.0))
+    _write(tmp_path / "eval/ablation/ppl/ppl.json", [{"length": 1024, "ppl": 12.5, "n": 3}])  # the older format
+    report = write_report(tmp_path, ["gca", "baseline", "ablation"], {})
+    assert "same final 512 tokens of 3 windows" in report
+    assert "| model | 1K | 4K | whole windows |" in report
+    assert "| gca | 12.50 | 11.50 | 14.50 |" in report and "| baseline | 20.00 | 19.00 | 22.00 |" in report
+    assert "| ablation | – | – | – |" in report and "ablation/ppl/ppl.json is of an older format" in caplog.text
+    merged = json.loads((tmp_path / "ppl.json").read_text())["results"]
+    assert [(r["model"], r["kind"], r.get("length")) for r in merged] == [
+        ("gca", "context", 1024),
+        ("gca", "context", 4096),
+        ("gca", "document", None),
+        ("baseline", "context", 1024),
+        ("baseline", "context", 4096),
+        ("baseline", "document", None),
+    ]
+    assert (tmp_path / "ppl.png").stat().st_size > 1000
+
+
+def test_the_ppl_stage_scores_windows_of_the_validation_split(tmp_path, monkeypatch):
+    from pipeline import demo
+
+    demo_yaml = Path(__file__).resolve().parents[2] / "configs/demo/demo.yaml"
+    cfg, _ = load_demo_config(demo_yaml, [f"run_dir={tmp_path}", "ppl_lengths=[1024,4096]", "ppl_score_len=256"])
+    calls = {}
+    monkeypatch.setattr(demo.Stages, "run", lambda self, name, cmd, done, env=None: calls.update({name: cmd}))
+    demo.Stages(cfg).evaluate("gca", tmp_path / "export")
+    cmd = calls["ppl-gca"]
+    assert {"lengths=[1024, 4096]", "score_len=256", "ppl_documents=windows"} <= set(cmd)
+    with pytest.raises(ConfigError, match="'ppl_score_len' has a wrong value: 1024 must be >= 1 and below the short"):
+        load_demo_config(demo_yaml, ["ppl_lengths=[1024,4096]", "ppl_score_len=1024"])
 
 
 def test_bad_override_is_one_line(tmp_path):
