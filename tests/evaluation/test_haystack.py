@@ -38,3 +38,44 @@ def test_mds_split(tmp_path):
     for data in (split, tmp_path):  # the split itself, or a prepared-dataset dir (its val split)
         assert TokenSource(str(data), TOK).prefix(100).tolist() == [1, 2, 3, 4, 5, 6, 7]
     assert sorted(p.name for p in split.iterdir()) == before  # nothing decompressed into the source
+
+
+class CountingTokenizer(ByteTokenizer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoded: list[str] = []
+
+    def encode(self, text):
+        self.encoded.append(text)
+        return super().encode(text)
+
+
+def test_documents_are_read_one_at_a_time(tmp_path):
+    for name, text in (("a.txt", "first"), ("b.txt", "second file"), ("c.txt", "third")):
+        (tmp_path / name).write_text(text)
+    tok = CountingTokenizer()
+    documents = TokenSource(str(tmp_path), tok).documents(filler_len=0)
+    assert TOK.decode(next(documents).tolist()) == "first" and tok.encoded == ["first"]
+    assert [TOK.decode(d.tolist()) for d in documents] == ["second file", "third"]
+
+
+def test_documents_of_an_mds_split_and_of_the_builtin_filler(tmp_path):
+    from helpers import write_mds_split
+
+    write_mds_split(tmp_path / "val", [(0, 0, [1, 2, 3]), (0, 1, [4, 5]), (1, 0, [6, 7])])
+    assert [d.tolist() for d in TokenSource(str(tmp_path), TOK).documents(filler_len=0)] == [[1, 2, 3, 4, 5], [6, 7]]
+    one, again = (TokenSource("builtin", TOK, seed=1).documents(300) for _ in range(2))
+    first, second = next(one), next(one)
+    assert len(first) == len(second) == 300 and not np.array_equal(first, second)
+    assert np.array_equal(next(again), first) and np.array_equal(next(again), second)  # seeded
+
+
+def test_windows_cut_the_token_stream(tmp_path):
+    (tmp_path / "a.txt").write_text("abcdefg")
+    (tmp_path / "b.txt").write_text("hijk")
+    src = TokenSource(str(tmp_path), TOK)
+    stream = src.prefix(100)
+    assert [w.tolist() for w in src.windows(4, 10)] == [
+        stream[i : i + 4].tolist() for i in range(0, len(stream) - 3, 4)
+    ]
+    assert [w.tolist() for w in src.windows(3, 2)] == [stream[:3].tolist(), stream[3:6].tolist()]

@@ -166,3 +166,21 @@ def test_segment_wise_equals_full_forward(tiny_model, segment, length):
     reference = F.cross_entropy(logits[:, :-1].flatten(0, 1).double(), ids[:, 1:].flatten(), reduction="sum")
     assert count == ids.shape[0] * (length - 1)
     assert total == pytest.approx(reference.item(), rel=1e-5)
+
+
+def test_the_cli_scores_the_first_documents_long_enough(tmp_path):
+    from pipeline.evaluation.config import EvalConfig
+    from pipeline.evaluation.haystack import TokenSource
+    from pipeline.evaluation.run import ppl_documents
+    from pipeline.evaluation.tokenizer import ByteTokenizer
+
+    for name, size in (("a", 50), ("b", 300), ("c", 10), ("d", 200), ("e", 400)):
+        (tmp_path / f"{name}.txt").write_text("x" * size)
+    source = TokenSource(str(tmp_path), ByteTokenizer())  # no EOS: the stream is the 960 bytes
+    assert [len(d) for d in ppl_documents(source, EvalConfig(lengths=[64, 200], samples=2))] == [300, 200]
+    windows = ppl_documents(source, EvalConfig(lengths=[64, 200], samples=2, ppl_documents="windows"))
+    assert [w.tolist() for w in windows] == [source.prefix(200).tolist(), source.prefix(400)[200:].tolist()]
+    with pytest.raises(ValueError, match=r"length=500: no document holds 500 tokens \(the longest holds 400\)"):
+        ppl_documents(source, EvalConfig(lengths=[64, 500]))
+    with pytest.raises(ValueError, match="holds 960 tokens, fewer than one window of the longest length 1000"):
+        ppl_documents(source, EvalConfig(lengths=[1000], ppl_documents="windows"))
