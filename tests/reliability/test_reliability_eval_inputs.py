@@ -61,7 +61,7 @@ def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
     def ran(*args, **kwargs):
         raise AssertionError("the evaluation ran although the input was bad")
 
-    monkeypatch.setattr(eval_run, "evaluate_ppl", ran)
+    monkeypatch.setattr(eval_run, "context_ppl", ran)
     monkeypatch.setattr(eval_run, "evaluate_passkey", ran)
 
 
@@ -84,7 +84,8 @@ def _one_error_line(err: str) -> str:
 
 
 def _eval(export: Path, out: Path, *args: str, task: str = "ppl") -> int:
-    return EVAL(["--checkpoint", str(export), "--task", task, "--out", str(out), "progress=false", *args])
+    scored = ["score_len=32"] if task == "ppl" else []  # below the 64-token lengths these tests evaluate
+    return EVAL(["--checkpoint", str(export), "--task", task, "--out", str(out), "progress=false", *scored, *args])
 
 
 def _rows(result: dict) -> list[dict]:
@@ -140,7 +141,7 @@ def test_a_failed_eval_keeps_the_previous_result_and_leaves_no_directory(export,
     def broken(*args, **kwargs):
         raise ValueError("the haystack ran dry")
 
-    monkeypatch.setattr(eval_run, "evaluate_ppl", broken)
+    monkeypatch.setattr(eval_run, "context_ppl", broken)
     assert _eval(export, old, "lengths=[64]", "samples=1") == 2
     assert (old / "ppl.json").read_bytes() == before
     assert sorted(p.name for p in old.iterdir()) == ["ppl.json", "ppl.png"]  # no temp files left
@@ -154,7 +155,7 @@ def test_a_finished_result_survives_an_output_directory_that_vanished(export, tm
     names it, and it holds exactly what an undisturbed run computes."""
     assert _eval(export, tmp_path / "reference", "lengths=[64]", "samples=2") == 0
     reference = json.loads((tmp_path / "reference" / "ppl.json").read_text())
-    out, real = tmp_path / "out", eval_run.evaluate_ppl
+    out, real = tmp_path / "out", eval_run.context_ppl
 
     def then_vanish(*args, **kwargs):
         rows = real(*args, **kwargs)
@@ -162,7 +163,7 @@ def test_a_finished_result_survives_an_output_directory_that_vanished(export, tm
         out.write_text("someone else's file\n")
         return rows
 
-    monkeypatch.setattr(eval_run, "evaluate_ppl", then_vanish)
+    monkeypatch.setattr(eval_run, "context_ppl", then_vanish)
     rescue_dir = tmp_path / "system_tmp"
     rescue_dir.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(rescue_dir))
@@ -408,7 +409,7 @@ def test_environment_values_never_reach_output_or_results(export, secret_corpus,
     assert SECRET not in printed.out + printed.err + caplog.text + _files_text(cli)
 
     config = tmp_path / "eval.yaml"
-    config.write_text("data: ${oc.env:GCA_EVAL_DATA}\nlengths: [64]\nsamples: 2\n")
+    config.write_text("data: ${oc.env:GCA_EVAL_DATA}\nlengths: [64]\nscore_len: 32\nsamples: 2\n")
     process = tmp_path / "out_process"
     proc = subprocess.run(
         [

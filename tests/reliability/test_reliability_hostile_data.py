@@ -445,6 +445,8 @@ def test_two_ranks_train_and_eval_on_a_hostile_read_only_dataset(tmp_path):
             "--out",
             str(out),
             "lengths=[64]",
+            "score_len=32",
+            "ppl_documents=windows",
             "samples=1",
             f"data={data}",
             "progress=false",
@@ -453,7 +455,7 @@ def test_two_ranks_train_and_eval_on_a_hostile_read_only_dataset(tmp_path):
             cmd, capture_output=True, text=True, timeout=180, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}
         )
         assert ev.returncode == 0, ev.stderr[-3000:]
-    assert json.loads((out / "ppl.json").read_text())["results"][0]["n"] >= 1
+    assert json.loads((out / "ppl.json").read_text())["results"][0]["documents"] == 1
     assert victim.read_bytes() == b"alias ll='ls -l'\n"
     assert snapshot(data) == before
     assert list((run / "data_cache").iterdir()) == []
