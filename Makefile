@@ -9,7 +9,7 @@ PYTEST := $(PY) -m pytest -q
 # The default CPU tier: everything not behind a heavier marker.
 DEFAULT_MARKERS := not slow and not gpu and not dist and not slurm
 
-.PHONY: install lint format typecheck test test-slow test-dist test-gpu test-kernels test-reliability test-slurm preflight demo demo-smoke prep bench bench-train bench-kernels test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv gpu-wheels gpu-check test-gpu-wheels test-gpu-check
+.PHONY: install lint format typecheck test test-slow test-dist test-gpu test-kernels test-reliability test-slurm preflight demo demo-smoke demo-lm demo-lm-smoke prep bench bench-train bench-kernels test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv gpu-wheels gpu-check test-gpu-wheels test-gpu-check
 
 install: $(STAMP)
 
@@ -122,6 +122,15 @@ demo: install ds-warmup
 demo-smoke: install ds-warmup
 	@test -f data/default/_COMPLETE || $(PY) launch/prep.py --config configs/data/default.yaml
 	$(PY) launch/demo.py --config configs/demo/smoke.yaml $(ARGS)
+
+# The language-modelling demo: prep without held-out stdlib packages -> GCA, sliding-window and full-attention
+# models trained alike -> perplexity of the same tokens with 1K..64K of context -> runs/demo_lm/results.md.
+# Interrupted? Run it again: it continues.
+demo-lm: install ds-warmup
+	$(PY) launch/demo_lm.py --config configs/demo_lm/demo_lm.yaml $(ARGS)
+
+demo-lm-smoke: install ds-warmup
+	$(PY) launch/demo_lm.py --config configs/demo_lm/smoke.yaml $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

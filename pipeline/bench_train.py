@@ -24,12 +24,11 @@ import torch
 from kernels.cpu_math import flush_denormals, retain_freed_memory
 from model.bench import BENCH_CONFIG, bench_model
 from model.lm import lm_loss
+from pipeline.stage_runner import TRAIN_MODULE
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("gca", "swa", "full")
 """The ``model.arch`` of each compared model."""
-TRAIN_MODULE = "pipeline.cli.train"
-"""What the trainer runs are started as (``python -m`` / ``deepspeed --module``)."""
 STEP_MODULE = "pipeline.cli.bench_train"
 """The benchmark's own command line; its hidden ``--one KIND LENGTH`` times one configuration."""
 

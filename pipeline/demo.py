@@ -9,13 +9,7 @@ Settings come from ``configs/demo/demo.yaml``; the training recipe from the trai
 
 from __future__ import annotations
 
-import json
-import logging
-import os
-import shlex
-import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,12 +17,9 @@ from omegaconf import OmegaConf
 
 from data_prep.redaction import restore_env_interpolations
 from data_prep.schema import load_schema
-
-log = logging.getLogger(__name__)
+from pipeline.stage_runner import StageError, StageRunner, eval_command, train_command
 
 ROOT = Path(__file__).resolve().parents[1]
-TRAIN_MODULE = "pipeline.cli.train"
-EVAL_MODULE = "pipeline.cli.eval"
 # What distinguishes the demo's models; everything else comes from the same train config.
 MODEL_OVERRIDES = {
     "gca": [],
@@ -104,31 +95,18 @@ class DemoError(RuntimeError):
 
 
 class Stages:
-    """Runs the demo's commands, timing each and skipping what is already done."""
+    """The demo's commands, timed and skipped when already done (``pipeline.stage_runner``)."""
 
     def __init__(self, cfg: DemoConfig) -> None:
         self.cfg = cfg
         self.run_dir = ROOT / cfg.run_dir
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.timings_path = self.run_dir / "timings.json"
-        self.timings: dict[str, float] = (
-            json.loads(self.timings_path.read_text()) if self.timings_path.is_file() else {}
-        )
+        self.runner = StageRunner(self.run_dir, ROOT)
 
-    def run(self, name: str, cmd: list[str], done: Path, env: dict[str, str] | None = None) -> None:
-        if done.exists():
-            log.info("[%s] already done (%s exists); skipping", name, done.relative_to(ROOT))
-            return
-        log.info("[%s] $ %s", name, shlex.join(cmd))
-        t0 = time.perf_counter()
-        result = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env or {})})
-        if result.returncode != 0:
-            raise DemoError(f"demo stage '{name}' failed with exit code {result.returncode}: {shlex.join(cmd)}")
-        if not done.exists():
-            raise DemoError(f"demo stage '{name}' finished but did not produce {done}")
-        self.timings[name] = round(time.perf_counter() - t0, 1)
-        self.timings_path.write_text(json.dumps(self.timings, indent=2))
-        log.info("[%s] done in %.0f s", name, self.timings[name])
+    def run(self, name: str, cmd: list[str], done: Path, env: dict[str, str]) -> None:
+        try:
+            self.runner.run(name, cmd, done, env)
+        except StageError as err:
+            raise DemoError(f"demo {err}") from None
 
     def train(self, model: str) -> Path:
         """Train ``model`` through every stage; returns the last stage's export."""
@@ -146,17 +124,7 @@ class Stages:
             ]
             if export is not None:
                 overrides.append(f"checkpoint.init_from={export}")
-            cmd = [
-                str(Path(sys.executable).parent / "deepspeed"),
-                "--num_gpus",
-                str(cfg.ranks),
-                "--module",
-                TRAIN_MODULE,
-                "--config",
-                cfg.gca_config,
-                *overrides,
-            ]
-            env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+            cmd, env = train_command(cfg.ranks, cfg.gca_config, overrides)
             export = run_dir / "export"
             self.run(f"train-{model}-{stage.name}", cmd, export / "model.safetensors", env)
         assert export is not None
@@ -167,33 +135,11 @@ class Stages:
         common = [f"seed={cfg.seed}", f"data={cfg.haystack}"]
         for i, part in enumerate(cfg.passkey):
             out = self.run_dir / "eval" / model / f"passkey_{i}"
-            cmd = [
-                sys.executable,
-                "-m",
-                EVAL_MODULE,
-                "--checkpoint",
-                str(export),
-                "--task",
-                "passkey",
-                "--out",
-                str(out),
-                f"lengths={part.lengths}",
-                f"samples={part.samples}",
-                f"depths={cfg.depths}",
-                *common,
-            ]
-            self.run(f"passkey-{model}-{i}", cmd, out / "passkey.json", {"OMP_NUM_THREADS": "2"})
+            keys = [f"lengths={part.lengths}", f"samples={part.samples}", f"depths={cfg.depths}", *common]
+            cmd, env = eval_command(export, "passkey", out, keys)
+            self.run(f"passkey-{model}-{i}", cmd, out / "passkey.json", env)
         out = self.run_dir / "eval" / model / "ppl"
-        cmd = [
-            sys.executable,
-            "-m",
-            EVAL_MODULE,
-            "--checkpoint",
-            str(export),
-            "--task",
-            "ppl",
-            "--out",
-            str(out),
+        keys = [
             f"lengths={cfg.ppl_lengths}",
             f"samples={cfg.ppl_samples}",
             f"score_len={cfg.ppl_score_len}",
@@ -201,7 +147,8 @@ class Stages:
             f"seed={cfg.seed}",
             f"data={ROOT / cfg.data}",
         ]
-        self.run(f"ppl-{model}", cmd, out / "ppl.json", {"OMP_NUM_THREADS": "2"})
+        cmd, env = eval_command(export, "ppl", out, keys)
+        self.run(f"ppl-{model}", cmd, out / "ppl.json", env)
 
 
 def run_demo(config: str, overrides: list[str]) -> None:
@@ -223,4 +170,4 @@ def run_demo(config: str, overrides: list[str]) -> None:
     exports = {model: stages.train(model) for model in cfg.models}
     for model, export in exports.items():
         stages.evaluate(model, export)
-    sys.stdout.write(write_report(stages.run_dir, cfg.models, stages.timings) + "\n")
+    sys.stdout.write(write_report(stages.run_dir, cfg.models, stages.runner.timings) + "\n")

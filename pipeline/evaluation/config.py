@@ -27,6 +27,9 @@ class EvalConfig:
     ppl_documents: str = "documents"
     """ppl: documents (each document of ``data``; builtin: ``samples`` seeded filler documents of the longest
     length) | windows (the token stream, documents joined with EOS, cut into windows of the longest length)."""
+    document_ppl: bool = True
+    """ppl: also stream every whole document from its start (a ``"document"`` row). Its cost grows with the
+    documents' length, quadratically for ``model.arch=full``."""
     seed: int = 0
     segment: int = 4096
     """Tokens per forward_stream call: bounds activation memory, any value gives the same logits."""

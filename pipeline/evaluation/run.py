@@ -116,7 +116,8 @@ def _evaluate(checkpoint: str, task: str, cfg: EvalConfig) -> dict:
         documents = ppl_documents(source, cfg)
         run = (ckpt.model, documents)
         rows = context_ppl(*run, cfg.lengths, cfg.score_len, cfg.segment, cfg.offload_mb, cfg.offload_dir, progress)
-        rows.append(document_ppl(*run, cfg.segment, cfg.offload_mb, cfg.offload_dir, progress))
+        if cfg.document_ppl:
+            rows.append(document_ppl(*run, cfg.segment, cfg.offload_mb, cfg.offload_dir, progress))
     else:
         rows = evaluate_passkey(
             ckpt.model,

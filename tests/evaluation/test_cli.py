@@ -52,6 +52,20 @@ def test_eval_writes_json_and_plot(tiny_export, tmp_path, task):
     assert (tmp_path / f"{task}.png").stat().st_size > 1000
 
 
+def test_ppl_without_the_document_row(tiny_export, tmp_path, monkeypatch):
+    """``document_ppl=false`` writes the context rows only and never streams a whole document."""
+    from pipeline.evaluation import run
+
+    def whole_documents(*args, **kwargs):
+        raise AssertionError("document_ppl ran although document_ppl=false")
+
+    monkeypatch.setattr(run, "document_ppl", whole_documents)
+    args = ["lengths=[256]", "score_len=64", "segment=100", "progress=false", "document_ppl=false"]
+    assert _launch("eval")(["--checkpoint", str(tiny_export), "--task", "ppl", "--out", str(tmp_path), *args]) == 0
+    rows = json.loads((tmp_path / "ppl.json").read_text())["results"]
+    assert [(r["kind"], r["length"], r["documents"]) for r in rows] == [("context", 256, 4)]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
