@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import shlex
+import socket
 import subprocess
 import sys
 import time
@@ -64,10 +65,19 @@ TRAIN_MODULE = "pipeline.cli.train"
 EVAL_MODULE = "pipeline.cli.eval"
 
 
+def free_port() -> int:
+    """A loopback TCP port nobody listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 def train_command(ranks: int, config: str, overrides: list[str]) -> tuple[list[str], dict[str, str]]:
-    """The DeepSpeed launch of the trainer on ``ranks`` CPU ranks of this machine, and its environment."""
+    """The DeepSpeed launch of the trainer on ``ranks`` CPU ranks of this machine, and its environment. The
+    rendezvous port is a free one, not DeepSpeed's fixed 29500, so a demo runs next to another training job."""
     deepspeed = str(Path(sys.executable).parent / "deepspeed")
-    cmd = [deepspeed, "--num_gpus", str(ranks), "--module", TRAIN_MODULE, "--config", config, *overrides]
+    launcher = [deepspeed, "--num_gpus", str(ranks), "--master_port", str(free_port())]
+    cmd = [*launcher, "--module", TRAIN_MODULE, "--config", config, *overrides]
     return cmd, {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 
 
