@@ -78,7 +78,7 @@ def claims(rows: list[dict], train_len: int | None) -> list[str]:
     if train_len and ("full", train_len) in ppl:
         past = [n for n in lengths if n > train_len and ("full", n) in ppl]
         if past:
-            ratios = ", ".join(f"{short_length(n)}: {ppl[('full', n)] / ppl[('full', train_len)]:.1f}x" for n in past)
+            ratios = ", ".join(f"{short_length(n)}: {ppl[('full', n)] / ppl[('full', train_len)]:.2f}x" for n in past)
             lines.append(
                 f"Full attention's perplexity past its training length, relative to "
                 f"{short_length(train_len)}: {ratios}."
