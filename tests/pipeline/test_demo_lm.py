@@ -78,7 +78,7 @@ def test_claims_state_the_numbers_that_decide_them():
         "by 5.6% from 1K to 16K, though it rises 6.2% from 4K to 16K."
     )
     assert versus.endswith("(GCA vs baseline, 4K: 8.00 vs 8.70, 16K: 8.50 vs 8.40): does not hold at 16K.")
-    assert full == "Full attention's perplexity past its training length, relative to 1K: 4K: 5.0x."
+    assert full == "Full attention's perplexity past its training length, relative to 1K: 4K: 5.00x."
 
 
 @pytest.mark.parametrize(
