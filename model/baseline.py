@@ -25,12 +25,9 @@ class SlidingWindowLM(CausalLM):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        n_layers = cfg.n_lower_layers + cfg.n_upper_layers + cfg.n_encoder_layers
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(n_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_baseline_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=cfg.init_std)
+        self.init_normal_weights()
 
     def new_stream_state(self, memory: ChunkStore | None = None) -> StreamState:
         """Only the per-layer window caches are used; ``memory`` is accepted for interface parity."""

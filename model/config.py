@@ -138,6 +138,12 @@ class GCAConfig:
     def n_upper_layers(self) -> int:
         return sum(self.groups)
 
+    @property
+    def n_baseline_layers(self) -> int:
+        """Layers of the ``swa`` and ``full`` baselines: every layer of the GCA model (lower, upper, encoder) as one
+        plain decoder layer, so the models have a similar parameter budget."""
+        return self.n_lower_layers + self.n_upper_layers + self.n_encoder_layers
+
     def to_dict(self) -> dict:
         """Every field but the ``attn_backend`` shorthand, which construction has already expanded."""
         data = asdict(self)

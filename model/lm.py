@@ -83,6 +83,13 @@ class CausalLM(nn.Module):
         """Tokens after ``memory_only`` steps from which logits are exact again (``None``: unsupported)."""
         raise NotImplementedError
 
+    def init_normal_weights(self) -> None:
+        """N(0, ``init_std``) for every linear and embedding weight (the baselines' whole initialisation; norm gains
+        keep their ones)."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=self.cfg.init_std)
+
     def num_parameters(self, exclude_embedding: bool = False) -> int:
         n = count_parameters(self)
         return n - self.embed.weight.numel() if exclude_embedding else n

@@ -113,13 +113,13 @@ def flops_per_token(cfg: GCAConfig, seq_len: int, n_matmul_params: int) -> float
       - chunk encoder: the ``S + 1`` positions of its own chunk;
       - GCA (upper layers): ``top_k * S`` retrieved memory tokens;
       - retrieval (once per group): each landmark scores every earlier chunk, ``N^2 / 2 * 2d`` per sequence.
-    The baselines have no landmarks, encoder, GCA or retrieval: all their ``n_lower_layers + sum(groups) +
-    n_encoder_layers`` layers are self-attention over the tokens, sliding-window (``swa``) or causal (``full``,
+    The baselines have no landmarks, encoder, GCA or retrieval: all their ``n_baseline_layers`` layers are
+    self-attention over the tokens, sliding-window (``swa``) or causal (``full``,
     the mean of ``t + 1``).
     """
     S, d = cfg.chunk_size, cfg.d_model
     if cfg.arch != "gca":
-        n_layers = cfg.n_lower_layers + cfg.n_upper_layers + cfg.n_encoder_layers
+        n_layers = cfg.n_baseline_layers
         keys = _mean_keys(seq_len, None if cfg.arch == "full" else cfg.window)
         return 6.0 * n_matmul_params + 12.0 * d * keys * n_layers
     n_chunks = max(seq_len // S, 1)
