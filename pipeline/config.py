@@ -355,7 +355,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             f"{t.micro_batch} x {world_size} = {t.micro_batch * world_size}"
         )
     n_chunks = t.seq_len // cfg.model.chunk_size
-    if cfg.model.top_k > n_chunks:
+    if cfg.model.arch == "gca" and cfg.model.top_k > n_chunks:  # the baselines retrieve nothing
         raise ConfigError(
             f"model.top_k={cfg.model.top_k} is larger than the number of chunks per sequence, "
             f"train.seq_len // model.chunk_size = {t.seq_len} // {cfg.model.chunk_size} = {n_chunks}"

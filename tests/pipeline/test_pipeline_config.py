@@ -106,6 +106,13 @@ def test_inconsistent_values_state_rule_and_values(overrides, world, expected):
     assert expected in fails(overrides, world)
 
 
+@pytest.mark.parametrize("arch", ["swa", "full"])
+def test_top_k_is_not_checked_for_the_baselines_which_retrieve_nothing(arch):
+    short = ["train.seq_len=64", "model.chunk_size=16", "model.top_k=5"]
+    cfg = load_config(REPO / "configs/train/debug.yaml", [*short, f"model.arch={arch}"])
+    assert (cfg.model.arch, cfg.model.top_k, cfg.train.seq_len) == (arch, 5, 64)
+
+
 def test_overrides_apply_and_derived_numbers():
     cfg = load_config(REPO / "configs/train/debug.yaml", ["train.max_steps=3", "model.groups=[1,1]"])
     assert cfg.train.max_steps == 3 and cfg.model.groups == [1, 1]
