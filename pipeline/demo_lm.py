@@ -20,6 +20,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from data_prep.builtin import corpus_files
+from data_prep.format import COMPLETE_MARKER, read_manifest
 from data_prep.redaction import restore_env_interpolations
 from data_prep.schema import load_schema
 from pipeline.stage_runner import StageRunner, eval_command, train_command
@@ -142,6 +143,35 @@ def write_eval_documents(packages: list[str], out_dir: Path, tokenizer_model: Pa
     return index
 
 
+def check_earlier_outputs(holdout: list[str], data: Path, run_dir: Path) -> None:
+    """Refuse a prepared corpus or evaluation documents that an earlier run made for other held-out packages: the
+    stages would skip them as done, and a package evaluated now might then be in the training split.
+
+    Raises:
+        DemoLMError: naming the directory, what it was made for, and what to do.
+    """
+    if (data / COMPLETE_MARKER).is_file():
+        excluded = read_manifest(data).config.get("exclude", [])
+        if sorted(excluded) != sorted(exclude_patterns(holdout)):
+            raise DemoLMError(
+                f"{data} was prepared with exclude={excluded}, not for holdout={holdout}, so its training split may "
+                "hold evaluation text: remove it, or set data=<another directory> to prepare one"
+            )
+    index = run_dir / EVAL_DOCS_INDEX
+    if index.is_file():
+        names = [document["name"] for document in json.loads(index.read_text())]
+        if sorted(names) != sorted(holdout):
+            raise DemoLMError(
+                f"{run_dir} holds the evaluation documents (and models) of holdout={names}, not {holdout}: "
+                "set run_dir=<a new directory>"
+            )
+
+
+def exclude_patterns(holdout: list[str]) -> list[str]:
+    """Prep's ``exclude`` patterns that leave the held-out packages out of the corpus."""
+    return [f"{package}/*" for package in holdout]
+
+
 def run_demo_lm(config: str, overrides: list[str]) -> None:
     """Every stage not done yet, then ``ppl.json``, ``ppl.png`` and ``results.md`` in the run dir.
 
@@ -153,14 +183,14 @@ def run_demo_lm(config: str, overrides: list[str]) -> None:
     from pipeline.stage_runner import StageError
 
     cfg, env_paths = load_demo_lm_config(config, overrides)
-    run_dir = ROOT / cfg.run_dir
+    run_dir, data = ROOT / cfg.run_dir, ROOT / cfg.data
+    holdout_files(cfg.holdout)  # a wrong package name fails before minutes of prep
+    check_earlier_outputs(cfg.holdout, data, run_dir)
     stages = StageRunner(run_dir, ROOT)
     as_run = restore_env_interpolations(OmegaConf.to_container(OmegaConf.structured(cfg)), env_paths)
     (run_dir / "demo_lm.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(as_run)))
     try:
-        holdout_files(cfg.holdout)  # a wrong package name fails before minutes of prep
-        data = ROOT / cfg.data
-        exclude = json.dumps([f"{package}/*" for package in cfg.holdout])
+        exclude = json.dumps(exclude_patterns(cfg.holdout))
         prep = [sys.executable, "-m", PREP_MODULE, "--config", cfg.prep_config, f"output={data}", f"exclude={exclude}"]
         stages.run("prep", prep, data / "_COMPLETE")
         index_path = run_dir / EVAL_DOCS_INDEX

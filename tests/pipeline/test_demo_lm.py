@@ -11,7 +11,13 @@ import sentencepiece as spm
 from data_prep import format as fmt
 from data_prep.builtin import corpus_files
 from data_prep.schema import ConfigError
-from pipeline.demo_lm import DemoLMError, holdout_files, load_demo_lm_config, write_eval_documents
+from pipeline.demo_lm import (
+    DemoLMError,
+    check_earlier_outputs,
+    holdout_files,
+    load_demo_lm_config,
+    write_eval_documents,
+)
 from pipeline.demo_lm_report import claims, retrieval_summary, write_demo_lm_report
 
 REPO = Path(__file__).resolve().parents[2]
@@ -127,3 +133,24 @@ def test_report_pools_every_model(tmp_path):
         ("baseline", "document"),
     ]
     assert (tmp_path / "ppl.png").stat().st_size > 0
+
+
+def test_outputs_of_another_holdout_are_refused(tiny_data, tmp_path):
+    """A corpus prepared (or documents written) for other held-out packages would be skipped as done, and a package
+    evaluated now could then be in the training split: both are refused, naming what they were made for."""
+    from data_prep.config import load_config
+    from data_prep.shard import main as prep
+
+    corpus, data, run_dir = tmp_path / "corpus", tmp_path / "data", tmp_path / "run"
+    for package in ("email", "json"):
+        (corpus / package).mkdir(parents=True)
+        (corpus / package / "module.txt").write_text(f"the grass is green in {package} " * 20)
+    settings = [f"input={corpus}", f"output={data}", f"tokenizer.model={tiny_data / fmt.TOKENIZER_FILENAME}"]
+    prep(load_config(None, [*settings, 'exclude=["email/*"]', "val_fraction=0", "progress=false"]))
+    check_earlier_outputs(["email"], data, run_dir)  # the same holdout: reused
+    with pytest.raises(DemoLMError, match=r"prepared with exclude=\['email/\*'\], not for holdout=\['json'\]"):
+        check_earlier_outputs(["json"], data, run_dir)
+    run_dir.mkdir()
+    (run_dir / "eval_docs.json").write_text(json.dumps([{"name": "email", "files": 1, "tokens": 9}]))
+    with pytest.raises(DemoLMError, match=r"holdout=\['email'\], not \['email', 'json'\]: set run_dir="):
+        check_earlier_outputs(["email", "json"], tmp_path / "fresh", run_dir)
