@@ -1,6 +1,11 @@
 """``torchrun`` for one node of a SLURM job (``launch/slurm/pretrain.sbatch``); takes torchrun's arguments.
 
-It differs from ``torchrun`` in two ways, both needed for preemption:
+It says which node it runs on, first, so that the job's log shows every node's part. When the batch script names
+the node at ``MASTER_ADDR`` (``GCA_RDZV_HOST_NODE``), that node hosts the rendezvous store and no other does
+(``--rdzv_conf is_host``, decided by ``SLURMD_NODENAME``): torch's own guess calls a node the host whenever the
+endpoint's name resolves to one of the node's addresses, which is every node when node names share an address (the
+test cluster's nodes are all 127.0.0.1), and no node when ``MASTER_ADDR`` is an alias that the host does not
+recognise as its own. It differs from ``torchrun`` in two more ways, both needed for preemption:
 
 - It exits with the exit code of the rank that ended first, when the others ended with the same code or were
   stopped by torchrun itself (SIGTERM: torchrun stops the remaining ranks as soon as one exits non-zero, and
@@ -13,7 +18,9 @@ It differs from ``torchrun`` in two ways, both needed for preemption:
   signal too, which is why the batch script repeats it until the ranks exit.
 """
 
+import os
 import signal
+import socket
 import sys
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -22,8 +29,13 @@ from torch.distributed.run import parse_args, run
 
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    args = parse_args(argv)
+    if host_node := os.environ.get("GCA_RDZV_HOST_NODE"):
+        is_host = str(os.environ.get("SLURMD_NODENAME") == host_node).lower()
+        args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, f"is_host={is_host}"]))
+    print(f"node_torchrun: starting {args.nproc_per_node} rank(s) on {socket.gethostname()}", flush=True)
     try:
-        run(parse_args(argv))
+        run(args)
     except ChildFailedError as err:
         print(err, file=sys.stderr, flush=True)  # torchrun's per-rank failure table
         first_rank, first = err.get_first_failure()
