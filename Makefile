@@ -7,9 +7,9 @@ DEPS_HASH := $(shell cat requirements.lock pyproject.toml Makefile | sha1sum | c
 STAMP := $(VENV)/.installed-$(DEPS_HASH)
 PYTEST := $(PY) -m pytest -q
 # The default CPU tier: everything not behind a heavier marker.
-DEFAULT_MARKERS := not slow and not gpu and not dist and not slurm
+DEFAULT_MARKERS := not slow and not gpu and not dist and not slurm and not multinode
 
-.PHONY: install lint format typecheck test test-slow test-dist test-gpu test-kernels test-reliability test-slurm preflight demo demo-smoke demo-lm demo-lm-smoke prep bench bench-train bench-kernels test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv gpu-wheels gpu-check test-gpu-wheels test-gpu-check
+.PHONY: install lint format typecheck test test-slow test-dist test-gpu test-kernels test-reliability test-slurm test-multinode preflight demo demo-smoke demo-lm demo-lm-smoke prep bench bench-train bench-kernels test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv gpu-wheels gpu-check test-gpu-wheels test-gpu-check
 
 install: $(STAMP)
 
@@ -59,6 +59,13 @@ test-reliability: install ds-warmup
 # if missing): pretrain.sbatch preempt -> requeue -> exact resume, and the prep.sbatch array + merge. ~3 min.
 test-slurm: install
 	OMP_NUM_THREADS=1 timeout 1200 $(PYTEST) -s -m slurm tests/slurm
+
+# Multi-node tier (needs root, docs/multinode.md): two simulated nodes on this machine, each in its own namespaces
+# (hostname, loopback address, pids, /dev/shm, scratch), sharing the data and run directories: torchrun and the
+# DeepSpeed launcher (--no_ssh) against one node, a lost node, cross-node preflight, and pretrain.sbatch on a
+# two-node SLURM cluster (apt-installs the SLURM daemons like test-slurm if missing).
+test-multinode: install ds-warmup
+	OMP_NUM_THREADS=1 timeout 2400 $(PYTEST) -s -m multinode tests
 
 # Check the node(s) before a launch: make preflight ARGS="--config configs/train/x.yaml [--gpus-per-node 8] [k=v ...]"
 preflight: install

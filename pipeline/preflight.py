@@ -20,7 +20,8 @@ Checks, each failure one ``preflight: <host> rank <r>: <what>: <why and the fix>
 - shared memory: ``/dev/shm`` files that crashed streaming loaders (``NNNNNN_*``, which streaming's own cleaner
   misses for prefixes other than 0) and DeepSpeed's CPU allreduce leave behind are removed when no process on
   the node maps or holds them (so a running job is never touched);
-- versions: python, torch, triton, deepspeed, streaming, numpy, ... (and CUDA) are the same on every rank.
+- versions: python, torch, triton, deepspeed, streaming, numpy, ... (and CUDA) are the same on every rank (the
+  trainer repeats this one at every start, `version_mismatches`, whatever the launcher).
 
 Node-local checks (data, disk, shared memory) run once per node, on local rank 0.
 """
@@ -234,6 +235,16 @@ def compare_versions(reports: list[Report]) -> list[str]:
                 f"preflight: {r.host} rank {r.rank}: versions: {what}; install the same environment on every node"
             )
     return lines
+
+
+def version_mismatches(info: dist.DistInfo) -> list[str]:
+    """Every rank's library versions compared with rank 0's (one all-gather); the same lines on every rank, each
+    naming a host, a rank and the packages that differ. Empty in a single process."""
+    if not tdist.is_initialized():
+        return []
+    gathered: list[Report | None] = [None] * info.world_size
+    tdist.all_gather_object(gathered, Report(socket.gethostname(), info.rank, info.local_rank, _local_versions()))
+    return compare_versions([r for r in gathered if r is not None])
 
 
 def _local_versions() -> dict[str, str]:

@@ -62,6 +62,7 @@ from pipeline.logging import flops_per_token, matmul_params, memory_gb, peak_flo
 from pipeline.needle import NeedleInserter
 from pipeline.optim import lr_at, set_lr
 from pipeline.parallel import build_engine
+from pipeline.preflight import version_mismatches
 from pipeline.train_inputs import check_inputs, check_no_secrets, init_weights_from
 
 log = logging.getLogger(__name__)
@@ -351,6 +352,13 @@ def main(config_path: str | None, overrides: list[str]) -> int:
     info = dist.init_distributed(cfg.parallel.engine)
     setup_logging(info.rank)
     try:
+        mismatches = version_mismatches(info)  # every rank gets the same list, so all of them stop together
+        if mismatches:
+            if info.is_main:
+                for line in mismatches:
+                    log.error("%s", line)
+                log.error("the nodes run different library versions (above); not starting the training")
+            return 2
         try:
             trainer = Trainer(cfg, info)
         except ConfigError as err:  # found while building the run (e.g. checkpoint.init_from does not fit)

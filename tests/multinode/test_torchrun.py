@@ -156,17 +156,31 @@ def test_lost_node_fails_the_job_in_bounded_time_and_a_relaunch_resumes_exactly(
     assert_losses(reference, run, range(1, STEPS + 1), exact=True)
 
 
-def test_preflight_names_the_node_with_other_library_versions(cluster, data, free_port, tmp_path):
-    """Node 1's Python sees another numpy distribution first on its path: its environment differs."""
+@pytest.mark.parametrize(
+    ("script", "exit_code", "verdict"),
+    [
+        ("launch/preflight.py", 1, "preflight FAILED: 1 problem(s)"),
+        ("launch/pretrain.py", 2, "the nodes run different library versions (above); not starting the training"),
+    ],
+    ids=["preflight", "trainer"],
+)
+def test_a_node_with_other_library_versions_is_named_before_training(
+    cluster, data, free_port, tmp_path, script, exit_code, verdict
+):
+    """Node 1's Python sees another numpy distribution first on its path: its environment differs. Both the
+    preflight and the trainer's own start-up check name that node, and no step runs."""
     other = tmp_path / "other-env"
     dist_info = other / "numpy-0.0.1.dist-info"
     dist_info.mkdir(parents=True)
     (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: numpy\nVersion: 0.0.1\n")
-    args = ["--gpus-per-node", "0", *run_args(tmp_path / "run", data, "fsdp")]
-    env = {1: {"PYTHONPATH": str(other)}}
-    nodes = launch(cluster, (2, 1), free_port(), args, env, script="launch/preflight.py")
+    run = tmp_path / "run"
+    args = run_args(run, data, "fsdp")
+    if script == "launch/preflight.py":
+        args = ["--gpus-per-node", "0", *args]
+    nodes = launch(cluster, (2, 1), free_port(), args, {1: {"PYTHONPATH": str(other)}}, script=script)
     codes = cluster.wait_all(nodes, RUN_TIMEOUT_S)
     report = nodes[0].output()
-    assert codes[0] == 1, logs(nodes)
+    assert codes[0] == 1 and f"exitcode  : {exit_code}" in report, logs(nodes)  # torchrun's failure table
     assert f"preflight: {node_name(1)} rank 1: versions: numpy 0.0.1 (rank 0 on {node_name(0)}:" in report, report
-    assert "preflight FAILED: 1 problem(s)" in report, report
+    assert verdict in report, report
+    assert last_step(run) == 0, "no training step ran"
