@@ -320,6 +320,16 @@ def _check_extrapolation(cfg: TrainConfig, world_size: int) -> None:
             )
 
 
+def _batch_fixes(t: TrainLoopConfig, world_size: int) -> str:
+    """What would make the batch arithmetic work on ``world_size`` ranks: a smaller micro batch that keeps the
+    global batch (and so the training recipe), or the nearest global batch that keeps the micro batch."""
+    micro = [m for m in range(t.micro_batch - 1, 0, -1) if t.global_batch % (m * world_size) == 0]
+    per_step = t.micro_batch * world_size
+    nearest = max(per_step, round(t.global_batch / per_step) * per_step)
+    keep = f"train.micro_batch={micro[0]} keeps the global batch" if micro else "no micro batch keeps the global batch"
+    return f"{keep}, or train.global_batch={nearest} keeps the micro batch"
+
+
 def validate(cfg: TrainConfig, world_size: int) -> None:
     """Cross-field rules; each error states the rule and the values."""
     _check_finite(cfg)
@@ -352,7 +362,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     if t.global_batch % (t.micro_batch * world_size) != 0:
         raise ConfigError(
             f"train.global_batch={t.global_batch} must be divisible by train.micro_batch x world size = "
-            f"{t.micro_batch} x {world_size} = {t.micro_batch * world_size}"
+            f"{t.micro_batch} x {world_size} = {t.micro_batch * world_size}; {_batch_fixes(t, world_size)}"
         )
     n_chunks = t.seq_len // cfg.model.chunk_size
     if cfg.model.arch == "gca" and cfg.model.top_k > n_chunks:  # the baselines retrieve nothing

@@ -1,5 +1,6 @@
 """Config validation: every bad input fails before anything starts, naming the full key (and a near miss)."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -184,3 +185,18 @@ def test_every_tool_reports_a_bad_key_as_the_one_shared_config_error():
             load()
         assert str(caught.value).startswith("unknown config key 'seeed'"), (name, str(caught.value))
         assert isinstance(caught.value, PrepError) == (name == "prep"), "prep's is also a PrepError, for its CLI"
+
+
+@pytest.mark.parametrize("world", [3, 16, 32, 48])
+def test_batch_error_suggests_settings_that_work_on_that_world_size(world):
+    """The paper recipe (global 32, micro 4) on cluster sizes it does not divide: every setting the error
+    suggests is accepted on that world size, and the suggested micro batch keeps the global batch of 32."""
+    with pytest.raises(ConfigError) as err:
+        load_config(str(REPO / "configs/train/gca_pg19_16k.yaml"), [], world)
+    suggested = re.findall(r"(train\.(?:micro|global)_batch=\d+) keeps", str(err.value))
+    assert suggested, str(err.value)
+    for setting in suggested:
+        cfg = load_config(str(REPO / "configs/train/gca_pg19_16k.yaml"), [setting], world)
+        assert cfg.train.global_batch % (cfg.train.micro_batch * world) == 0
+        if setting.startswith("train.micro_batch"):
+            assert cfg.train.global_batch == 32
