@@ -393,11 +393,16 @@ class CheckpointManager:
         return sorted((p for p in _step_entries(self.root) if _is_committed(p)), key=_step_of)
 
     def candidates(self, resume: str) -> list[Path]:
-        """Checkpoints to try, best first: ``auto`` = committed ones newest first, ``none`` = [], else the path."""
+        """Checkpoints to try, best first: ``auto`` = committed ones newest first, ``none`` = [], else the path.
+
+        Collective for ``auto``: rank 0 lists the directory and every rank takes its list. On a shared file system
+        another node's view of a directory can lag (NFS caches directory attributes for up to a minute), so a node
+        listing for itself could miss a checkpoint committed just before a requeue and load an older one than its
+        peers, which then fail in mismatched collectives."""
         if resume == "none":
             return []
         if resume == "auto":
-            return self.committed()[::-1]
+            return dist.broadcast_object(self.committed()[::-1] if self.info.is_main else None)
         path = Path(resume)
         if not (path / COMMIT_MARKER).is_file():
             raise CheckpointError(f"checkpoint.resume={resume}: no {COMMIT_MARKER} marker; the save never finished")
