@@ -17,7 +17,7 @@ def _cluster(nodes: int, tmp_path_factory: pytest.TempPathFactory) -> Iterator[C
         with start_cluster(nodes, keep_logs=tmp_path_factory.mktemp("slurm-daemon-logs")) as cluster:
             yield cluster
     except PermissionError as err:
-        pytest.fail(f"{err} (make test-slurm / make test-multinode as root)")
+        pytest.fail(str(err))
 
 
 @pytest.fixture(scope="module")

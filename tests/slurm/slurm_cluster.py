@@ -287,7 +287,10 @@ def start_cluster(nodes: int, keep_logs: Path) -> Iterator[Cluster]:
     """A running cluster of ``nodes`` nodes; on exit everything is stopped and the daemons' logs copied to
     ``keep_logs`` (for post-mortems) before the cluster's directory is removed."""
     if os.geteuid() != 0:
-        raise PermissionError("the slurm tests start munged, slurmctld and slurmd as root: run them as root")
+        raise PermissionError(
+            "the SLURM tests start munged, slurmctld and slurmd as root: "
+            "run make test-slurm or make test-multinode as root"
+        )
     _ensure_installed()
     # Under /tmp (not pytest's tmp_path): munged needs every parent directory of its socket to be world-readable.
     root = Path(tempfile.mkdtemp(prefix="gca-slurm-"))
