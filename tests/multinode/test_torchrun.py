@@ -18,10 +18,12 @@ import re
 import shutil
 import time
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from nodes import node_name
+from nodes import Cluster, node_name
 from reliability.reliability_harness import committed, read_metrics
 from runs import RUN_TIMEOUT_S, STEPS, assert_losses, last_step, launch, logs, run_args, train
 
@@ -33,6 +35,10 @@ AUDIT = Path(__file__).resolve().parent / "audit"
 SHARD_OWNER = re.compile(r"(?:rng_rank|zero_pp_rank_|/__)(\d+)")
 """The rank whose shard a checkpoint file is: ``rng_rank<r>.pt``, DeepSpeed's ``zero_pp_rank_<r>_...``, DCP's
 ``__<r>_0.distcp``."""
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")}
 
 
 def checkpoint_writers(audit: Path, run: Path) -> tuple[dict[tuple[str, str], set[tuple[str, str]]], list[str]]:
@@ -65,22 +71,49 @@ def checkpoint_writers(audit: Path, run: Path) -> tuple[dict[tuple[str, str], se
     return writers, dir_renames
 
 
+@dataclass
+class AuditedRun:
+    run: Path
+    audit: Path
+    dataset_unchanged: bool
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory, data, free_port) -> Callable[[str, tuple[int, int]], AuditedRun]:
+    """An uninterrupted run of ``layout`` = (2 nodes, ranks per node) with the write audit in every process, made
+    once per (engine, layout) and shared by the tests below as their reference."""
+    made: dict[tuple[str, tuple[int, int]], AuditedRun] = {}
+
+    def get(engine: str, layout: tuple[int, int]) -> AuditedRun:
+        if (engine, layout) not in made:
+            root = tmp_path_factory.mktemp(f"two-nodes-{engine}-{layout[1]}")
+            run, audit = root / "run", root / "audit"
+            audit.mkdir()
+            env = {"PYTHONPATH": str(AUDIT), "GCA_AUDIT_ROOT": f"{run}/", "GCA_AUDIT_DIR": str(audit)}
+            before = snapshot(data)
+            cluster = Cluster(root / "cluster")
+            started = time.monotonic()
+            try:
+                train(cluster, layout, free_port(), run_args(run, data, engine), **env)
+            finally:
+                cluster.close()
+            print(f"\n{engine} {layout[0]}x{layout[1]}: {STEPS} steps in {time.monotonic() - started:.1f} s")
+            made[engine, layout] = AuditedRun(run, audit, snapshot(data) == before)
+        return made[engine, layout]
+
+    return get
+
+
 @pytest.mark.parametrize("engine", ["fsdp", "deepspeed"])
 @pytest.mark.parametrize("layout", [(2, 1), (2, 2)], ids=["2x1", "2x2"])
-def test_two_nodes_train_like_one_node_and_write_each_file_once(
-    cluster, data, single_node, free_port, tmp_path, engine, layout
-):
-    run, audit = tmp_path / "run", tmp_path / "audit"
-    audit.mkdir()
-    env = {"PYTHONPATH": str(AUDIT), "GCA_AUDIT_ROOT": f"{run}/", "GCA_AUDIT_DIR": str(audit)}
-    started = time.monotonic()
-    train(cluster, layout, free_port(), run_args(run, data, engine), **env)
-    print(f"\n{engine} {layout[0]}x{layout[1]}: {STEPS} steps in {time.monotonic() - started:.1f} s")
-    world = layout[0] * layout[1]
-    assert_losses(single_node(engine, world), run, range(1, STEPS + 1), exact=False)
+def test_two_nodes_train_like_one_node_and_write_each_file_once(single_node, two_nodes, engine, layout):
+    done = two_nodes(engine, layout)
+    run = done.run
+    assert_losses(single_node(engine, layout[0] * layout[1]), run, range(1, STEPS + 1), exact=False)
+    assert done.dataset_unchanged, "the shared dataset (zstd shards) is read, never unpacked in place"
 
     assert committed(run) == [f"step_{s:08d}" for s in (4, 8, 12)]
-    writers, renames = checkpoint_writers(audit, run)
+    writers, renames = checkpoint_writers(done.audit, run)
     for step in committed(run):
         files = {name: who for (s, name), who in writers.items() if s == step}
         on_disk = {str(p.relative_to(run / "checkpoints" / step)) for p in (run / "checkpoints" / step).rglob("*")}
@@ -100,10 +133,9 @@ def test_two_nodes_train_like_one_node_and_write_each_file_once(
 
 
 @pytest.mark.parametrize("engine", ["fsdp", "deepspeed"])
-def test_checkpoint_of_two_nodes_resumes_on_one_node(cluster, data, free_port, tmp_path, engine):
+def test_checkpoint_of_two_nodes_resumes_on_one_node(cluster, data, two_nodes, free_port, tmp_path, engine):
     """2 nodes x 1 rank -> 1 node x 2 ranks: the same world size in another node layout resumes exactly."""
-    first = tmp_path / "two_nodes"
-    train(cluster, (2, 1), free_port(), run_args(first, data, engine))
+    first = two_nodes(engine, (2, 1)).run
     moved = tmp_path / "one_node"
     (moved / "checkpoints").mkdir(parents=True)
     shutil.copytree(first / "checkpoints/step_00000004", moved / "checkpoints/step_00000004")
@@ -115,14 +147,13 @@ def test_checkpoint_of_two_nodes_resumes_on_one_node(cluster, data, free_port, t
 
 @pytest.mark.parametrize("lost", [1, 0], ids=["worker-node", "rendezvous-node"])
 def test_lost_node_fails_the_job_in_bounded_time_and_a_relaunch_resumes_exactly(
-    cluster, data, free_port, tmp_path, lost
+    cluster, data, two_nodes, free_port, tmp_path, lost
 ):
     """Node ``lost`` stalls at step 7 (a fault plan on that node only, so the loss lands after the step-4
     checkpoint and before the step-8 one) and is then killed whole. Node 1 is a plain worker node; node 0 also
     holds global rank 0 and torchrun's rendezvous store."""
     engine = "fsdp"
-    reference = tmp_path / "uninterrupted"
-    train(cluster, (2, 1), free_port(), run_args(reference, data, engine), tag="reference")
+    reference = two_nodes(engine, (2, 1)).run
 
     run = tmp_path / "run"
     timeout_env = {"PIPE_COLLECTIVE_TIMEOUT_S": str(COLLECTIVE_TIMEOUT_S)}
