@@ -147,7 +147,8 @@ class LogConfig:
     wandb_project: str = "gca-pretrain"
     """wandb project name."""
     wandb_mode: Literal["auto", "online", "offline", "disabled"] = "auto"
-    """``auto``: online when WANDB_API_KEY is set, else offline (never waits on the network)."""
+    """``auto``: ``$WANDB_MODE`` when set, else online when WANDB_API_KEY is set, else offline (never waits on the
+    network)."""
     progress: bool = True
     """tqdm progress bar with ETA on the rank-0 console."""
     peak_tflops: float | None = None

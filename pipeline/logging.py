@@ -10,9 +10,10 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -77,6 +78,31 @@ def versions() -> dict[str, str]:
         found["cuda"] = str(torch.version.cuda)
         found["device"] = torch.cuda.get_device_name()
     return found
+
+
+WandbMode = Literal["online", "offline", "disabled"]
+_WANDB_ENV_MODES: dict[str, WandbMode] = {
+    "online": "online",
+    "run": "online",
+    "offline": "offline",
+    "dryrun": "offline",
+    "disabled": "disabled",
+}
+"""The ``WANDB_MODE`` values wandb itself accepts, as the modes ``wandb.init(mode=...)`` takes."""
+
+
+def resolve_wandb_mode(setting: str, environ: Mapping[str, str]) -> WandbMode:
+    """The mode passed to ``wandb.init``: ``logging.wandb_mode`` unless it is ``auto``; then ``WANDB_MODE`` when set
+    (the variable wandb users already know, and the one ``pretrain.sbatch`` defaults to offline), else online only
+    when ``WANDB_API_KEY`` is set. ``wandb.init(mode=...)`` outranks the variable inside wandb, so it is read here."""
+    if setting != "auto":
+        return _WANDB_ENV_MODES[setting]  # the config allows only auto and wandb's own three modes
+    env_mode = environ.get("WANDB_MODE", "").strip().lower()
+    if env_mode:
+        if env_mode not in _WANDB_ENV_MODES:
+            raise ValueError(f"WANDB_MODE={env_mode!r} is not a wandb mode; use one of {sorted(_WANDB_ENV_MODES)}")
+        return _WANDB_ENV_MODES[env_mode]
+    return "online" if environ.get("WANDB_API_KEY") else "offline"
 
 
 def log_run_header(config_yaml: str, derived: dict[str, Any]) -> dict[str, Any]:
@@ -198,9 +224,7 @@ class MetricsLogger:
     def _init_wandb(self, run_dir: Path, config_dict: dict[str, Any], header: dict[str, Any], resumed: bool) -> Any:
         import wandb
 
-        mode = self.cfg.logging.wandb_mode
-        if mode == "auto":
-            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        mode = resolve_wandb_mode(self.cfg.logging.wandb_mode, os.environ)
         run_id_file = run_dir / "wandb_run_id"
         run_id = run_id_file.read_text().strip() if resumed and run_id_file.is_file() else uuid.uuid4().hex[:8]
         run_id_file.write_text(run_id)

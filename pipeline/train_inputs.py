@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from model.io import ExportError, check_safetensors
 from pipeline.checkpoint import OWNER_FILE, foreign_leftovers
 from pipeline.config import ConfigError, TrainConfig
 from pipeline.data import UnsafeDatasetError, is_remote, read_tokenizer
+from pipeline.logging import resolve_wandb_mode
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +142,11 @@ def check_inputs(cfg: TrainConfig) -> None:
             )
         _check_tokenizer(cfg)
         _check_val_split(cfg)
+    if cfg.logging.wandb:
+        try:
+            resolve_wandb_mode(cfg.logging.wandb_mode, os.environ)
+        except ValueError as err:
+            raise ConfigError(f"logging.wandb_mode=auto reads WANDB_MODE, and {err}") from None
     foreign = foreign_leftovers(cfg.run_dir)
     if foreign:
         raise ConfigError(

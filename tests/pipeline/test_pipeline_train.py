@@ -14,6 +14,7 @@ from model import load_pretrained
 from pipeline import dist
 from pipeline.checkpoint import OWNER_FILE, OWNER_WRITER, CheckpointError
 from pipeline.config import load_config, to_yaml
+from pipeline.logging import resolve_wandb_mode
 from pipeline.trainer import NonFiniteError, Trainer, main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -226,3 +227,26 @@ def test_needle_answer_weight_is_a_weighted_mean_over_the_answer_tokens(tmp_path
         assert not torch.allclose(trainer.engine.loss(x, None), expected)
     plain = load_config(None, overrides(tmp_path / "p", tiny_data, **extra))
     assert all(w is None for _, w in Trainer(plain, dist.init_distributed("none")).batches.next_step_weighted())
+
+
+@pytest.mark.parametrize(
+    ("setting", "environ", "mode"),
+    [
+        ("auto", {"WANDB_API_KEY": "k"}, "online"),
+        ("auto", {}, "offline"),
+        ("auto", {"WANDB_API_KEY": "k", "WANDB_MODE": "offline"}, "offline"),  # pretrain.sbatch's default
+        ("auto", {"WANDB_MODE": "dryrun"}, "offline"),
+        ("auto", {"WANDB_MODE": "disabled"}, "disabled"),
+        ("offline", {"WANDB_API_KEY": "k", "WANDB_MODE": "online"}, "offline"),  # the config key wins
+    ],
+)
+def test_wandb_mode_honours_wandb_mode_under_auto(setting, environ, mode):
+    assert resolve_wandb_mode(setting, environ) == mode
+
+
+def test_a_wandb_mode_wandb_does_not_know_is_a_config_error_before_any_work(
+    tmp_path, tiny_data, overrides, monkeypatch
+):
+    monkeypatch.setenv("WANDB_MODE", "sometimes")
+    assert main(None, overrides(tmp_path / "run", tiny_data, **{"logging.wandb": True})) == 2
+    assert not (tmp_path / "run").exists()
