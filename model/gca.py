@@ -30,7 +30,7 @@ from model.config import GCAConfig
 from model.layers import ChunkEncoder, DecoderLayer, KVCache, RMSNorm, SlidingWindowAttention, SwiGLU
 from model.layout import StepLayout
 from model.lm import CausalLM
-from model.retrieval import RetrievalRows, retrieval_stats, retrieve
+from model.retrieval import DeferredRow, RetrievalRows, retrieval_stats, retrieve
 from model.stream import StreamState
 
 # Logit elements per GCA operator call when no gradient is needed (about 64 MB in fp32).
@@ -161,9 +161,11 @@ class GCAForCausalLM(CausalLM):
         those of the last ``last_logits`` tokens (the LM head dominates the cost of streaming a long prefix).
 
         ``memory_only=True`` (one retrieval group only) skips the upper layers and returns no logits: it keeps
-        what later tokens read from far back -- the lower layers' windows, the chunk memory, the retrieval row --
-        and empties the upper layers' windows. Logits are then exact again from ``window_reach`` tokens on; a
-        long prefix is streamed this way except for its last ``window_reach`` tokens (passkey evaluation).
+        what later tokens read from far back -- the lower layers' windows, the chunk memory, the query of the last
+        landmark (scored when a later step needs its retrieval row) -- and empties the upper layers' windows; no
+        part of it reads the whole chunk memory, so its cost per token does not grow with the position. Logits are
+        then exact again from ``window_reach`` tokens on; a long prefix is streamed this way except for its last
+        ``window_reach`` tokens (passkey evaluation).
         """
         if memory_only and len(self.groups) != 1:
             raise ValueError("memory_only needs a single retrieval group: later groups query upper-layer states")
@@ -202,18 +204,16 @@ class GCAForCausalLM(CausalLM):
         caches = caches[len(self.lower) :]
         # nn.ModuleList iterates as plain Modules; every entry of self.groups is a RetrievalGroup.
         for g, group in enumerate(cast("list[RetrievalGroup]", list(self.groups))):
-            memory = self._retrieve(g, group, x, readable, layout, state)
             if memory_only:
+                self._skip_upper_layers(group, x, layout, state)
                 break
+            memory = self._retrieve(g, group, x, readable, layout, state)
             for layer in group.layers:
                 x = layer(x, caches.pop(0), memory, layout)
 
         if state is not None:
             state.n_tokens += T
         if memory_only:
-            if state is None:
-                raise ValueError("memory_only needs a StreamState: it only updates what the state carries")
-            state.caches[len(self.lower) :] = [KVCache() for _ in range(cfg.n_upper_layers)]
             return x.new_empty(B, 0, cfg.vocab_size)
         token_pos = layout.token_pos if last_logits is None else layout.token_pos[max(0, T - last_logits) :]
         h = self.norm(x[:, token_pos])  # [B, T, d_model]
@@ -238,6 +238,20 @@ class GCAForCausalLM(CausalLM):
         all_keys, all_k, all_v = state.memory.keys, state.memory.k, state.memory.v
         return None if all_keys is None or all_k is None or all_v is None else (all_keys, all_k, all_v)
 
+    def _skip_upper_layers(
+        self, group: RetrievalGroup, x: torch.Tensor, layout: StepLayout, state: StreamState | None
+    ) -> None:
+        """``memory_only``: empty the upper layers' windows and keep the last landmark's query instead of scoring
+        the step's landmarks. Later steps read only that row (the step's other rows serve the skipped upper
+        layers), and only when they run the upper layers; scoring every landmark against every stored chunk here
+        made a segment's cost grow with its position."""
+        if state is None:
+            raise ValueError("memory_only needs a StreamState: it only updates what the state carries")
+        state.caches[len(self.lower) :] = [KVCache() for _ in range(self.cfg.n_upper_layers)]
+        if layout.n_landmarks:
+            last = layout.landmark_pos[-1:]
+            state.rows[0] = DeferredRow(group.query_norm(x[:, last]), layout.landmark_chunk[-1:])
+
     def _retrieve(
         self,
         g: int,
@@ -254,6 +268,16 @@ class GCAForCausalLM(CausalLM):
         cfg = self.cfg
         B = x.shape[0]
         previous = state.rows[g] if state is not None else None
+        if isinstance(previous, DeferredRow):
+            previous = retrieve(
+                previous.query,
+                keys,
+                previous.chunk,
+                top_k=cfg.top_k,
+                scale=self.retrieval_scale,
+                gumbel=cfg.gumbel_topk and self.training,
+                grad=cfg.retrieval_grad,
+            )
         parts = [previous if previous is not None else RetrievalRows.empty(B, cfg.top_k, x.device)]
         if layout.n_landmarks:
             queries = group.query_norm(x[:, layout.landmark_pos])  # [B, n_landmarks, d_model]

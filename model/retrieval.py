@@ -15,6 +15,23 @@ import torch.nn.functional as F
 
 # Logit given to invalid picks before the softmax: finite (no NaN in all-invalid rows), exp() underflows to 0.
 _INVALID_LOGIT = -1e9
+# Scores per retrieval call without autograd (64 MB in fp32): a streamed step with hundreds of landmarks against
+# millions of stored chunks would otherwise hold several GB of [queries, chunks] scores and masks at once.
+_EVAL_SCORE_ELEMENTS = 1 << 24
+
+
+@dataclass
+class DeferredRow:
+    """A row not scored yet: the normalised query of the last landmark of ``memory_only`` steps and its chunk.
+
+    Keys appended later are invisible to it (chunk ids ``>= chunk``), so scoring it when a later step reads it
+    picks what scoring it at once would have picked, at O(stored chunks) once instead of per streamed segment.
+    """
+
+    query: torch.Tensor
+    """``[B, 1, d_model]``."""
+    chunk: torch.Tensor
+    """``[1]`` absolute chunk id of the landmark."""
 
 
 @dataclass
@@ -64,6 +81,23 @@ def retrieve(
     """
     B, Cq, _ = queries.shape
     Cm = keys.shape[1]
+    if not torch.is_grad_enabled() and Cq > 1 and B * Cq * max(Cm, top_k) > _EVAL_SCORE_ELEMENTS:
+        # Rows are independent: slices of queries bound the transient scores whatever the memory size.
+        step = max(1, _EVAL_SCORE_ELEMENTS // (B * max(Cm, top_k)))
+        return RetrievalRows.cat(
+            [
+                retrieve(
+                    queries[:, i : i + step],
+                    keys,
+                    query_chunk[i : i + step],
+                    top_k=top_k,
+                    scale=scale,
+                    gumbel=gumbel,
+                    grad=grad,
+                )
+                for i in range(0, Cq, step)
+            ]
+        )
     scores = torch.einsum("bqd,bmd->bqm", queries.float(), keys.float()) * scale  # [B, Cq, Cm]
     visible = torch.arange(Cm, device=keys.device)[None, :] < query_chunk[:, None]  # [Cq, Cm]
     if Cm < top_k:  # pad with never-visible columns so every row has exactly R picks

@@ -2,7 +2,8 @@
 
 Holds exactly what the next step needs and nothing that grows with the input except the chunk memory:
 the last ``window`` keys/values of every self-attention layer, the lower-layer states of the unfinished chunk,
-each group's current retrieval row, and the chunk memory (landmark keys plus chunk K/V).
+each group's current retrieval row (or the query it is scored from), and the chunk memory (landmark keys plus
+chunk K/V).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 
 from model.chunk_store import AppendBuffer, ChunkStore
 from model.layers import KVCache
-from model.retrieval import RetrievalRows
+from model.retrieval import DeferredRow, RetrievalRows
 
 
 class ChunkMemory:
@@ -55,5 +56,6 @@ class StreamState:
         self.n_tokens = 0
         self.caches = [KVCache() for _ in range(n_layers)]
         self.pending: torch.Tensor | None = None  # [B, <S, d_model] lower-layer states of the unfinished chunk
-        self.rows: list[RetrievalRows | None] = [None] * n_groups
+        # Each group's current row; after memory_only steps the last landmark's query, scored when read.
+        self.rows: list[RetrievalRows | DeferredRow | None] = [None] * n_groups
         self.memory: ChunkStore = memory if memory is not None else ChunkMemory()

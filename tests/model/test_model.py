@@ -267,3 +267,75 @@ def test_memory_only_needs_a_single_group():
     assert model.window_reach is None
     with pytest.raises(ValueError, match="single retrieval group"):
         model.forward_stream(torch.zeros(1, 4, dtype=torch.long), model.new_stream_state(), memory_only=True)
+
+
+@pytest.mark.parametrize(
+    "store,split",
+    # The last memory_only segment closes two chunks and the first tail token none, so the first tail row is the
+    # deferred one. With 14 tokens the deferred row sees fewer chunks than top_k: all are picked, no extra one.
+    [("ram", 154), ("disk", 154), ("ram", 14)],
+    ids=["ram", "disk", "fewer-chunks-than-top-k"],
+)
+def test_memory_only_prefix_then_tail_matches_full_streaming(tmp_path, store, split):
+    """Streaming a prefix with memory_only (its retrieval rows deferred) then the tail token by token gives the
+    tail the logits and the retrieval picks of streaming every token through every layer."""
+    from model.offload import MemmapChunkMemory
+
+    model = trained_model(tiny_config(groups=[2], top_k=3), T=64)
+    reach, segment = model.window_reach, 7  # segments cut chunks (of 4 tokens)
+    ids = torch.randint(0, VOCAB, (1, split + 40))
+
+    def stream(memory_only: bool) -> tuple[torch.Tensor, list]:
+        memory = MemmapChunkMemory(ram_bytes=0, directory=tmp_path) if store == "disk" else None
+        state = model.new_stream_state(memory=memory)
+        with torch.inference_mode():
+            for s in range(0, split, segment):
+                model.forward_stream(ids[:, s : min(s + segment, split)], state, memory_only=memory_only)
+            logits, rows = [], []
+            for t in range(split, ids.shape[1]):
+                logits.append(model.forward_stream(ids[:, t : t + 1], state))
+                rows.append(state.rows[0])
+        return torch.cat(logits, 1), rows
+
+    got_logits, got_rows = stream(memory_only=True)
+    want_logits, want_rows = stream(memory_only=False)
+    # The upper layers' windows were emptied at the split: exact again once the tail fills their reach.
+    assert_close(got_logits[:, reach - 1 :], want_logits[:, reach - 1 :], {"rtol": 1e-5, "atol": 1e-5})
+    for got, want in zip(got_rows, want_rows, strict=True):
+        assert torch.equal(got.index, want.index)
+        assert_close(got.weights, want.weights, {"rtol": 1e-6, "atol": 1e-6})
+    # The picks read the memory_only prefix: chunks that lie beyond every window of the tail.
+    far_chunks = max(1, (split - 3 * model.cfg.window) // model.cfg.chunk_size)
+    assert any(((r.index < far_chunks) & (r.weights > 0)).any() for r in got_rows)
+
+
+def test_memory_only_steps_skip_retrieval_upper_layers_and_lm_head(monkeypatch):
+    """What a memory_only step runs: the lower layers and the chunk encoder, never a retrieval over the stored
+    chunks, the upper layers or the LM head; the deferred row is scored once, by the next full step."""
+    import model.gca as gca_module
+
+    model = trained_model(tiny_config(groups=[2]), T=64)
+    calls: dict[str, int] = {"retrieve": 0, "upper": 0, "head": 0, "encoder": 0}
+    real_retrieve = gca_module.retrieve
+
+    def counting_retrieve(*args, **kwargs):
+        calls["retrieve"] += 1
+        return real_retrieve(*args, **kwargs)
+
+    monkeypatch.setattr(gca_module, "retrieve", counting_retrieve)
+
+    def count(name):
+        return lambda *_: calls.__setitem__(name, calls[name] + 1)
+
+    for layer in model.groups[0].layers:
+        layer.register_forward_hook(count("upper"))
+    model.norm.register_forward_hook(count("head"))
+    model.encoder.register_forward_hook(count("encoder"))
+    state = model.new_stream_state()
+    with torch.inference_mode():
+        for _ in range(15):
+            model.forward_stream(torch.randint(0, VOCAB, (1, 8)), state, memory_only=True)
+        assert calls == {"retrieve": 0, "upper": 0, "head": 0, "encoder": 15}
+        assert state.memory.size == 30
+        model.forward_stream(torch.randint(0, VOCAB, (1, 2)), state)  # closes no chunk: only the deferred row
+    assert calls == {"retrieve": 1, "upper": 2, "head": 1, "encoder": 15}

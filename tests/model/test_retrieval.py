@@ -82,3 +82,19 @@ def test_telemetry_closed_form():
     stats = retrieval_stats(rows, torch.tensor([4, 1]))
     torch.testing.assert_close(stats["entropy"], torch.log(torch.tensor(2.0)))
     torch.testing.assert_close(stats["distance"], torch.tensor(0.5 * 5 + 0.5 * 3))
+
+
+def test_eval_scores_in_query_slices_pick_what_one_call_picks(monkeypatch):
+    """Without autograd the queries are scored in slices (bounded transient memory); every row is the row of the
+    unsliced call."""
+    import model.retrieval as retrieval
+
+    torch.manual_seed(3)
+    keys, queries = torch.randn(2, 50, 16), torch.randn(2, 13, 16)
+    query_chunk = torch.arange(38, 51)
+    with torch.no_grad():
+        whole = retrieve(queries, keys, query_chunk, top_k=4, scale=0.25, gumbel=False)
+        monkeypatch.setattr(retrieval, "_EVAL_SCORE_ELEMENTS", 2 * 50 * 3)  # slices of 3 queries, the last of 1
+        sliced = retrieve(queries, keys, query_chunk, top_k=4, scale=0.25, gumbel=False)
+    assert torch.equal(sliced.index, whole.index)
+    torch.testing.assert_close(sliced.weights, whole.weights, rtol=1e-6, atol=1e-7)
