@@ -65,7 +65,7 @@ test-slurm: install
 # DeepSpeed launcher (--no_ssh) against one node, a lost node, cross-node preflight, and pretrain.sbatch on a
 # two-node SLURM cluster (apt-installs the SLURM daemons like test-slurm if missing).
 test-multinode: install ds-warmup
-	OMP_NUM_THREADS=1 timeout 2400 $(PYTEST) -s -m multinode tests
+	OMP_NUM_THREADS=1 timeout 2400 $(PYTEST) -s --durations=20 -m multinode tests
 
 # Check the node(s) before a launch: make preflight ARGS="--config configs/train/x.yaml [--gpus-per-node 8] [k=v ...]"
 preflight: install
