@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from helpers import train_overrides
 from slurm_cluster import Cluster
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,39 +33,34 @@ def prep_settings(output: Path, corpus: Path) -> list[str]:
 
 
 def model_overrides(run_dir: Path, data: Path, steps: int, checkpoint_every: int = 0) -> list[str]:
-    """A tiny model (tens of ms per step on 2 CPU ranks); checkpoints every ``checkpoint_every`` steps (0: only at
-    the end or on a stop signal)."""
-    values = {
-        "run_dir": run_dir,
-        "data.path": data,
-        "seed": 7,
+    """The tests' tiny model (`helpers.TINY_TRAIN_OVERRIDES`, tens of ms per step on 2 CPU ranks) sized to the jobs'
+    prepared data; checkpoints every ``checkpoint_every`` steps (0: only at the end or on a stop signal)."""
+    job = {
         "model.vocab_size": 320,
-        "model.d_model": 32,
-        "model.n_heads": 2,
-        "model.n_kv_heads": 2,
-        "model.ffn_hidden": 64,
-        "model.n_lower_layers": 1,
-        "model.groups": "[1]",
-        "model.n_encoder_layers": 1,
         "model.chunk_size": 16,
-        "model.top_k": 2,
         "model.window": 32,
-        "model.attn_backend": "naive",
         "train.seq_len": 256,
-        "train.micro_batch": 2,
-        "train.global_batch": 4,
         "train.max_steps": steps,
         "train.eval_every": 0,
-        "optim.lr": 3e-3,
-        "optim.min_lr": 3e-4,
-        "schedule.warmup_steps": 2,
-        "data.shuffle_window": 8,
-        "logging.every": 1,
-        "logging.progress": False,
         "checkpoint.every": checkpoint_every,
         "checkpoint.export": False,
     }
-    return [f"{k}={v}" for k, v in values.items()]
+    return train_overrides(run_dir, data, job)
+
+
+def wait_while_running(
+    cluster: Cluster, job: int, logs: Path, until: Callable[[], bool], deadline: float, what: str
+) -> None:
+    """Poll until ``until()``; fails with the job's log and the daemons' logs if the job leaves PENDING/RUNNING
+    first or ``deadline`` (monotonic) passes."""
+    while not until():
+        state = cluster.job(job)["JobState"]
+        assert time.monotonic() < deadline and state in ("PENDING", "RUNNING"), (
+            f"job {job} {state} before {what}",
+            job_log(logs, "gca-pretrain", job),
+            cluster.log_tail(),
+        )
+        time.sleep(0.2)
 
 
 def submit_pretrain(

@@ -22,6 +22,7 @@ from slurm_jobs import (
     model_overrides,
     prep_settings,
     submit_pretrain,
+    wait_while_running,
     write_corpus,
 )
 
@@ -90,14 +91,7 @@ def test_preemption_checkpoints_requeues_and_resumes_exactly(cluster, data, unin
             return "pretrain.sbatch: job" in job_log(logs, "gca-pretrain", job)
         return len(losses(run)) >= 5
 
-    while not started():
-        state = cluster.job(job)["JobState"]
-        assert time.monotonic() < deadline and state in ("PENDING", "RUNNING"), (
-            state,
-            job_log(logs, "gca-pretrain", job),
-            cluster.log_tail(),
-        )
-        time.sleep(0.2)
+    wait_while_running(cluster, job, logs, started, deadline, "the signal")
     cluster.cmd("scancel", "--signal=USR1", "--batch", str(job))
     signalled_at = max(losses(run), default=0)
     mark(f"SIGUSR1 to the batch script (scancel --signal=USR1 --batch) at step {signalled_at}")

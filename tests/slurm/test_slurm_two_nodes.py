@@ -22,7 +22,16 @@ from pathlib import Path
 
 import pytest
 from slurm_cluster import wait_for
-from slurm_jobs import follow_requeue, job_log, losses, model_overrides, prep_settings, submit_pretrain, write_corpus
+from slurm_jobs import (
+    follow_requeue,
+    job_log,
+    losses,
+    model_overrides,
+    prep_settings,
+    submit_pretrain,
+    wait_while_running,
+    write_corpus,
+)
 
 from data_prep.config import load_config
 from data_prep.shard import main as prep_main
@@ -55,14 +64,7 @@ def _pretrain(cluster, logs: Path, overrides: list[str], port: int, env: dict[st
 
 
 def _wait_for_step(cluster, job: int, run: Path, logs: Path, step: int, deadline: float) -> None:
-    while len(losses(run)) < step:
-        state = cluster.job(job)["JobState"]
-        assert time.monotonic() < deadline and state in ("PENDING", "RUNNING"), (
-            state,
-            job_log(logs, "gca-pretrain", job),
-            cluster.log_tail(),
-        )
-        time.sleep(0.2)
+    wait_while_running(cluster, job, logs, lambda: len(losses(run)) >= step, deadline, f"step {step}")
 
 
 @pytest.fixture(scope="module")
