@@ -3,9 +3,9 @@
 A ``model.chunk_store.ChunkStore`` like the in-RAM ``model.stream.ChunkMemory``, so
 ``model.new_stream_state(memory=MemmapChunkMemory(...))`` gives exactly the logits of the in-RAM memory.
 
-Why it bounds memory: per step the model scores every landmark key but gathers only the retrieved chunks
+Why it bounds memory: a step that reads the memory scores landmark keys but gathers only the retrieved chunks
 (``mem_k[batch, index]``). Landmark keys (``[B, C, d_model]``, 1/(2S) of the chunk store) stay where they arrive
-(RAM or GPU). Chunk K/V stay in RAM up to ``ram_bytes``; then they move to a file in a private temp directory,
+(RAM or GPU). Chunk K/V stay in RAM up to ``ram_bytes``; then they move to a temp file (unlinked when created),
 stored chunk-major (``[C, B, S, H, D]``) so that growing the file never moves what is already written. Appends go
 through ``os.pwrite`` and reads ``pread`` exactly the picked chunks, so file data lives in the page cache, never in
 this process's RSS (a memmap would keep every touched page mapped). Once on disk, ``k`` / ``v`` support what the
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import tempfile
 import weakref
 
@@ -65,11 +64,12 @@ class _DiskGather:
 
 class MemmapChunkMemory:
     """Landmark keys ``[B, C, d_model]`` in RAM; chunk K/V ``[B, C, S, H, D]`` in RAM up to ``ram_bytes``, then
-    in a file under a temp dir that ``close()`` (or garbage collection) deletes.
+    in temp files whose names are removed as soon as they are created: their space is freed at ``close()``, garbage
+    collection or the end of the process however it ends (a killed 16M-token run would otherwise leave ~16 GB).
 
     Args:
         ram_bytes: chunk K/V bytes kept in RAM before spilling to disk (0 = disk from the first chunk).
-        directory: parent of the temp dir (default: the system temp dir).
+        directory: where the temp files go (default: the system temp dir).
     """
 
     def __init__(self, ram_bytes: int = 1 << 30, directory: str | os.PathLike | None = None) -> None:
@@ -86,7 +86,6 @@ class MemmapChunkMemory:
         self._chunk_shape: tuple[int, ...] = ()
         self._dtype = torch.float32
         self._device = torch.device("cpu")
-        self._tmpdir: str | None = None
         self._finalizer: weakref.finalize | None = None
 
     @property
@@ -123,12 +122,12 @@ class MemmapChunkMemory:
         self._ram.setdefault(name, AppendBuffer(dim=0)).append(chunk_major)
 
     def _spill(self) -> None:
-        """Move the chunk K/V written so far from RAM to files in a fresh temp dir."""
-        self._tmpdir = tempfile.mkdtemp(prefix="gca-chunk-memory-", dir=self.directory)
-        self._finalizer = weakref.finalize(self, _cleanup, self._tmpdir, self._files)
+        """Move the chunk K/V written so far from RAM to fresh temp files, unlinked at once (reached by fd only)."""
+        self._finalizer = weakref.finalize(self, _cleanup, self._files)
         self._capacity = next_capacity(self.size, 0)
         for name in ("k", "v"):
-            fd = os.open(os.path.join(self._tmpdir, f"{name}.bin"), os.O_RDWR | os.O_CREAT, 0o600)
+            fd, path = tempfile.mkstemp(prefix=f"gca-chunk-memory-{name}-", dir=self.directory)
+            os.unlink(path)
             self._files[name] = fd
             os.ftruncate(fd, self._capacity * self._chunk_bytes())
             if self.size:
@@ -199,8 +198,8 @@ def _pread_into(fd: int, out: memoryview, offset: int) -> None:
         out, offset = out[n:], offset + n
 
 
-def _cleanup(tmpdir: str, files: dict[str, int]) -> None:
+def _cleanup(files: dict[str, int]) -> None:
+    """Close the unlinked files: the kernel frees their space."""
     for fd in files.values():
         os.close(fd)
     files.clear()
-    shutil.rmtree(tmpdir, ignore_errors=True)
