@@ -1,6 +1,10 @@
 """Passkey eval time and peak RSS of a tiny random-init model vs length: ``python -m pipeline.cli.bench_eval
 [--lengths 16384,65536] [--full-lengths 16384] [--timeout S] [--out bench_eval.json]``.
 
+``--per-token [--positions 262144,1048576,4194304] [--window 65536] [--checkpoint EXPORT]``: instead, stream one
+passkey prefix once and print tokens/s at each position with its ratio to the first (flat = 1.0), measured in one
+run (``run_per_token``).
+
 The models and targets are described in ``pipeline/evaluation/bench.py``; the report is written as JSON to
 ``--out``.
 """
@@ -12,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from pipeline.evaluation.bench import run_bench
+from pipeline.evaluation.bench import run_bench, run_per_token
 
 
 def _lengths(text: str) -> list[int]:
@@ -25,9 +29,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", type=_lengths, default="16384,65536,262144,1048576")
     parser.add_argument("--full-lengths", type=_lengths, default="16384,32768")
     parser.add_argument("--timeout", type=int, default=1200, help="seconds per run")
-    parser.add_argument("--out", default="bench_eval.json")
+    parser.add_argument("--out", help="JSON report (default: bench_eval.json, with --per-token bench_per_token.json)")
+    parser.add_argument("--per-token", action="store_true", help="tokens/s by position of one streamed prefix")
+    parser.add_argument("--positions", type=_lengths, default="262144,1048576,4194304", help="with --per-token")
+    parser.add_argument("--window", type=int, default=65536, help="with --per-token: tokens timed before a position")
+    parser.add_argument("--segment", type=int, default=4096, help="with --per-token: tokens per streamed step")
+    parser.add_argument("--checkpoint", help="with --per-token: an export instead of the tiny random-init model")
+    parser.add_argument("--offload-dir", help="with --per-token: where the on-disk chunk store goes")
     args = parser.parse_args(argv)
-    report = run_bench(args.lengths, args.full_lengths, args.timeout)
+    if args.per_token:
+        report = run_per_token(args.positions, args.window, args.segment, args.checkpoint, args.offload_dir)
+        args.out = args.out or "bench_per_token.json"
+    else:
+        report = run_bench(args.lengths, args.full_lengths, args.timeout)
+        args.out = args.out or "bench_eval.json"
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0

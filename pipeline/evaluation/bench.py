@@ -1,4 +1,6 @@
-"""Wall time and peak RSS of a passkey eval of a tiny random-init model vs length (``make bench-eval``).
+"""Wall time and peak RSS of a passkey eval of a tiny random-init model vs length (``make bench-eval``), and the
+per-token cost of streaming a long passkey prefix by position (``run_per_token``, ``make bench-eval
+ARGS=--per-token``).
 
 Each (model, length) runs in its own process (``python -m pipeline.cli.eval``), so its peak RSS is its own.
 Models, same size (d_model 128, 4 heads, 2 lower + 2 upper layers, chunk 16): ``gca`` (window 64, top-4
@@ -9,17 +11,23 @@ Targets: time linear in length (1M / 16K ~ 64x), 1M tokens in < 10 min and < 8 G
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
+import os
+import resource
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from model import GCAConfig, GCAForCausalLM, build_model, save_pretrained
+from model import CausalLM, GCAConfig, GCAForCausalLM, build_model, save_pretrained
+from model.offload import MemmapChunkMemory
+from pipeline.evaluation.runtime import load_checkpoint, stream_segments
 
 TINY = GCAConfig(
     vocab_size=512,
@@ -94,3 +102,66 @@ def run_bench(lengths: list[int], full_lengths: list[int], timeout: int) -> dict
         report["time_ratio"] = [{"from": lo, "to": hi, "length_ratio": hi / lo, "time_ratio": done[hi] / done[lo]}]
         print(f"time {hi}/{lo}: {done[hi] / done[lo]:.1f}x for {hi / lo:.0f}x the tokens")
     return report
+
+
+def run_per_token(
+    positions: list[int],
+    window: int = 65536,
+    segment: int = 4096,
+    checkpoint: str | None = None,
+    offload_dir: str | None = None,
+) -> dict:
+    """Stream one prefix of ``max(positions)`` random tokens once, the way the passkey eval streams its far prefix
+    (``memory_only`` segments, chunk K/V on disk from the first chunk), and report at each position the speed over
+    the ``window`` tokens before it with its ratio to the first position's (1.0 = flat): ``tokens_per_s`` (wall
+    clock) and ``tokens_per_cpu_s`` (this process's CPU time, which time spent waiting for a busy CPU does not
+    inflate), plus the resident memory, the chunk store's RAM part (landmark keys) and its bytes on disk.
+
+    The model is ``TINY`` with the CPU's default operators (random init), or the export at ``checkpoint``.
+    """
+    positions = sorted(positions)
+    if positions[0] < window or any(p % segment for p in positions) or window % segment:
+        raise ValueError(
+            f"positions={positions}, window={window}: every position must be >= the window, and positions and "
+            f"window multiples of segment={segment}"
+        )
+    torch.manual_seed(0)
+    model: CausalLM
+    if checkpoint is None:
+        model = GCAForCausalLM(dataclasses.replace(TINY, attn_backend="auto")).eval()
+    else:
+        model = load_checkpoint(checkpoint).model
+    vocab = model.cfg.vocab_size
+    recent: collections.deque[tuple[float, float]] = collections.deque(maxlen=window // segment)  # (wall, cpu) s
+    report: dict = {"window": window, "segment": segment, "checkpoint": checkpoint, "rows": []}
+    with MemmapChunkMemory(ram_bytes=0, directory=offload_dir) as memory:
+        state = model.new_stream_state(memory=memory)
+        for start in range(0, positions[-1], segment):
+            piece = torch.randint(0, vocab, (1, segment))
+            wall, cpu = time.perf_counter(), time.process_time()
+            for _ in stream_segments(model, state, piece, segment, memory_only=True):
+                pass
+            recent.append((time.perf_counter() - wall, time.process_time() - cpu))
+            if start + segment not in positions:
+                continue
+            row = {
+                "position": start + segment,
+                "tokens_per_s": round(window / sum(w for w, _ in recent), 1),
+                "tokens_per_cpu_s": round(window / sum(c for _, c in recent), 1),
+                "rss_mib": round(_rss_bytes() / 2**20, 1),
+                "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                "store_ram_mib": round(memory.ram_nbytes() / 2**20, 1),
+                "store_disk_mib": round((memory.nbytes() - memory.ram_nbytes()) / 2**20, 1),
+            }
+            first = report["rows"][0] if report["rows"] else row
+            row["ratio"] = round(row["tokens_per_s"] / first["tokens_per_s"], 3)
+            row["cpu_ratio"] = round(row["tokens_per_cpu_s"] / first["tokens_per_cpu_s"], 3)
+            report["rows"].append(row)
+            print(json.dumps(row), flush=True)
+    return report
+
+
+def _rss_bytes() -> int:
+    """This process's resident memory now (Linux: ``/proc/self/statm``, pages)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
