@@ -58,6 +58,9 @@ class EvalConfig:
     """passkey multi: needles in the haystack; multihop: 2 x (needles // 2) in chains."""
     key_digits: int = 5
     """passkey: digits of the key."""
+    restart: bool = False
+    """passkey: discard the samples an earlier run finished in ``--out`` (``passkey.samples.jsonl``) instead of
+    resuming from them; a run whose settings differ from theirs is refused without it."""
 
 
 MAX_KEY_DIGITS = 18

@@ -36,6 +36,7 @@ import torch
 from model import CausalLM
 from pipeline.evaluation.generate import decode, prefill
 from pipeline.evaluation.haystack import TokenSource
+from pipeline.evaluation.resume import SampleLog
 from pipeline.evaluation.runtime import stream_state
 from pipeline.evaluation.tokenizer import ByteTokenizer, SentencePieceTokenizer
 from pipeline.needle import ANSWER, NEEDLE, QUESTION, move_answer_whitespace, place_needle
@@ -270,25 +271,54 @@ def evaluate_passkey(
     offload_mb: int = -1,
     offload_dir: str | None = None,
     progress: Callable[[int, int], Callable[[int], None]] | None = None,
+    finished: SampleLog | None = None,
 ) -> list[dict]:
-    """Rows ``{"length", "depth", "accuracy", "exact_match", "n", "seconds", "tokens_per_s"}`` per (length, depth)."""
+    """Rows ``{"length", "depth", "accuracy", "exact_match", "n", "seconds", "seconds_per_sample",
+    "tokens_per_s"}`` per (length, depth).
+
+    ``finished``: samples it holds are taken from it instead of being run, and every sample run is added to it as
+    it finishes (a killed run continues from there). ``progress(length, tokens)`` gets the tokens still to stream
+    at that length (its samples' ``length`` tokens each, the finished ones left out).
+    """
     rows = []
     for length in lengths:
-        on_tokens = progress(length, len(depths) * samples * length) if progress else None  # approximate
+        keys = [(length, d, depth, s) for d, depth in enumerate(depths) for s in range(samples)]
+        todo = sum(finished is None or finished.get(key) is None for key in keys)
+        if todo < len(keys):
+            log.info(
+                "passkey length=%d: %d of %d samples finished earlier, skipping them",
+                length,
+                len(keys) - todo,
+                len(keys),
+            )
+        on_tokens = progress(length, todo * length) if progress and todo else None
         for d, depth in enumerate(depths):
-            hits = exact = 0
-            t0 = time.perf_counter()
+            records = []
             for s in range(samples):
-                rng = np.random.default_rng([seed, length, d, s])
-                sample = build_sample(source, tokenizer, spec, length, depth, rng, chunk_size)
-                predicted = predict_answer(model, sample, segment, offload_mb, offload_dir, on_tokens)
-                answer = sample.ids[sample.answer_start : sample.answer_start + sample.answer_len].tolist()
-                hits += predicted[0] == answer[0]
-                exact += predicted == answer
-                log.debug(
-                    "length=%d depth=%.2f key=%s predicted=%r", length, depth, sample.key, tokenizer.decode(predicted)
-                )
-            seconds = time.perf_counter() - t0
+                record = finished.get((length, d, depth, s)) if finished else None
+                if record is None:
+                    record = _run_sample(
+                        model,
+                        tokenizer,
+                        source,
+                        spec,
+                        length,
+                        d,
+                        depth,
+                        s,
+                        seed,
+                        segment,
+                        chunk_size,
+                        offload_mb,
+                        offload_dir,
+                        on_tokens,
+                    )
+                    if finished is not None:
+                        finished.add(record)
+                records.append(record)
+            hits = sum(r["predicted"][:1] == r["answer"][:1] for r in records)
+            exact = sum(r["predicted"] == r["answer"] for r in records)
+            seconds = sum(r["seconds"] for r in records)
             rows.append(
                 {
                     "length": length,
@@ -297,6 +327,7 @@ def evaluate_passkey(
                     "exact_match": exact / samples,
                     "n": samples,
                     "seconds": round(seconds, 3),
+                    "seconds_per_sample": round(seconds / samples, 3),
                     "tokens_per_s": round(samples * length / seconds, 1),
                 }
             )
@@ -308,3 +339,61 @@ def evaluate_passkey(
                 exact / samples,
             )
     return rows
+
+
+def _run_sample(
+    model: CausalLM,
+    tokenizer: SentencePieceTokenizer | ByteTokenizer,
+    source: TokenSource,
+    spec: NeedleSpec,
+    length: int,
+    d: int,
+    depth: float,
+    s: int,
+    seed: int,
+    segment: int,
+    chunk_size: int,
+    offload_mb: int,
+    offload_dir: str | None,
+    on_tokens: Callable[[int], None] | None,
+) -> dict:
+    """Build sample ``s`` of (``length``, depth number ``d``) and predict its answer; the record ``SampleLog`` keeps
+    (``seconds``: building, streaming and decoding)."""
+    t0 = time.perf_counter()
+    streamed = 0
+
+    def count(tokens: int) -> None:
+        nonlocal streamed
+        streamed += tokens
+        if on_tokens is not None:
+            on_tokens(tokens)
+
+    sample = build_sample(
+        source, tokenizer, spec, length, depth, np.random.default_rng([seed, length, d, s]), chunk_size
+    )
+    predicted = predict_answer(model, sample, segment, offload_mb, offload_dir, count)
+    if on_tokens is not None:  # the haystack after the answer is never streamed: the progress counts length
+        on_tokens(length - streamed)
+    answer = sample.ids[sample.answer_start : sample.answer_start + sample.answer_len].tolist()
+    seconds = time.perf_counter() - t0
+    log.info(
+        "passkey length=%d depth=%.2f sample %d: %s (key %s, predicted %r) in %.1f s, %.0f tokens/s",
+        length,
+        depth,
+        s,
+        "right" if predicted == answer else "wrong",
+        sample.key,
+        tokenizer.decode(predicted),
+        seconds,
+        length / seconds,
+    )
+    return {
+        "length": length,
+        "depth_index": d,
+        "depth": depth,
+        "sample": s,
+        "key": sample.key,
+        "answer": answer,
+        "predicted": predicted,
+        "seconds": round(seconds, 3),
+    }

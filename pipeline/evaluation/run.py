@@ -27,13 +27,15 @@ from pipeline.evaluation.haystack import TokenSource
 from pipeline.evaluation.passkey import evaluate_passkey
 from pipeline.evaluation.plots import plot_passkey, plot_ppl
 from pipeline.evaluation.ppl import context_ppl, document_ppl, too_short
+from pipeline.evaluation.resume import SAMPLES_FILE, SampleLog, sample_settings
 from pipeline.evaluation.runtime import load_checkpoint
 
 log = logging.getLogger(__name__)
 
 
 class _Progress:
-    """One tqdm bar (tokens, with tokens/s) per evaluation length; called as ``progress(length, total)``."""
+    """One tqdm bar (tokens, with tokens/s and the time left) per evaluation length; called as
+    ``progress(length, total)``."""
 
     def __init__(self, task: str) -> None:
         self.task = task
@@ -81,7 +83,7 @@ def run_eval(checkpoint: str, task: str, out: str | Path, overrides: list[str], 
     out = Path(out)
     created = prepare_out(out, task, cfg.data)
     try:
-        result = _evaluate(checkpoint, task, cfg)
+        result = _evaluate(checkpoint, task, cfg, out)
     except BaseException:
         _remove_empty(created)  # a failed run leaves no empty directories behind
         raise
@@ -105,10 +107,14 @@ def run_eval(checkpoint: str, task: str, out: str | Path, overrides: list[str], 
     return result
 
 
-def _evaluate(checkpoint: str, task: str, cfg: EvalConfig) -> dict:
-    """Load the export, run the task, return the result (config still resolved)."""
+def _evaluate(checkpoint: str, task: str, cfg: EvalConfig, out: Path) -> dict:
+    """Load the export, run the task, return the result (config still resolved). Passkey samples are kept in
+    ``<out>/passkey.samples.jsonl`` as they finish; a rerun resumes from them (``pipeline.evaluation.resume``)."""
     ckpt = load_checkpoint(checkpoint, cfg.device, cfg.attn_backend)
     validate(cfg, ckpt.model.cfg.chunk_size, task)
+    finished = (
+        SampleLog(out / SAMPLES_FILE, sample_settings(cfg, checkpoint), cfg.restart) if task == "passkey" else None
+    )
     source = TokenSource(cfg.data, ckpt.tokenizer, cfg.seed)
     progress = _Progress(task) if cfg.progress else None
     t0 = time.perf_counter()
@@ -133,6 +139,7 @@ def _evaluate(checkpoint: str, task: str, cfg: EvalConfig) -> dict:
             cfg.offload_mb,
             cfg.offload_dir,
             progress,
+            finished,
         )
     if progress:
         progress.close()
