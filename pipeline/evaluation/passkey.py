@@ -284,12 +284,13 @@ def evaluate_passkey(
     for length in lengths:
         keys = [(length, d, depth, s) for d, depth in enumerate(depths) for s in range(samples)]
         todo = sum(finished is None or finished.get(key) is None for key in keys)
-        if todo < len(keys):
+        if finished is not None and todo < len(keys):
             log.info(
-                "passkey length=%d: %d of %d samples finished earlier, skipping them",
+                "passkey length=%d: %d of %d samples finished earlier (%s), skipping them",
                 length,
                 len(keys) - todo,
                 len(keys),
+                finished.path,
             )
         on_tokens = progress(length, todo * length) if progress and todo else None
         for d, depth in enumerate(depths):

@@ -37,7 +37,7 @@ def _outcome(result: dict) -> list[dict]:
     return [{k: v for k, v in row.items() if k not in TIMING} for row in result["results"]]
 
 
-def test_killed_run_resumes_without_recomputing_finished_samples(tiny_export, tmp_path, monkeypatch):
+def test_killed_run_resumes_without_recomputing_finished_samples(tiny_export, tmp_path, monkeypatch, caplog):
     with monkeypatch.context() as m:
         calls = _count_predictions(m)
         whole = run_eval(str(tiny_export), "passkey", tmp_path / "whole", SETTINGS)
@@ -51,10 +51,11 @@ def test_killed_run_resumes_without_recomputing_finished_samples(tiny_export, tm
     lines = (out / SAMPLES_FILE).read_text().splitlines()
     assert len(lines) == 1 + 1 and not (out / "passkey.json").exists()  # the settings, then the finished sample
 
-    with monkeypatch.context() as m:
+    with monkeypatch.context() as m, caplog.at_level("INFO", logger="pipeline.evaluation.passkey"):
         calls = _count_predictions(m)
         resumed = run_eval(str(tiny_export), "passkey", out, SETTINGS)
     assert calls == [300, 400, 400]  # the second sample of length 300 and both of length 400
+    assert f"length=300: 1 of 2 samples finished earlier ({out / SAMPLES_FILE}), skipping them" in caplog.text
     assert _outcome(resumed) == _outcome(whole)
     assert json.loads((out / "passkey.json").read_text())["results"] == resumed["results"]
 
