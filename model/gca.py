@@ -267,29 +267,25 @@ class GCAForCausalLM(CausalLM):
         keys, mem_k, mem_v = readable
         cfg = self.cfg
         B = x.shape[0]
-        previous = state.rows[g] if state is not None else None
-        if isinstance(previous, DeferredRow):
-            previous = retrieve(
-                previous.query,
+
+        def score(queries: torch.Tensor, chunk: torch.Tensor) -> RetrievalRows:
+            return retrieve(
+                queries,
                 keys,
-                previous.chunk,
+                chunk,
                 top_k=cfg.top_k,
                 scale=self.retrieval_scale,
                 gumbel=cfg.gumbel_topk and self.training,
                 grad=cfg.retrieval_grad,
             )
+
+        previous = state.rows[g] if state is not None else None
+        if isinstance(previous, DeferredRow):
+            previous = score(previous.query, previous.chunk)
         parts = [previous if previous is not None else RetrievalRows.empty(B, cfg.top_k, x.device)]
         if layout.n_landmarks:
             queries = group.query_norm(x[:, layout.landmark_pos])  # [B, n_landmarks, d_model]
-            new_rows = retrieve(
-                queries,
-                keys,
-                layout.landmark_chunk,
-                top_k=cfg.top_k,
-                scale=self.retrieval_scale,
-                gumbel=cfg.gumbel_topk and self.training,
-                grad=cfg.retrieval_grad,
-            )
+            new_rows = score(queries, layout.landmark_chunk)
             for name, value in retrieval_stats(new_rows, layout.landmark_chunk).items():
                 self.retrieval_stats[f"retrieval_{name}_g{g}"] = value
             parts.append(new_rows)
