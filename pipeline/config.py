@@ -22,6 +22,7 @@ from data_prep.safe_files import is_within
 from data_prep.schema import load_schema
 from model.config import GCAConfig
 from pipeline.dist import TIMEOUT_ENV, collective_timeout_s
+from pipeline.needle import VARIANTS as NEEDLE_VARIANTS
 
 _ENV_PATHS = "_env_interpolations"
 """Attribute of a loaded ``TrainConfig`` (outside its schema) holding `env_interpolations`."""
@@ -72,6 +73,10 @@ class DataConfig:
     """Packed sequences shuffled together; larger mixes more, costs memory on every rank."""
     needle_mix: float = 0.0
     """Fraction of training sequences that get a passkey needle and the question + answer at the end."""
+    needle_variant: str = "single"
+    """``single``: one pass-key needle; ``multihop``: a two-hop chain (a link "A leads to B", a key needle for B,
+    a distractor chain) whose question asks for A's key -- the layout a second retrieval group can follow
+    (``pipeline/needle.py``; evaluated with ``--task passkey variant=multihop``)."""
     needle_answer_weight: float = 1.0
     """Loss weight of a needle's answer tokens relative to every other token (the loss is the weighted mean).
     1 is the plain LM loss of the paper; a larger weight strengthens the retrieval signal of short runs."""
@@ -381,6 +386,10 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"schedule.warmup_steps={cfg.schedule.warmup_steps} must be < train.max_steps={t.max_steps}")
     if not 0.0 <= cfg.data.needle_mix <= 1.0:
         raise ConfigError(f"data.needle_mix must be in [0, 1]; got {cfg.data.needle_mix}")
+    if cfg.data.needle_variant not in NEEDLE_VARIANTS:
+        raise ConfigError(
+            f"data.needle_variant must be one of {list(NEEDLE_VARIANTS)}; got {cfg.data.needle_variant!r}"
+        )
     if not cfg.data.needle_answer_weight > 0:
         raise ConfigError(f"data.needle_answer_weight must be > 0; got {cfg.data.needle_answer_weight}")
     if not 0 <= p.zero_stage <= 3:

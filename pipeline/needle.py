@@ -8,12 +8,21 @@ The layout follows the model's chunks, as the paper's data does: the needle neve
 straddles two chunks, and the question's last token is the first token of a chunk, so the first answer token
 is predicted by a chunk whose retrieval was triggered by the landmark of the chunk holding the question. The
 evaluation (``pipeline/evaluation/passkey.py``) builds its samples the same way.
+
+Two-hop variant (``data.needle_variant=multihop``): chains ``name -> next name -> key`` -- a link needle "A leads
+to B" and a key needle for B -- plus a distractor chain, each needle alone in its chunk(s). The question names A
+at the very end of a chunk and its remaining words fill the next chunk up to the answer's chunk
+(``place_hop_question``). That is the layout a second retrieval group needs: the landmark closing A's chunk
+retrieves the link for the next chunk, whose landmark, after the first group's layers have read B there, queries
+the key needle for the answer's chunk. A single group queries the answer's retrieval from the question's tail
+alone, which names neither A nor B.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +30,48 @@ import numpy as np
 NEEDLE = " The pass key is {key}. "
 QUESTION = " What is the pass key? The pass key is"
 ANSWER = " {key}"
+
+VARIANTS = ("single", "multihop")
+"""Needle mixes the trainer knows (``data.needle_variant``)."""
+HOP_TEMPLATES = {
+    "needle": " {name} has pass key {key}. ",
+    "link": " {name} leads to {next}. ",
+    "question": " Where does {name} lead? The pass key there is",
+    "answer": " {key}",
+}
+"""The two-hop texts, shared by the trainer's needle mix and ``--task passkey variant=multihop``. With the
+two-syllable names of ``hop_texts``, each needle fits in 16 tokens (the demo's chunk size) with the demo's
+tokenizer, so it lands in one chunk."""
+HOP_CHAINS = 2
+"""Chains in a two-hop sample: the asked one and one distractor (4 needles, as in the paper's task)."""
+SYLLABLES = ("ka", "lo", "mi", "ru", "te", "zo", "ven", "dar", "qui", "sol", "mer", "tav", "xen", "bri", "gol")
+
+
+def new_name(rng: np.random.Generator, taken: set[str], syllables: int = 3) -> str:
+    """A made-up name of ``syllables`` syllables not in ``taken`` (added to it)."""
+    while True:
+        name = "".join(rng.choice(SYLLABLES, size=syllables)).capitalize()
+        if name not in taken:
+            taken.add(name)
+            return name
+
+
+def split_question(template: str) -> tuple[str, str]:
+    """Cut a question template right after its first ``{name}``: (head ending with the name, tail).
+
+    Raises:
+        ValueError: the template has no ``{name}``, or nothing after it (the tail must lead to the answer).
+    """
+    found = _NAME_FIELD.search(template)
+    if found is None:
+        raise ValueError(f"question={template!r} lacks {{name}}")
+    head, tail = template[: found.end()], template[found.end() :]
+    if not tail.strip():
+        raise ValueError(f"question={template!r}: needs words after {{name}} that lead to the answer")
+    return head, tail
+
+
+_NAME_FIELD = re.compile(r"(?<!\{)\{name(?:[!:][^{}]*)?\}")
 
 
 def move_answer_whitespace(
@@ -63,10 +114,164 @@ def place_needle(
             f"a sequence of {length} tokens cannot hold a passkey needle ({needle_len} tokens), question "
             f"({question_len}) and answer ({answer_len}) with chunk_size={S}"
         )
+    start = _needle_start(depth, room, S, needle_len)
+    return NeedlePlacement(needle_start=start, question_start=question_start, answer_start=answer_start)
+
+
+def _needle_start(depth: float, room: int, chunk_size: int, needle_len: int) -> int:
+    """``round(depth * room)``, shifted left so that a needle that fits in a chunk ends with it, never straddles."""
+    S = chunk_size
     start = int(round(depth * room))
     if needle_len <= S and start % S + needle_len > S:
-        start = start // S * S + S - needle_len  # shift left so the needle ends with its chunk, never straddles
-    return NeedlePlacement(needle_start=start, question_start=question_start, answer_start=answer_start)
+        start = start // S * S + S - needle_len
+    return start
+
+
+@dataclass
+class HopTexts:
+    """Token ids of one two-hop sample's parts."""
+
+    needle: list[int]
+    """The asked chain's key needle (its ``next`` name and the key)."""
+    link: list[int]
+    """The asked chain's link: the question's name leads to the key needle's name."""
+    distractors: list[list[int]] = field(default_factory=list)
+    """The other chains' links and key needles."""
+    head: list[int] = field(default_factory=list)
+    """The question up to and including the name."""
+    tail: list[int] = field(default_factory=list)
+    """The rest of the question (ends with the answer's leading whitespace, ``move_answer_whitespace``)."""
+    answer: list[int] = field(default_factory=list)
+
+
+def hop_texts(
+    encode: Callable[[str], list[int]],
+    decode: Callable[[list[int]], str],
+    templates: dict[str, str],
+    key: str,
+    new_key: Callable[[], str],
+    rng: np.random.Generator,
+    chains: int = HOP_CHAINS,
+) -> HopTexts:
+    """The parts of a two-hop sample asking for ``key``: ``chains - 1`` distractor chains with keys from
+    ``new_key``, names from ``rng``. ``templates`` holds ``needle``, ``link``, ``question``, ``answer``."""
+    names: set[str] = set()
+    start, middle = new_name(rng, names, 2), new_name(rng, names, 2)
+    distractors = []
+    for _ in range(chains - 1):
+        other_start, other_end = new_name(rng, names, 2), new_name(rng, names, 2)
+        distractors += [
+            encode(templates["link"].format(name=other_start, next=other_end)),
+            encode(templates["needle"].format(name=other_end, key=new_key())),
+        ]
+    head, tail = split_question(templates["question"])
+    tail_ids, answer = move_answer_whitespace(
+        encode(tail.format()), encode(templates["answer"].format(key=key)), decode
+    )
+    return HopTexts(
+        needle=encode(templates["needle"].format(name=middle, key=key)),
+        link=encode(templates["link"].format(name=start, next=middle)),
+        distractors=distractors,
+        head=encode(head.format(name=start)),
+        tail=tail_ids,
+        answer=answer,
+    )
+
+
+@dataclass(frozen=True)
+class HopPlacement:
+    needle_start: int
+    """The asked chain's key needle."""
+    question_start: int
+    """The question's head, which ends with the last token of the chunk two before the answer's."""
+    tail_start: int
+    answer_start: int
+    """As in ``NeedlePlacement``: the token before it (the tail's last) is the first token of a chunk."""
+    others: tuple[int, ...]
+    """Starts of the link and the distractors, in ``HopTexts`` order (link first)."""
+
+
+def place_hop_question(
+    length: int, chunk_size: int, head_len: int, tail_len: int, answer_len: int
+) -> tuple[int, int, int]:
+    """(head start, tail start, answer start) of a two-hop question: the answer's chunk ``c`` as in
+    ``place_needle``, the tail ending with the first token of ``c``, the head (ending with the name) ending with
+    chunk ``c - 2``; haystack fills the gap between them.
+
+    Raises:
+        ValueError: the tail is longer than a chunk plus one token (the head would end in an earlier chunk), or
+            the sequence is too short.
+    """
+    S = chunk_size
+    if tail_len > S + 1:
+        raise ValueError(
+            f"the two-hop question's words after the name take {tail_len} tokens; with chunk_size={S} at most "
+            f"{S + 1} fit between the name's chunk and the answer: shorten the question after {{name}}"
+        )
+    answer_start = (length - answer_len - 1) // S * S + 1
+    head_end = answer_start - 1 - S
+    return head_end - head_len, answer_start - tail_len, answer_start
+
+
+def lay_out_multihop(
+    seq: np.ndarray, texts: HopTexts, chunk_size: int, depth: float, rng: np.random.Generator
+) -> tuple[np.ndarray, HopPlacement]:
+    """A copy of ``seq`` with a two-hop sample written over it: the asked key needle at ``depth`` of the room
+    before the question, the link and the distractors at random spots of their own, every needle in chunks no
+    other needle or the question touches (one retrieval can then never bring two of them).
+
+    Raises:
+        ValueError: the sequence cannot hold every part that way.
+    """
+    S, length = chunk_size, len(seq)
+    question_start, tail_start, answer_start = place_hop_question(
+        length, S, len(texts.head), len(texts.tail), len(texts.answer)
+    )
+    room = question_start - len(texts.needle)
+    if question_start < 0 or room < 0:
+        raise ValueError(
+            f"a sequence of {length} tokens cannot hold a two-hop question ({len(texts.head)} + "
+            f"{len(texts.tail)} tokens), its key needle ({len(texts.needle)}) and answer ({len(texts.answer)}) "
+            f"with chunk_size={S}"
+        )
+    needle_start = _needle_start(depth, room, S, len(texts.needle))
+    busy = _chunks(needle_start, len(texts.needle), S) | set(range(question_start // S, -(-length // S)))
+    others = []
+    for part in [texts.link, *texts.distractors]:
+        at = _free_spot(len(part), question_start, busy, S, rng)
+        if at is None:
+            raise ValueError(
+                f"a sequence of {length} tokens with chunk_size={S} has too few free chunks before the question "
+                f"for {2 + len(texts.distractors)} two-hop needles, each in chunks of its own; use longer sequences"
+            )
+        busy |= _chunks(at, len(part), S)
+        others.append(at)
+    out = seq.copy()
+    for at, part in zip([needle_start, *others], [texts.needle, texts.link, *texts.distractors]):
+        out[at : at + len(part)] = part
+    out[question_start : question_start + len(texts.head)] = texts.head
+    out[tail_start:answer_start] = texts.tail
+    out[answer_start : answer_start + len(texts.answer)] = texts.answer
+    return out, HopPlacement(needle_start, question_start, tail_start, answer_start, tuple(others))
+
+
+def _chunks(start: int, n: int, chunk_size: int) -> set[int]:
+    return set(range(start // chunk_size, (start + n - 1) // chunk_size + 1))
+
+
+def _free_spot(n: int, limit: int, busy: set[int], chunk_size: int, rng: np.random.Generator) -> int | None:
+    """A random start before ``limit - n`` whose chunks are not ``busy`` (a needle that fits in a chunk never
+    straddles two); ``None`` when none is found."""
+    S = chunk_size
+    if limit - n < 0:
+        return None
+    for _ in range(1000):
+        at = int(rng.integers(0, limit - n + 1))
+        if n <= S and at % S + n > S:
+            at = at // S * S + S - n
+        if not _chunks(at, n, S) & busy:
+            return at
+    return None
 
 
 class NeedleInserter:
@@ -76,9 +281,14 @@ class NeedleInserter:
         tokenizer_path: the SentencePiece model the data was tokenized with.
         seq_len: length of the sequences it receives (and returns).
         chunk_size: the model's chunk size (tokens), which the layout aligns to.
+        variant: ``single`` (one pass-key needle) or ``multihop`` (``HOP_TEMPLATES``, two chains).
+
+    Raises:
+        ValueError: an unknown variant, or ``seq_len`` cannot hold the variant's sample (checked at once, with a
+            dry run, so a training run stops before its first step).
     """
 
-    def __init__(self, tokenizer: str | Path | bytes, seq_len: int, chunk_size: int) -> None:
+    def __init__(self, tokenizer: str | Path | bytes, seq_len: int, chunk_size: int, variant: str = "single") -> None:
         """``tokenizer``: a SentencePiece model file, or its bytes (as the trainer reads it from a dataset)."""
         import sentencepiece as spm
 
@@ -88,7 +298,14 @@ class NeedleInserter:
             self.sp = spm.SentencePieceProcessor(model_file=str(tokenizer))
         else:
             raise FileNotFoundError(f"data.needle_mix > 0 needs the tokenizer at {tokenizer}")
-        self.seq_len, self.chunk_size = seq_len, chunk_size
+        if variant not in VARIANTS:
+            raise ValueError(f"data.needle_variant={variant!r} is not one of {VARIANTS}")
+        self.seq_len, self.chunk_size, self.variant = seq_len, chunk_size, variant
+        try:
+            for seed in range(8):  # names and keys vary in length: a few layouts, not one
+                self.insert(np.zeros(seq_len, dtype=np.int64), np.random.default_rng(seed))
+        except ValueError as err:
+            raise ValueError(f"train.seq_len={seq_len} is too short for data.needle_variant={variant}: {err}") from None
 
     def parts(self, key: str) -> tuple[list[int], list[int], list[int]]:
         """Token ids of the needle, the question and the answer for pass key ``key`` (the answer's leading
@@ -101,6 +318,12 @@ class NeedleInserter:
         """Return a copy of ``seq`` with a needle at a random depth and question + answer near the end, and the
         positions of the answer tokens."""
         key = str(int(rng.integers(10_000, 100_000)))
+        if self.variant == "multihop":
+            texts = hop_texts(
+                self.sp.encode, self.sp.decode, HOP_TEMPLATES, key, lambda: str(int(rng.integers(10_000, 100_000))), rng
+            )
+            out, hop = lay_out_multihop(seq, texts, self.chunk_size, rng.random(), rng)
+            return out, slice(hop.answer_start, hop.answer_start + len(texts.answer))
         needle, question, answer = self.parts(key)
         where = place_needle(len(seq), self.chunk_size, len(needle), len(question), len(answer), rng.random())
         out = seq.copy()

@@ -21,6 +21,7 @@ from pipeline.checkpoint import OWNER_FILE, foreign_leftovers
 from pipeline.config import ConfigError, TrainConfig
 from pipeline.data import UnsafeDatasetError, is_remote, read_tokenizer
 from pipeline.logging import resolve_wandb_mode
+from pipeline.needle import NeedleInserter
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,11 @@ def _check_tokenizer(cfg: TrainConfig) -> None:
             f"the tokenizer {path} has {pieces} pieces but model.vocab_size={cfg.model.vocab_size}: "
             f"token ids would fall outside the embedding; set model.vocab_size={pieces} (or larger)"
         )
+    if cfg.data.needle_mix > 0:
+        try:
+            NeedleInserter(model, cfg.train.seq_len, cfg.model.chunk_size, cfg.data.needle_variant)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
 
 def _split_size(root: Path, split: str) -> int | None:

@@ -141,7 +141,10 @@ class Trainer:
         needles = None
         if cfg.data.needle_mix > 0:
             needles = NeedleInserter(
-                self.tokenizer or Path(cfg.data.path) / TOKENIZER_FILE, cfg.train.seq_len, cfg.model.chunk_size
+                self.tokenizer or Path(cfg.data.path) / TOKENIZER_FILE,
+                cfg.train.seq_len,
+                cfg.model.chunk_size,
+                cfg.data.needle_variant,
             )
         batches = RankBatches(
             stream,

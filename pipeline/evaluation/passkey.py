@@ -39,7 +39,18 @@ from pipeline.evaluation.haystack import TokenSource
 from pipeline.evaluation.resume import SampleLog
 from pipeline.evaluation.runtime import stream_state
 from pipeline.evaluation.tokenizer import ByteTokenizer, SentencePieceTokenizer
-from pipeline.needle import ANSWER, NEEDLE, QUESTION, move_answer_whitespace, place_needle
+from pipeline.needle import (
+    ANSWER,
+    HOP_TEMPLATES,
+    NEEDLE,
+    QUESTION,
+    hop_texts,
+    lay_out_multihop,
+    move_answer_whitespace,
+    new_name,
+    place_needle,
+    split_question,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +63,7 @@ TEMPLATES = {
         "answer": " {key}",
         "link": "",
     },
-    "multihop": {
-        "needle": " The special magic number for {name} is {key}. ",
-        "question": " Where does {name} lead? The special magic number there is",
-        "answer": " {key}",
-        "link": " {name} leads to {next}. ",
-    },
+    "multihop": HOP_TEMPLATES,  # the trainer's two-hop needle mix uses the same texts
 }
 PLACEHOLDERS = {
     "single": {"needle": {"key"}, "question": set(), "answer": {"key"}},
@@ -67,7 +73,6 @@ PLACEHOLDERS = {
 """Per variant, the templates it uses and the placeholders each must hold (exactly these): a needle without
 ``{key}`` hides nothing, an answer without it scores a constant, a question or link without ``{name}`` points
 nowhere -- each would give a meaningless score, so they are refused before any work."""
-_SYLLABLES = ("ka", "lo", "mi", "ru", "te", "zo", "ven", "dar", "qui", "sol", "mer", "tav", "xen", "bri", "gol")
 
 
 @dataclass
@@ -146,6 +151,8 @@ def check_templates(spec: NeedleSpec) -> None:
                 f"variant={spec.variant} needs: without it the passkey cannot be hidden, asked for or "
                 "checked, so the score would mean nothing; add it"
             )
+    if spec.variant == "multihop":
+        split_question(spec.template("question"))  # the name must come before the words leading to the answer
 
 
 def _braced(names: set[str]) -> str:
@@ -161,14 +168,6 @@ def _render(spec: NeedleSpec, part: str, **values: str) -> str:
             f"{part}={text!r}: unknown placeholder {err} for variant={spec.variant} "
             f"(available: {', '.join('{' + k + '}' for k in values)})"
         ) from None
-
-
-def _name(rng: np.random.Generator, taken: set[str]) -> str:
-    while True:
-        name = "".join(rng.choice(_SYLLABLES, size=3)).capitalize()
-        if name not in taken:
-            taken.add(name)
-            return name
 
 
 def build_sample(
@@ -191,26 +190,19 @@ def build_sample(
         return str(int(rng.integers(10 ** (spec.key_digits - 1), 10**spec.key_digits)))
 
     key = new_key()
+    if spec.variant == "multihop":
+        return _build_multihop(source, tokenizer, spec, length, depth, rng, chunk_size, key, new_key)
     names: set[str] = set()
-    target_name = _name(rng, names)
+    target_name = new_name(rng, names)
     if spec.variant == "single":
         target = enc(_render(spec, "needle", key=key))
         others: list[list[int]] = []
         question = enc(_render(spec, "question"))
-    elif spec.variant == "multi":
-        target = enc(_render(spec, "needle", name=target_name, key=key))
-        others = [enc(_render(spec, "needle", name=_name(rng, names), key=new_key())) for _ in range(spec.needles - 1)]
-        question = enc(_render(spec, "question", name=target_name))
     else:
-        middle = _name(rng, names)
-        target = enc(_render(spec, "needle", name=middle, key=key))
-        others = [enc(_render(spec, "link", name=target_name, next=middle))]
-        for _ in range(spec.needles // 2 - 1):  # distractor chains
-            start, end = _name(rng, names), _name(rng, names)
-            others += [
-                enc(_render(spec, "link", name=start, next=end)),
-                enc(_render(spec, "needle", name=end, key=new_key())),
-            ]
+        target = enc(_render(spec, "needle", name=target_name, key=key))
+        others = [
+            enc(_render(spec, "needle", name=new_name(rng, names), key=new_key())) for _ in range(spec.needles - 1)
+        ]
         question = enc(_render(spec, "question", name=target_name))
     question, answer = move_answer_whitespace(question, enc(_render(spec, "answer", key=key)), tokenizer.decode)
 
@@ -234,6 +226,34 @@ def build_sample(
     ids[where.answer_start : where.answer_start + len(answer)] = answer
     return PasskeySample(
         ids, where.answer_start, len(answer), where.needle_start, len(target), where.question_start - len(target), key
+    )
+
+
+def _build_multihop(
+    source: TokenSource,
+    tokenizer: SentencePieceTokenizer | ByteTokenizer,
+    spec: NeedleSpec,
+    length: int,
+    depth: float,
+    rng: np.random.Generator,
+    chunk_size: int,
+    key: str,
+    new_key: Callable[[], str],
+) -> PasskeySample:
+    """A two-hop sample, laid out by the trainer's ``pipeline.needle.lay_out_multihop``: the key needle at
+    ``depth``, the link and ``needles // 2 - 1`` distractor chains in chunks of their own."""
+    templates = {part: spec.template(part) for part in ("needle", "link", "question", "answer")}
+    texts = hop_texts(tokenizer.encode, tokenizer.decode, templates, key, new_key, rng, spec.needles // 2)
+    window = source.window(length, rng).astype(np.int64)
+    ids, where = lay_out_multihop(window, texts, chunk_size, depth, rng)
+    return PasskeySample(
+        ids,
+        where.answer_start,
+        len(texts.answer),
+        where.needle_start,
+        len(texts.needle),
+        where.question_start - len(texts.needle),
+        key,
     )
 
 
