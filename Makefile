@@ -9,7 +9,7 @@ PYTEST := $(PY) -m pytest -q
 # The default CPU tier: everything not behind a heavier marker.
 DEFAULT_MARKERS := not slow and not gpu and not dist and not slurm and not multinode
 
-.PHONY: install lint format typecheck test test-slow test-dist test-gpu test-kernels test-reliability test-slurm test-multinode preflight demo demo-smoke demo-lm demo-lm-smoke prep bench bench-train bench-kernels test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv gpu-wheels gpu-check test-gpu-wheels test-gpu-check
+.PHONY: install lint format typecheck test test-slow test-dist test-gpu test-kernels test-reliability test-slurm test-multinode preflight demo demo-16m demo-multihop demo-smoke demo-lm demo-lm-smoke prep bench bench-train bench-kernels test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv gpu-wheels gpu-check test-gpu-wheels test-gpu-check
 
 install: $(STAMP)
 
@@ -124,6 +124,17 @@ bench-kernels: install
 demo: install ds-warmup
 	@test -f data/default/_COMPLETE || $(PY) launch/prep.py --config configs/data/default.yaml
 	$(PY) launch/demo.py --config configs/demo/demo.yaml $(ARGS)
+
+# The demo's GCA model reading a passkey at 16M tokens (one sample per depth; the chunk memory on disk): the
+# demo's stages are reused when done (run after `make demo`, or it runs them first). Interrupted? It continues.
+demo-16m: install ds-warmup
+	@test -f data/default/_COMPLETE || $(PY) launch/prep.py --config configs/data/default.yaml
+	$(PY) launch/demo.py --config configs/demo/demo.yaml longest=true $(ARGS)
+
+# The two-hop part of the demo: two retrieval groups against one, trained with the two-hop needle mix.
+demo-multihop: install ds-warmup
+	@test -f data/default/_COMPLETE || $(PY) launch/prep.py --config configs/data/default.yaml
+	$(PY) launch/demo.py --config configs/demo/demo.yaml multihop.enabled=true $(ARGS)
 
 # The same pipeline in ~2 minutes with a few training steps and samples (plumbing only; numbers meaningless).
 demo-smoke: install ds-warmup

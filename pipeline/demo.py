@@ -20,11 +20,14 @@ from data_prep.schema import load_schema
 from pipeline.stage_runner import StageError, StageRunner, eval_command, train_command
 
 ROOT = Path(__file__).resolve().parents[1]
+MULTIHOP_DIR = "multihop"
+"""Where the two-hop part's models and evaluations go, under the demo's run_dir."""
 # What distinguishes the demo's models; everything else comes from the same train config.
 MODEL_OVERRIDES = {
     "gca": [],
     "baseline": ["model.arch=swa"],
     "ablation": ["model.retrieval_grad=false"],  # GCA whose retriever gets no gradient
+    "gca_2groups": ["model.groups=[1,1]"],  # the same upper layers as two retrieval groups of one layer each
 }
 
 
@@ -33,6 +36,8 @@ class EvalSlice:
     lengths: list[int]
     samples: int
     """Samples per (length, depth)."""
+    models: list[str] | None = None
+    """The models evaluated on this slice (default: all of them)."""
 
 
 @dataclass
@@ -40,6 +45,22 @@ class TrainStage:
     name: str
     overrides: list[str] = field(default_factory=list)
     """``key=value`` overrides of this stage (sequence length, batch, steps, ...)."""
+
+
+@dataclass
+class MultihopDemo:
+    """The two-hop part (``multihop.enabled=true``): models trained with the two-hop needle mix and evaluated with
+    ``--task passkey variant=multihop``, under ``<run_dir>/multihop``; a section of ``results.md``."""
+
+    enabled: bool = False
+    models: list[str] = field(default_factory=lambda: ["gca_2groups", "gca"])
+    """Two retrieval groups against the single-group control (same layers, same data, same steps)."""
+    train_overrides: list[str] = field(default_factory=lambda: ["data.needle_variant=multihop"])
+    train_stages: list[TrainStage] = field(default_factory=list)
+    """Its own curriculum (a two-hop sample needs more chunks than the main demo's first stage has)."""
+    passkey: list[EvalSlice] = field(default_factory=list)
+    needles: int = 4
+    """Needles per sample: the asked chain's link and key needle, and (needles - 2) / 2 distractor chains."""
 
 
 @dataclass
@@ -66,9 +87,15 @@ class DemoConfig:
     ppl_score_len: int = 512
     """The final tokens of each window scored at every ppl length (below the shortest)."""
     seed: int = 0
+    longest: bool = False
+    """Also run ``longest_passkey`` (``make demo-16m``): after the demo's own slices, so a finished demo's stages
+    are reused and only the new evaluation runs."""
+    longest_passkey: list[EvalSlice] = field(default_factory=list)
+    multihop: MultihopDemo = field(default_factory=MultihopDemo)
 
     def __post_init__(self) -> None:
-        unknown = [m for m in self.models if m not in MODEL_OVERRIDES]
+        named = [m for piece in [*self.passkey, *self.longest_passkey] for m in piece.models or []]
+        unknown = [m for m in [*self.models, *self.multihop.models, *named] if m not in MODEL_OVERRIDES]
         if unknown:
             raise ValueError(
                 f"config key 'models' has a wrong value: {unknown} are not among {sorted(MODEL_OVERRIDES)}"
@@ -108,36 +135,50 @@ class Stages:
         except StageError as err:
             raise DemoError(f"demo {err}") from None
 
-    def train(self, model: str) -> Path:
-        """Train ``model`` through every stage; returns the last stage's export."""
+    def train(
+        self, model: str, stages: list[TrainStage] | None = None, part: str = "", extra: list[str] | None = None
+    ) -> Path:
+        """Train ``model`` through ``stages`` (default: the demo's curriculum) under ``<run_dir>/<part>``, with
+        ``extra`` overrides after the demo's own; returns the last stage's export."""
         cfg = self.cfg
-        stages = cfg.train_stages or [TrainStage(name="train")]
+        stages = stages or cfg.train_stages or [TrainStage(name="train")]
         export: Path | None = None
         for stage in stages:
-            run_dir = self.run_dir / model / stage.name
+            run_dir = self.run_dir / part / model / stage.name
             overrides = [
                 f"run_dir={run_dir}",
                 f"data.path={ROOT / cfg.data}",
                 *MODEL_OVERRIDES[model],
                 *stage.overrides,
                 *cfg.train_overrides,
+                *(extra or []),
             ]
             if export is not None:
                 overrides.append(f"checkpoint.init_from={export}")
             cmd, env = train_command(cfg.ranks, cfg.gca_config, overrides)
             export = run_dir / "export"
-            self.run(f"train-{model}-{stage.name}", cmd, export / "model.safetensors", env)
+            name = "-".join(filter(None, ["train", part, model, stage.name]))
+            self.run(name, cmd, export / "model.safetensors", env)
         assert export is not None
         return export
 
+    def passkey(
+        self, model: str, export: Path, slices: list[EvalSlice], part: str = "", extra: list[str] | None = None
+    ) -> None:
+        """``--task passkey`` of every slice into ``<run_dir>/<part>/eval/<model>/passkey_<i>``."""
+        cfg = self.cfg
+        common = [f"seed={cfg.seed}", f"data={cfg.haystack}", *(extra or [])]
+        for i, piece in enumerate(slices):
+            if piece.models is not None and model not in piece.models:
+                continue
+            out = self.run_dir / part / "eval" / model / f"passkey_{i}"
+            keys = [f"lengths={piece.lengths}", f"samples={piece.samples}", f"depths={cfg.depths}", *common]
+            cmd, env = eval_command(export, "passkey", out, keys)
+            self.run("-".join(filter(None, ["passkey", part, model, str(i)])), cmd, out / "passkey.json", env)
+
     def evaluate(self, model: str, export: Path) -> None:
         cfg = self.cfg
-        common = [f"seed={cfg.seed}", f"data={cfg.haystack}"]
-        for i, part in enumerate(cfg.passkey):
-            out = self.run_dir / "eval" / model / f"passkey_{i}"
-            keys = [f"lengths={part.lengths}", f"samples={part.samples}", f"depths={cfg.depths}", *common]
-            cmd, env = eval_command(export, "passkey", out, keys)
-            self.run(f"passkey-{model}-{i}", cmd, out / "passkey.json", env)
+        self.passkey(model, export, [*cfg.passkey, *(cfg.longest_passkey if cfg.longest else [])])
         out = self.run_dir / "eval" / model / "ppl"
         keys = [
             f"lengths={cfg.ppl_lengths}",
@@ -170,4 +211,13 @@ def run_demo(config: str, overrides: list[str]) -> None:
     exports = {model: stages.train(model) for model in cfg.models}
     for model, export in exports.items():
         stages.evaluate(model, export)
-    sys.stdout.write(write_report(stages.run_dir, cfg.models, stages.runner.timings) + "\n")
+    hop = cfg.multihop
+    if hop.enabled:
+        hop_exports = {
+            model: stages.train(model, hop.train_stages, MULTIHOP_DIR, hop.train_overrides) for model in hop.models
+        }
+        for model, export in hop_exports.items():
+            keys = ["variant=multihop", f"needles={hop.needles}"]
+            stages.passkey(model, export, hop.passkey, MULTIHOP_DIR, keys)
+    report = write_report(stages.run_dir, cfg.models, stages.runner.timings, hop.models if hop.enabled else [])
+    sys.stdout.write(report + "\n")

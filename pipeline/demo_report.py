@@ -98,6 +98,16 @@ def _table(rows: list[dict], models: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _time_table(rows: list[dict], models: list[str]) -> str:
+    """Seconds per passkey sample (building, streaming and decoding), by model and length."""
+    lengths = sorted({r["length"] for r in rows})
+    cell = {(r["model"], r["length"]): f"{r['seconds'] / r['n']:.1f} s" for r in rows if r.get("seconds")}
+    lines = ["| model | " + " | ".join(short_length(n) for n in lengths) + " |", "|---" * (len(lengths) + 1) + "|"]
+    for model in models:
+        lines.append(f"| {model} | " + " | ".join(cell.get((model, n), "–") for n in lengths) + " |")
+    return "\n".join(lines)
+
+
 def _ppl_table(rows: list[dict], models: list[str]) -> list[str]:
     """The caption and table of the perplexity rows: one column per context length, one of whole windows."""
     context = [r for r in rows if r["kind"] == "context"]
@@ -119,8 +129,31 @@ def _ppl_table(rows: list[dict], models: list[str]) -> list[str]:
     return [*lines, ""]
 
 
-def write_report(run_dir: Path, models: list[str], timings: dict[str, float]) -> str:
-    """Write the merged JSONs, plots and ``results.md``; return the markdown (also printed by the demo)."""
+def _multihop_section(run_dir: Path, models: list[str]) -> list[str]:
+    """The two-hop results (``<run_dir>/multihop``), merged into ``multihop/passkey.json`` and ``multihop.png``."""
+    rows, train_len = collect_passkey(run_dir / "multihop", models)
+    if not rows:
+        return []
+    (run_dir / "multihop" / "passkey.json").write_text(
+        json.dumps({"train_seq_len": train_len, "variant": "multihop", "results": rows}, indent=2)
+    )
+    _plot(rows, "accuracy", "two-hop accuracy (first answer token)", train_len, run_dir / "multihop.png")
+    return [
+        "Two-hop retrieval (`--task passkey variant=multihop`): the question names A, a link needle says A leads to "
+        "B, a key needle holds B's pass key, plus a distractor chain; accuracy of the first answer token (all "
+        f"answer tokens in brackets); models trained on {train_len}-token sequences with the two-hop needle mix. "
+        "gca_2groups has two retrieval groups, gca one (the control).",
+        "",
+        _table(rows, models),
+        "",
+    ]
+
+
+def write_report(
+    run_dir: Path, models: list[str], timings: dict[str, float], multihop_models: list[str] | None = None
+) -> str:
+    """Write the merged JSONs, plots and ``results.md``; return the markdown (also printed by the demo).
+    ``multihop_models``: the two-hop part's models (a section of its own when they have results)."""
     passkey, train_len = collect_passkey(run_dir, models)
     ppl = collect_ppl(run_dir, models)
     (run_dir / "passkey.json").write_text(json.dumps({"train_seq_len": train_len, "results": passkey}, indent=2))
@@ -140,7 +173,12 @@ def write_report(run_dir: Path, models: list[str], timings: dict[str, float]) ->
             "",
             _table(passkey, models),
             "",
+            "Seconds per passkey sample (building it, streaming the prefix, decoding the answer).",
+            "",
+            _time_table(passkey, models),
+            "",
             *_ppl_table(ppl, models),
+            *_multihop_section(run_dir, multihop_models or []),
             "Stage timings.",
             "",
             "| stage | wall time |",

@@ -156,3 +156,74 @@ def test_cli_reports_a_bad_config_and_missing_data_as_one_line(tmp_path, capsys)
     err = capsys.readouterr().err
     assert err == f"demo: error: {tmp_path / 'nodata'} is not a complete data-prep output; run `make prep` first\n"
     assert not (tmp_path / "run").exists()
+
+
+def _recorded_demo(tmp_path, monkeypatch, overrides):
+    """Run the demo with every stage recorded instead of run; returns {stage name: command}."""
+    from pipeline import demo
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "_COMPLETE").write_text("")
+    calls = {}
+    monkeypatch.setattr(demo.Stages, "run", lambda self, name, cmd, done, env=None: calls.update({name: cmd}))
+    demo_yaml = str(Path(__file__).resolve().parents[2] / "configs/demo/demo.yaml")
+    demo.run_demo(demo_yaml, [f"run_dir={tmp_path / 'run'}", f"data={data}", *overrides])
+    return calls
+
+
+def test_multihop_part_trains_two_groups_against_one_and_evaluates_two_hops(tmp_path, monkeypatch):
+    calls = _recorded_demo(tmp_path, monkeypatch, ["multihop.enabled=true"])
+    run = tmp_path / "run"
+    hop = {name: cmd for name, cmd in calls.items() if "multihop" in name}
+    assert list(hop) == [
+        "train-multihop-gca_2groups-short",
+        "train-multihop-gca_2groups-long",
+        "train-multihop-gca-short",
+        "train-multihop-gca-long",
+        "passkey-multihop-gca_2groups-0",
+        "passkey-multihop-gca_2groups-1",
+        "passkey-multihop-gca-0",
+        "passkey-multihop-gca-1",
+    ]
+    two, one = hop["train-multihop-gca_2groups-short"], hop["train-multihop-gca-short"]
+    assert "model.groups=[1,1]" in two and not any(a.startswith("model.groups") for a in one)
+    for cmd in (two, one):
+        assert "data.needle_variant=multihop" in cmd and "train.seq_len=128" in cmd
+    assert f"run_dir={run / 'multihop' / 'gca_2groups' / 'short'}" in two
+    long_ = hop["train-multihop-gca_2groups-long"]
+    assert f"checkpoint.init_from={run / 'multihop' / 'gca_2groups' / 'short' / 'export'}" in long_
+    evaluation = hop["passkey-multihop-gca_2groups-1"]
+    assert {"variant=multihop", "needles=4", "lengths=[262144, 1048576]"} <= set(evaluation)
+    assert evaluation[evaluation.index("--checkpoint") + 1] == str(run / "multihop" / "gca_2groups" / "long" / "export")
+    # the main demo's stages are unchanged by the two-hop part
+    assert "train-gca-short" in calls and not any("needle_variant" in a for a in calls["train-gca-short"])
+
+
+def test_longest_adds_the_16m_slice_for_gca_only(tmp_path, monkeypatch):
+    calls = _recorded_demo(tmp_path, monkeypatch, ["longest=true"])
+    assert "lengths=[16777216]" in calls["passkey-gca-2"] and "samples=1" in calls["passkey-gca-2"]
+    assert "passkey-baseline-2" not in calls and "passkey-baseline-1" in calls
+    (tmp_path / "plain").mkdir()
+    plain = _recorded_demo(tmp_path / "plain", monkeypatch, [])
+    assert "passkey-gca-2" not in plain and not any("multihop" in name for name in plain)
+
+
+def test_multihop_section_and_seconds_per_sample_in_the_report(tmp_path):
+    _write(
+        tmp_path / "eval/gca/passkey_0/passkey.json",
+        [{"length": 1024, "depth": 0.5, "accuracy": 1.0, "exact_match": 1.0, "n": 4, "seconds": 10.0}],
+    )
+    for model, acc in (("gca_2groups", 0.75), ("gca", 0.25)):
+        _write(
+            tmp_path / f"multihop/eval/{model}/passkey_0/passkey.json",
+            [{"length": 4096, "depth": 0.5, "accuracy": acc, "exact_match": acc / 2, "n": 4, "seconds": 2.0}],
+        )
+    report = write_report(tmp_path, ["gca"], {}, ["gca_2groups", "gca"])
+    section = report[report.index("Two-hop retrieval") :]
+    assert "| gca_2groups | 75% (38%, n=4) |" in section and "| gca | 25% (12%, n=4) |" in section
+    assert "| gca | 2.5 s |" in report  # 10 s over 4 samples
+    merged = json.loads((tmp_path / "multihop/passkey.json").read_text())
+    assert merged["variant"] == "multihop" and [r["model"] for r in merged["results"]] == ["gca_2groups", "gca"]
+    assert (tmp_path / "multihop.png").stat().st_size > 1000
+    assert "Two-hop" not in write_report(tmp_path, ["gca"], {})
