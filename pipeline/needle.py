@@ -166,7 +166,7 @@ def hop_texts(
         ]
     head, tail = split_question(templates["question"])
     tail_ids, answer = move_answer_whitespace(
-        encode(tail.format()), encode(templates["answer"].format(key=key)), decode
+        encode(tail.format(name=start)), encode(templates["answer"].format(key=key)), decode
     )
     return HopTexts(
         needle=encode(templates["needle"].format(name=middle, key=key)),
@@ -182,6 +182,9 @@ def hop_texts(
 class HopPlacement:
     needle_start: int
     """The asked chain's key needle."""
+    room: int
+    """Its latest possible start (it ends before the question's first chunk); depth d puts it at
+    ``round(d * room)``."""
     question_start: int
     """The question's head, which ends with the last token of the chunk two before the answer's."""
     tail_start: int
@@ -227,7 +230,7 @@ def lay_out_multihop(
     question_start, tail_start, answer_start = place_hop_question(
         length, S, len(texts.head), len(texts.tail), len(texts.answer)
     )
-    room = question_start - len(texts.needle)
+    room = question_start // S * S - len(texts.needle)  # the key needle ends before the question's first chunk
     if question_start < 0 or room < 0:
         raise ValueError(
             f"a sequence of {length} tokens cannot hold a two-hop question ({len(texts.head)} + "
@@ -252,7 +255,7 @@ def lay_out_multihop(
     out[question_start : question_start + len(texts.head)] = texts.head
     out[tail_start:answer_start] = texts.tail
     out[answer_start : answer_start + len(texts.answer)] = texts.answer
-    return out, HopPlacement(needle_start, question_start, tail_start, answer_start, tuple(others))
+    return out, HopPlacement(needle_start, room, question_start, tail_start, answer_start, tuple(others))
 
 
 def _chunks(start: int, n: int, chunk_size: int) -> set[int]:
@@ -260,18 +263,17 @@ def _chunks(start: int, n: int, chunk_size: int) -> set[int]:
 
 
 def _free_spot(n: int, limit: int, busy: set[int], chunk_size: int, rng: np.random.Generator) -> int | None:
-    """A random start before ``limit - n`` whose chunks are not ``busy`` (a needle that fits in a chunk never
-    straddles two); ``None`` when none is found."""
+    """A random start for ``n`` tokens ending by ``limit`` in chunks not ``busy``, uniform over the free runs of
+    chunks that hold it (a needle that fits in a chunk gets one chunk, never straddles two); ``None`` when the
+    sequence has no such run."""
     S = chunk_size
-    if limit - n < 0:
+    span = -(-n // S)  # chunks it needs when it starts on a chunk boundary
+    slack = span * S - n  # positions it can move right within those chunks
+    starts = [k for k in range(limit // S) if (k + span) * S - slack <= limit and not busy & set(range(k, k + span))]
+    if not starts:
         return None
-    for _ in range(1000):
-        at = int(rng.integers(0, limit - n + 1))
-        if n <= S and at % S + n > S:
-            at = at // S * S + S - n
-        if not _chunks(at, n, S) & busy:
-            return at
-    return None
+    k = int(rng.choice(starts))
+    return k * S + int(rng.integers(0, min(slack, limit - k * S - n) + 1))
 
 
 class NeedleInserter:
@@ -302,7 +304,7 @@ class NeedleInserter:
             raise ValueError(f"data.needle_variant={variant!r} is not one of {VARIANTS}")
         self.seq_len, self.chunk_size, self.variant = seq_len, chunk_size, variant
         try:
-            for seed in range(8):  # names and keys vary in length: a few layouts, not one
+            for seed in range(64):  # names and keys vary in length: many layouts, not one
                 self.insert(np.zeros(seq_len, dtype=np.int64), np.random.default_rng(seed))
         except ValueError as err:
             raise ValueError(f"train.seq_len={seq_len} is too short for data.needle_variant={variant}: {err}") from None
@@ -319,11 +321,7 @@ class NeedleInserter:
         positions of the answer tokens."""
         key = str(int(rng.integers(10_000, 100_000)))
         if self.variant == "multihop":
-            texts = hop_texts(
-                self.sp.encode, self.sp.decode, HOP_TEMPLATES, key, lambda: str(int(rng.integers(10_000, 100_000))), rng
-            )
-            out, hop = lay_out_multihop(seq, texts, self.chunk_size, rng.random(), rng)
-            return out, slice(hop.answer_start, hop.answer_start + len(texts.answer))
+            return self._insert_multihop(seq, key, rng)
         needle, question, answer = self.parts(key)
         where = place_needle(len(seq), self.chunk_size, len(needle), len(question), len(answer), rng.random())
         out = seq.copy()
@@ -332,3 +330,22 @@ class NeedleInserter:
         answer_span = slice(where.answer_start, where.answer_start + len(answer))
         out[answer_span] = answer
         return out, answer_span
+
+    def _insert_multihop(self, seq: np.ndarray, key: str, rng: np.random.Generator) -> tuple[np.ndarray, slice]:
+        """A two-hop sample; names, keys and the depth are drawn again (up to ``_HOP_DRAWS`` times) when they do
+        not fit, which only happens near the shortest length the dry run accepts (longer needles, a needle at a
+        depth that blocks an extra chunk)."""
+        for draw in range(_HOP_DRAWS):
+            texts = hop_texts(
+                self.sp.encode, self.sp.decode, HOP_TEMPLATES, key, lambda: str(int(rng.integers(10_000, 100_000))), rng
+            )
+            try:
+                out, hop = lay_out_multihop(seq, texts, self.chunk_size, rng.random(), rng)
+                return out, slice(hop.answer_start, hop.answer_start + len(texts.answer))
+            except ValueError:
+                if draw == _HOP_DRAWS - 1:
+                    raise
+        raise ValueError(f"_HOP_DRAWS={_HOP_DRAWS} must be >= 1")
+
+
+_HOP_DRAWS = 32

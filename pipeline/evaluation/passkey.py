@@ -252,7 +252,7 @@ def _build_multihop(
         len(texts.answer),
         where.needle_start,
         len(texts.needle),
-        where.question_start - len(texts.needle),
+        where.room,
         key,
     )
 
