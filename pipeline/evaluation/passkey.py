@@ -23,6 +23,7 @@ Variants (templates overridable with ``needle``, ``question``, ``answer``, ``lin
 
 from __future__ import annotations
 
+import collections
 import logging
 import re
 import string
@@ -294,7 +295,7 @@ def evaluate_passkey(
     finished: SampleLog | None = None,
 ) -> list[dict]:
     """Rows ``{"length", "depth", "accuracy", "exact_match", "n", "seconds", "seconds_per_sample",
-    "tokens_per_s"}`` per (length, depth).
+    "tokens_per_s", "tokens_per_s_at"}`` per (length, depth) (``tokens_per_s_at``: ``SpeedByPosition``).
 
     ``finished``: samples it holds are taken from it instead of being run, and every sample run is added to it as
     it finishes (a killed run continues from there). ``progress(length, tokens)`` gets the tokens still to stream
@@ -350,6 +351,7 @@ def evaluate_passkey(
                     "seconds": round(seconds, 3),
                     "seconds_per_sample": round(seconds / samples, 3),
                     "tokens_per_s": round(samples * length / seconds, 1),
+                    "tokens_per_s_at": _mean_speeds(records),
                 }
             )
             log.info(
@@ -360,6 +362,13 @@ def evaluate_passkey(
                 exact / samples,
             )
     return rows
+
+
+def _mean_speeds(records: list[dict]) -> dict[str, float]:
+    """Per position, the mean of the samples' ``tokens_per_s_at`` (positions every sample reached)."""
+    speeds = [r.get("tokens_per_s_at", {}) for r in records]
+    common = set.intersection(*(set(x) for x in speeds)) if speeds else set()
+    return {k: round(sum(x[k] for x in speeds) / len(speeds), 1) for k in sorted(common, key=int)}
 
 
 def _run_sample(
@@ -382,10 +391,12 @@ def _run_sample(
     (``seconds``: building, streaming and decoding)."""
     t0 = time.perf_counter()
     streamed = 0
+    speed = SpeedByPosition()
 
     def count(tokens: int) -> None:
         nonlocal streamed
         streamed += tokens
+        speed.add(streamed)
         if on_tokens is not None:
             on_tokens(tokens)
 
@@ -417,4 +428,41 @@ def _run_sample(
         "answer": answer,
         "predicted": predicted,
         "seconds": round(seconds, 3),
+        "tokens_per_s_at": speed.rows(),
     }
+
+
+SPEED_WINDOW = 65536
+"""Tokens over which ``SpeedByPosition`` measures the speed before a position."""
+
+
+class SpeedByPosition:
+    """Streaming speed of one sample at positions ``4^k * 1024`` (from ``SPEED_WINDOW`` on) and at its end: the
+    tokens/s over the ``SPEED_WINDOW`` tokens before each, so a long run shows whether its cost per token stays flat
+    (``make demo-16m``: 1M, 4M and 16M in one run)."""
+
+    def __init__(self) -> None:
+        self._marks: collections.deque[tuple[int, float]] = collections.deque([(0, time.perf_counter())])
+        self._next = 1024
+        while self._next < SPEED_WINDOW:
+            self._next *= 4
+        self._rows: dict[str, float] = {}
+
+    def add(self, position: int) -> None:
+        """Record that the stream has reached ``position`` tokens now."""
+        now = time.perf_counter()
+        self._marks.append((position, now))
+        while len(self._marks) > 2 and self._marks[1][0] <= position - SPEED_WINDOW:
+            self._marks.popleft()
+        while position >= self._next:
+            self._rows[str(self._next)] = self._speed()
+            self._next *= 4
+
+    def rows(self) -> dict[str, float]:
+        """``{position: tokens/s}`` at the marks passed, and at the last position recorded."""
+        last = self._marks[-1][0]
+        return {**self._rows, str(last): self._speed()} if last >= SPEED_WINDOW else dict(self._rows)
+
+    def _speed(self) -> float:
+        (first, start), (last, end) = self._marks[0], self._marks[-1]
+        return round((last - first) / max(end - start, 1e-9), 1)
