@@ -38,6 +38,8 @@ class EvalSlice:
     """Samples per (length, depth)."""
     models: list[str] | None = None
     """The models evaluated on this slice (default: all of them)."""
+    haystack: str | None = None
+    """The ``data`` of this slice (default: the demo's ``haystack``)."""
 
 
 @dataclass
@@ -55,9 +57,10 @@ class MultihopDemo:
     enabled: bool = False
     models: list[str] = field(default_factory=lambda: ["gca_2groups", "gca"])
     """Two retrieval groups against the single-group control (same layers, same data, same steps)."""
-    train_overrides: list[str] = field(default_factory=lambda: ["data.needle_variant=multihop"])
+    train_overrides: list[str] = field(default_factory=list)
     train_stages: list[TrainStage] = field(default_factory=list)
-    """Its own curriculum (a two-hop sample needs more chunks than the main demo's first stage has)."""
+    """Its own curriculum (a two-hop sample needs more chunks than the main demo's first stage has; the needle
+    variant is set per stage)."""
     passkey: list[EvalSlice] = field(default_factory=list)
     needles: int = 4
     """Needles per sample: the asked chain's link and key needle, and (needles - 2) / 2 distractor chains."""
@@ -167,12 +170,18 @@ class Stages:
     ) -> None:
         """``--task passkey`` of every slice into ``<run_dir>/<part>/eval/<model>/passkey_<i>``."""
         cfg = self.cfg
-        common = [f"seed={cfg.seed}", f"data={cfg.haystack}", *(extra or [])]
         for i, piece in enumerate(slices):
             if piece.models is not None and model not in piece.models:
                 continue
             out = self.run_dir / part / "eval" / model / f"passkey_{i}"
-            keys = [f"lengths={piece.lengths}", f"samples={piece.samples}", f"depths={cfg.depths}", *common]
+            keys = [
+                f"lengths={piece.lengths}",
+                f"samples={piece.samples}",
+                f"depths={cfg.depths}",
+                f"seed={cfg.seed}",
+                f"data={piece.haystack or cfg.haystack}",
+                *(extra or []),
+            ]
             cmd, env = eval_command(export, "passkey", out, keys)
             self.run("-".join(filter(None, ["passkey", part, model, str(i)])), cmd, out / "passkey.json", env)
 

@@ -177,32 +177,34 @@ def test_multihop_part_trains_two_groups_against_one_and_evaluates_two_hops(tmp_
     run = tmp_path / "run"
     hop = {name: cmd for name, cmd in calls.items() if "multihop" in name}
     assert list(hop) == [
-        "train-multihop-gca_2groups-short",
-        "train-multihop-gca_2groups-long",
-        "train-multihop-gca-short",
-        "train-multihop-gca-long",
+        "train-multihop-gca_2groups-single",
+        "train-multihop-gca_2groups-hop",
+        "train-multihop-gca-single",
+        "train-multihop-gca-hop",
         "passkey-multihop-gca_2groups-0",
         "passkey-multihop-gca_2groups-1",
         "passkey-multihop-gca-0",
         "passkey-multihop-gca-1",
     ]
-    two, one = hop["train-multihop-gca_2groups-short"], hop["train-multihop-gca-short"]
+    two, one = hop["train-multihop-gca_2groups-hop"], hop["train-multihop-gca-hop"]
     assert "model.groups=[1,1]" in two and not any(a.startswith("model.groups") for a in one)
     for cmd in (two, one):
         assert "data.needle_variant=multihop" in cmd and "train.seq_len=128" in cmd
-    assert f"run_dir={run / 'multihop' / 'gca_2groups' / 'short'}" in two
-    long_ = hop["train-multihop-gca_2groups-long"]
-    assert f"checkpoint.init_from={run / 'multihop' / 'gca_2groups' / 'short' / 'export'}" in long_
+    single = hop["train-multihop-gca_2groups-single"]
+    assert "model.groups=[1,1]" in single and not any("needle_variant" in a for a in single)
+    assert f"run_dir={run / 'multihop' / 'gca_2groups' / 'hop'}" in two
+    assert f"checkpoint.init_from={run / 'multihop' / 'gca_2groups' / 'single' / 'export'}" in two
     evaluation = hop["passkey-multihop-gca_2groups-1"]
-    assert {"variant=multihop", "needles=4", "lengths=[262144, 1048576]"} <= set(evaluation)
-    assert evaluation[evaluation.index("--checkpoint") + 1] == str(run / "multihop" / "gca_2groups" / "long" / "export")
+    assert {"variant=multihop", "needles=4", "lengths=[262144, 1048576]", "data=stdlib"} <= set(evaluation)
+    assert evaluation[evaluation.index("--checkpoint") + 1] == str(run / "multihop" / "gca_2groups" / "hop" / "export")
     # the main demo's stages are unchanged by the two-hop part
     assert "train-gca-short" in calls and not any("needle_variant" in a for a in calls["train-gca-short"])
 
 
 def test_longest_adds_the_16m_slice_for_gca_only(tmp_path, monkeypatch):
     calls = _recorded_demo(tmp_path, monkeypatch, ["longest=true"])
-    assert "lengths=[16777216]" in calls["passkey-gca-2"] and "samples=1" in calls["passkey-gca-2"]
+    assert {"lengths=[16777216]", "samples=1", "data=builtin"} <= set(calls["passkey-gca-2"])
+    assert "data=stdlib" in calls["passkey-gca-1"]
     assert "passkey-baseline-2" not in calls and "passkey-baseline-1" in calls
     (tmp_path / "plain").mkdir()
     plain = _recorded_demo(tmp_path / "plain", monkeypatch, [])
