@@ -237,7 +237,7 @@ def lay_out_multihop(
             f"{len(texts.tail)} tokens), its key needle ({len(texts.needle)}) and answer ({len(texts.answer)}) "
             f"with chunk_size={S}"
         )
-    needle_start = _needle_start(depth, room, S, len(texts.needle))
+    needle_start = _in_chunk_at(depth, room, S, len(texts.needle), rng)
     busy = _chunks(needle_start, len(texts.needle), S) | set(range(question_start // S, -(-length // S)))
     others = []
     for part in [texts.link, *texts.distractors]:
@@ -256,6 +256,19 @@ def lay_out_multihop(
     out[tail_start:answer_start] = texts.tail
     out[answer_start : answer_start + len(texts.answer)] = texts.answer
     return out, HopPlacement(needle_start, room, question_start, tail_start, answer_start, tuple(others))
+
+
+def _in_chunk_at(depth: float, room: int, chunk_size: int, needle_len: int, rng: np.random.Generator) -> int:
+    """A start in the chunk holding ``round(depth * room)``, at a random offset that keeps a needle that fits in
+    a chunk inside it (as ``_free_spot`` places the other needles). Shifting it to end with its chunk instead,
+    as ``place_needle`` does, made the asked needle end its chunk far more often than the distractors, and the
+    retriever learned to pick the needle that ends its chunk instead of following the link."""
+    S = chunk_size
+    at = int(round(depth * room))
+    if needle_len > S:
+        return at
+    lo = at // S * S
+    return lo + int(rng.integers(0, min(S - needle_len, room - lo) + 1))
 
 
 def _chunks(start: int, n: int, chunk_size: int) -> set[int]:
