@@ -391,18 +391,19 @@ def _run_sample(
     (``seconds``: building, streaming and decoding)."""
     t0 = time.perf_counter()
     streamed = 0
+    sample = build_sample(
+        source, tokenizer, spec, length, depth, np.random.default_rng([seed, length, d, s]), chunk_size
+    )
     speed = SpeedByPosition()
 
     def count(tokens: int) -> None:
         nonlocal streamed
         streamed += tokens
-        speed.add(streamed)
+        if streamed <= sample.answer_start:  # the prefix; decoding the answer is timed by "seconds" only
+            speed.add(streamed)
         if on_tokens is not None:
             on_tokens(tokens)
 
-    sample = build_sample(
-        source, tokenizer, spec, length, depth, np.random.default_rng([seed, length, d, s]), chunk_size
-    )
     predicted = predict_answer(model, sample, segment, offload_mb, offload_dir, count)
     if on_tokens is not None:  # the haystack after the answer is never streamed: the progress counts length
         on_tokens(length - streamed)
@@ -437,9 +438,10 @@ SPEED_WINDOW = 65536
 
 
 class SpeedByPosition:
-    """Streaming speed of one sample at positions ``4^k * 1024`` (from ``SPEED_WINDOW`` on) and at its end: the
-    tokens/s over the ``SPEED_WINDOW`` tokens before each, so a long run shows whether its cost per token stays flat
-    (``make demo-16m``: 1M, 4M and 16M in one run)."""
+    """Streaming speed of one sample's prefix at positions ``4^k * 1024`` (from ``SPEED_WINDOW`` on) and at its end:
+    the tokens/s over the ``SPEED_WINDOW`` tokens before each, so a long run shows whether its cost per token stays
+    flat (``make demo-16m``: 1M, 4M and the end of a 16M prefix in one run). The end's window includes the last
+    segment, streamed with every layer (``prefill``)."""
 
     def __init__(self) -> None:
         self._marks: collections.deque[tuple[int, float]] = collections.deque([(0, time.perf_counter())])
