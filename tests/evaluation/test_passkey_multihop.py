@@ -69,7 +69,11 @@ def test_samples_follow_the_definition(source, length, S, needles):
             )
             assert (sample.needle_start, sample.needle_len) == got.asked.needle
             assert sample.room == got.question_start // S * S - sample.needle_len
-            assert sample.needle_start // S == round(depth * sample.room) // S, (depth, sample.room, sample.needle_start)
+            assert sample.needle_start // S == round(depth * sample.room) // S, (
+                depth,
+                sample.room,
+                sample.needle_start,
+            )
             link_before += got.asked.link[0] < got.asked.needle[0]
             link_after += got.asked.link[0] > got.asked.needle[0]
     assert link_before and link_after
