@@ -348,17 +348,19 @@ class NeedleInserter:
         """A two-hop sample; names, keys and the depth are drawn again (up to ``_HOP_DRAWS`` times) when they do
         not fit, which only happens near the shortest length the dry run accepts (longer needles, a needle at a
         depth that blocks an extra chunk)."""
-        for draw in range(_HOP_DRAWS):
-            texts = hop_texts(
-                self.sp.encode, self.sp.decode, HOP_TEMPLATES, key, lambda: str(int(rng.integers(10_000, 100_000))), rng
-            )
+        for _ in range(_HOP_DRAWS - 1):
             try:
-                out, hop = lay_out_multihop(seq, texts, self.chunk_size, rng.random(), rng)
-                return out, slice(hop.answer_start, hop.answer_start + len(texts.answer))
+                return self._try_multihop(seq, key, rng)
             except ValueError:
-                if draw == _HOP_DRAWS - 1:
-                    raise
-        raise ValueError(f"_HOP_DRAWS={_HOP_DRAWS} must be >= 1")
+                continue
+        return self._try_multihop(seq, key, rng)  # the last draw's error reaches the caller
+
+    def _try_multihop(self, seq: np.ndarray, key: str, rng: np.random.Generator) -> tuple[np.ndarray, slice]:
+        texts = hop_texts(
+            self.sp.encode, self.sp.decode, HOP_TEMPLATES, key, lambda: str(int(rng.integers(10_000, 100_000))), rng
+        )
+        out, hop = lay_out_multihop(seq, texts, self.chunk_size, rng.random(), rng)
+        return out, slice(hop.answer_start, hop.answer_start + len(texts.answer))
 
 
 _HOP_DRAWS = 32

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", help="with --per-token: an export instead of the tiny random-init model")
     parser.add_argument("--offload-dir", help="with --per-token: where the on-disk chunk store goes")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # one measured row per line, as it is measured
     if args.per_token:
         report = run_per_token(args.positions, args.window, args.segment, args.checkpoint, args.offload_dir)
         args.out = args.out or "bench_per_token.json"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import logging
 import os
 import resource
 import subprocess
@@ -28,6 +29,8 @@ import torch
 from model import CausalLM, GCAConfig, GCAForCausalLM, build_model, save_pretrained
 from model.offload import MemmapChunkMemory
 from pipeline.evaluation.runtime import load_checkpoint, stream_segments
+
+log = logging.getLogger(__name__)
 
 TINY = GCAConfig(
     vocab_size=512,
@@ -89,18 +92,18 @@ def run_bench(lengths: list[int], full_lengths: list[int], timeout: int) -> dict
         gca = save_pretrained(GCAForCausalLM(TINY), Path(tmp) / "gca", extra=EXPORT_EXTRA)
         for length in lengths:
             report["gca"].append(run_one(gca, length, Path(tmp) / f"gca-{length}", timeout))
-            print(f"gca  {json.dumps(report['gca'][-1])}", flush=True)
+            log.info("gca  %s", json.dumps(report["gca"][-1]))
         full = save_pretrained(
             build_model(dataclasses.replace(TINY, arch="full")), Path(tmp) / "full", extra=EXPORT_EXTRA
         )
         for length in full_lengths:
             report["full"].append(run_one(full, length, Path(tmp) / f"full-out-{length}", timeout))
-            print(f"full {json.dumps(report['full'][-1])}", flush=True)
+            log.info("full %s", json.dumps(report["full"][-1]))
     done = {r["length"]: r["seconds"] for r in report["gca"] if "seconds" in r}
     if len(done) >= 2:
         lo, hi = min(done), max(done)
         report["time_ratio"] = [{"from": lo, "to": hi, "length_ratio": hi / lo, "time_ratio": done[hi] / done[lo]}]
-        print(f"time {hi}/{lo}: {done[hi] / done[lo]:.1f}x for {hi / lo:.0f}x the tokens")
+        log.info("time %d/%d: %.1fx for %.0fx the tokens", hi, lo, done[hi] / done[lo], hi / lo)
     return report
 
 
@@ -157,7 +160,7 @@ def run_per_token(
             row["ratio"] = round(row["tokens_per_s"] / first["tokens_per_s"], 3)
             row["cpu_ratio"] = round(row["tokens_per_cpu_s"] / first["tokens_per_cpu_s"], 3)
             report["rows"].append(row)
-            print(json.dumps(row), flush=True)
+            log.info("%s", json.dumps(row))
     return report
 
 
