@@ -269,7 +269,7 @@ class GCAForCausalLM(CausalLM):
         B = x.shape[0]
 
         def score(queries: torch.Tensor, chunk: torch.Tensor) -> RetrievalRows:
-            return retrieve(
+            rows = retrieve(
                 queries,
                 keys,
                 chunk,
@@ -278,6 +278,9 @@ class GCAForCausalLM(CausalLM):
                 gumbel=cfg.gumbel_topk and self.training,
                 grad=cfg.retrieval_grad,
             )
+            if state is not None:
+                state.record_picks(g, rows, chunk)
+            return rows
 
         previous = state.rows[g] if state is not None else None
         if isinstance(previous, DeferredRow):

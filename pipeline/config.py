@@ -77,6 +77,10 @@ class DataConfig:
     """``single``: one pass-key needle; ``multihop``: a two-hop chain (a link "A leads to B", a key needle for B,
     a distractor chain) whose question asks for A's key -- the layout a second retrieval group can follow
     (``pipeline/needle.py``; evaluated with ``--task passkey variant=multihop``)."""
+    hop_chains: int = 2
+    """``multihop``: chains per sample, the asked one and ``hop_chains - 1`` distractors (the eval's
+    ``needles=2*hop_chains``). With top-k retrieval and ``hop_chains <= top_k``, fetching every key needle
+    always brings the asked one; more chains make that shortcut fail, so only following the link pays."""
     needle_answer_weight: float = 1.0
     """Loss weight of a needle's answer tokens relative to every other token (the loss is the weighted mean).
     1 is the plain LM loss of the paper; a larger weight strengthens the retrieval signal of short runs."""
@@ -390,6 +394,8 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError(
             f"data.needle_variant must be one of {list(NEEDLE_VARIANTS)}; got {cfg.data.needle_variant!r}"
         )
+    if cfg.data.hop_chains < 2:
+        raise ConfigError(f"data.hop_chains must be >= 2 (the asked chain and a distractor); got {cfg.data.hop_chains}")
     if not cfg.data.needle_answer_weight > 0:
         raise ConfigError(f"data.needle_answer_weight must be > 0; got {cfg.data.needle_answer_weight}")
     if not 0 <= p.zero_stage <= 3:

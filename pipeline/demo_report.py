@@ -108,6 +108,23 @@ def _time_table(rows: list[dict], models: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _passkey_tables(rows: list[dict], models: list[str], train_len: int | None) -> list[str]:
+    """Accuracy and seconds per sample of the main demo's passkey rows (none when only the two-hop part ran)."""
+    if not rows:
+        return []
+    return [
+        f"Passkey retrieval, accuracy of the first answer token (all answer tokens in brackets); "
+        f"models trained on {train_len}-token sequences.",
+        "",
+        _table(rows, models),
+        "",
+        "Seconds per passkey sample (building it, streaming the prefix, decoding the answer).",
+        "",
+        _time_table(rows, models),
+        "",
+    ]
+
+
 def _ppl_table(rows: list[dict], models: list[str]) -> list[str]:
     """The caption and table of the perplexity rows: one column per context length, one of whole windows."""
     context = [r for r in rows if r["kind"] == "context"]
@@ -129,6 +146,48 @@ def _ppl_table(rows: list[dict], models: list[str]) -> list[str]:
     return [*lines, ""]
 
 
+_HOP_CHECKS = {
+    "first_hop_link": "first hop: the link (row after the name)",
+    "second_hop_key": "second hop: the asked key needle (row read by the answer)",
+    "second_hop_distractor_key": "the same row: a distractor's key needle",
+}
+
+
+def collect_hop_retrieval(run_dir: Path, models: list[str]) -> list[dict]:
+    """Per (model, group): how often each retrieval check of ``HopChunks.followed`` held, pooled over every
+    length and depth of ``<run_dir>/eval/<model>/passkey_*/passkey.json``."""
+    rows = []
+    for model in models:
+        counts: dict[str, dict[str, list[int]]] = {}
+        for path in sorted((run_dir / "eval" / model).glob("passkey_*/passkey.json")):
+            for r in _read(path)["results"]:
+                for group, checks in r.get("retrieval", {}).items():
+                    for check, c in checks.items():
+                        total = counts.setdefault(group, {}).setdefault(check, [0, 0])
+                        total[0] += c["hits"]
+                        total[1] += c["n"]
+        for group in sorted(counts):
+            rows.append({"model": model, "group": group, **{k: tuple(v) for k, v in counts[group].items()}})
+    return rows
+
+
+def _hop_retrieval_table(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    lines = [
+        "Which chunks each retrieval group fetched for the question (all lengths and depths pooled): the hops are "
+        "followed when the row after the name holds the link and the answer's row holds the asked key needle "
+        "without the distractor's.",
+        "",
+        "| model | group | " + " | ".join(_HOP_CHECKS.values()) + " |",
+        "|---" * (len(_HOP_CHECKS) + 2) + "|",
+    ]
+    for r in rows:
+        cells = [f"{100 * r[k][0] / r[k][1]:.0f}% (n={r[k][1]})" if r.get(k) and r[k][1] else "–" for k in _HOP_CHECKS]
+        lines.append(f"| {r['model']} | {r['group']} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
 def _multihop_section(run_dir: Path, models: list[str]) -> list[str]:
     """The two-hop results (``<run_dir>/multihop``), merged into ``multihop/passkey.json`` and ``multihop.png``."""
     rows, train_len = collect_passkey(run_dir / "multihop", models)
@@ -146,6 +205,7 @@ def _multihop_section(run_dir: Path, models: list[str]) -> list[str]:
         "",
         _table(rows, models),
         "",
+        *_hop_retrieval_table(collect_hop_retrieval(run_dir / "multihop", models)),
     ]
 
 
@@ -168,15 +228,7 @@ def write_report(
         [
             "# make demo results",
             "",
-            f"Passkey retrieval, accuracy of the first answer token (all answer tokens in brackets); "
-            f"models trained on {train_len}-token sequences.",
-            "",
-            _table(passkey, models),
-            "",
-            "Seconds per passkey sample (building it, streaming the prefix, decoding the answer).",
-            "",
-            _time_table(passkey, models),
-            "",
+            *_passkey_tables(passkey, models, train_len),
             *_ppl_table(ppl, models),
             *_multihop_section(run_dir, multihop_models or []),
             "Stage timings.",

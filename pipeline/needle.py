@@ -194,6 +194,49 @@ class HopPlacement:
     """Starts of the link and the distractors, in ``HopTexts`` order (link first)."""
 
 
+@dataclass(frozen=True)
+class HopChunks:
+    """Chunk ids of a two-hop sample's parts: what each retrieval should bring for the hops to be followed."""
+
+    answer: int
+    """``c``, the chunk whose tokens predict the answer's first token; they read the row of landmark ``c - 1``, and
+    the question's name ends chunk ``c - 2`` (its landmark's row is the first hop)."""
+    link: frozenset[int]
+    key: frozenset[int]
+    distractor_links: frozenset[int]
+    distractor_keys: frozenset[int]
+
+    @staticmethod
+    def of(where: HopPlacement, texts: HopTexts, chunk_size: int) -> HopChunks:
+        S = chunk_size
+        parts = list(zip(where.others[1:], texts.distractors))
+        return HopChunks(
+            answer=(where.answer_start - 1) // S,
+            link=frozenset(_chunks(where.others[0], len(texts.link), S)),
+            key=frozenset(_chunks(where.needle_start, len(texts.needle), S)),
+            distractor_links=frozenset(c for at, part in parts[0::2] for c in _chunks(at, len(part), S)),
+            distractor_keys=frozenset(c for at, part in parts[1::2] for c in _chunks(at, len(part), S)),
+        )
+
+    def followed(self, picks: dict[tuple[int, int], list[list[int]]]) -> dict[str, dict[str, bool]]:
+        """Per group ``g<i>``, from ``StreamState.picks`` (batch row 0): ``first_hop_link`` -- the row of landmark
+        ``c - 2`` (right after the name) holds the link; ``second_hop_key`` -- the row of landmark ``c - 1`` (read
+        by the answer's chunk) holds the asked key needle; ``second_hop_distractor_key`` -- it holds another
+        chain's key needle. A row never scored (the prefix skipped it) gives no entry."""
+        out: dict[str, dict[str, bool]] = {}
+        for g in sorted({group for group, _ in picks}):
+            hops: dict[str, bool] = {}
+            first = picks.get((g, self.answer - 2))
+            if first is not None:
+                hops["first_hop_link"] = bool(self.link & set(first[0]))
+            second = picks.get((g, self.answer - 1))
+            if second is not None:
+                hops["second_hop_key"] = bool(self.key & set(second[0]))
+                hops["second_hop_distractor_key"] = bool(self.distractor_keys & set(second[0]))
+            out[f"g{g}"] = hops
+        return out
+
+
 def place_hop_question(
     length: int, chunk_size: int, head_len: int, tail_len: int, answer_len: int
 ) -> tuple[int, int, int]:
@@ -296,14 +339,22 @@ class NeedleInserter:
         tokenizer_path: the SentencePiece model the data was tokenized with.
         seq_len: length of the sequences it receives (and returns).
         chunk_size: the model's chunk size (tokens), which the layout aligns to.
-        variant: ``single`` (one pass-key needle) or ``multihop`` (``HOP_TEMPLATES``, two chains).
+        variant: ``single`` (one pass-key needle) or ``multihop`` (``HOP_TEMPLATES``, ``chains`` chains).
+        chains: ``multihop``: the asked chain and ``chains - 1`` distractor chains.
 
     Raises:
         ValueError: an unknown variant, or ``seq_len`` cannot hold the variant's sample (checked at once, with a
             dry run, so a training run stops before its first step).
     """
 
-    def __init__(self, tokenizer: str | Path | bytes, seq_len: int, chunk_size: int, variant: str = "single") -> None:
+    def __init__(
+        self,
+        tokenizer: str | Path | bytes,
+        seq_len: int,
+        chunk_size: int,
+        variant: str = "single",
+        chains: int = HOP_CHAINS,
+    ) -> None:
         """``tokenizer``: a SentencePiece model file, or its bytes (as the trainer reads it from a dataset)."""
         import sentencepiece as spm
 
@@ -315,12 +366,15 @@ class NeedleInserter:
             raise FileNotFoundError(f"data.needle_mix > 0 needs the tokenizer at {tokenizer}")
         if variant not in VARIANTS:
             raise ValueError(f"data.needle_variant={variant!r} is not one of {VARIANTS}")
-        self.seq_len, self.chunk_size, self.variant = seq_len, chunk_size, variant
+        self.seq_len, self.chunk_size, self.variant, self.chains = seq_len, chunk_size, variant, chains
         try:
             for seed in range(64):  # names and keys vary in length: many layouts, not one
                 self.insert(np.zeros(seq_len, dtype=np.int64), np.random.default_rng(seed))
         except ValueError as err:
-            raise ValueError(f"train.seq_len={seq_len} is too short for data.needle_variant={variant}: {err}") from None
+            what = f"data.needle_variant={variant}" + (
+                f" with data.hop_chains={chains}" if variant == "multihop" else ""
+            )
+            raise ValueError(f"train.seq_len={seq_len} is too short for {what}: {err}") from None
 
     def parts(self, key: str) -> tuple[list[int], list[int], list[int]]:
         """Token ids of the needle, the question and the answer for pass key ``key`` (the answer's leading
@@ -357,7 +411,13 @@ class NeedleInserter:
 
     def _try_multihop(self, seq: np.ndarray, key: str, rng: np.random.Generator) -> tuple[np.ndarray, slice]:
         texts = hop_texts(
-            self.sp.encode, self.sp.decode, HOP_TEMPLATES, key, lambda: str(int(rng.integers(10_000, 100_000))), rng
+            self.sp.encode,
+            self.sp.decode,
+            HOP_TEMPLATES,
+            key,
+            lambda: str(int(rng.integers(10_000, 100_000))),
+            rng,
+            self.chains,
         )
         out, hop = lay_out_multihop(seq, texts, self.chunk_size, rng.random(), rng)
         return out, slice(hop.answer_start, hop.answer_start + len(texts.answer))

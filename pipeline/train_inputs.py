@@ -95,7 +95,7 @@ def _check_tokenizer(cfg: TrainConfig) -> None:
         )
     if cfg.data.needle_mix > 0:
         try:
-            NeedleInserter(model, cfg.train.seq_len, cfg.model.chunk_size, cfg.data.needle_variant)
+            NeedleInserter(model, cfg.train.seq_len, cfg.model.chunk_size, cfg.data.needle_variant, cfg.data.hop_chains)
         except ValueError as err:
             raise ConfigError(str(err)) from None
 

@@ -145,6 +145,7 @@ class Trainer:
                 cfg.train.seq_len,
                 cfg.model.chunk_size,
                 cfg.data.needle_variant,
+                cfg.data.hop_chains,
             )
         batches = RankBatches(
             stream,

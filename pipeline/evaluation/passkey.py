@@ -45,6 +45,7 @@ from pipeline.needle import (
     HOP_TEMPLATES,
     NEEDLE,
     QUESTION,
+    HopChunks,
     hop_texts,
     lay_out_multihop,
     move_answer_whitespace,
@@ -89,6 +90,8 @@ class PasskeySample:
     room: int
     """Latest possible start of the key-bearing needle; depth d puts it at ``round(d * room)``."""
     key: str
+    hop: HopChunks | None = None
+    """multihop: the chunks of its parts, to check which ones each retrieval group fetched."""
 
 
 @dataclass
@@ -255,6 +258,7 @@ def _build_multihop(
         len(texts.needle),
         where.room,
         key,
+        HopChunks.of(where, texts, chunk_size),
     )
 
 
@@ -265,15 +269,18 @@ def predict_answer(
     offload_mb: int = -1,
     offload_dir: str | None = None,
     on_tokens: Callable[[int], None] | None = None,
+    picks: dict[tuple[int, int], list[list[int]]] | None = None,
 ) -> list[int]:
     """Greedy prediction of the answer tokens: stream ``ids[:answer_start]``, then feed back own predictions.
 
     All but the last ``model.window_reach`` prefix tokens are streamed with ``memory_only`` (same predictions:
     the answer is beyond the reach of the skipped layers; a GCA model still reads every chunk of the prefix).
+    ``picks``: filled with the retrievals scored (``StreamState.picks``).
     """
     device = next(model.parameters()).device
     prefix = torch.from_numpy(sample.ids[: sample.answer_start])[None].to(device)
     with stream_state(model, offload_mb, offload_dir) as state:
+        state.picks = picks
         last = prefill(model, state, prefix, segment, on_tokens, skip_far_layers=True)
         return list(decode(model, state, last, sample.answer_len, on_tokens=on_tokens))
 
@@ -352,6 +359,7 @@ def evaluate_passkey(
                     "seconds_per_sample": round(seconds / samples, 3),
                     "tokens_per_s": round(samples * length / seconds, 1),
                     "tokens_per_s_at": _mean_speeds(records),
+                    **({"retrieval": retrieval} if (retrieval := _count_retrievals(records)) else {}),
                 }
             )
             log.info(
@@ -369,6 +377,18 @@ def _mean_speeds(records: list[dict]) -> dict[str, float]:
     speeds = [r.get("tokens_per_s_at", {}) for r in records]
     common = set.intersection(*(set(x) for x in speeds)) if speeds else set()
     return {k: round(sum(x[k] for x in speeds) / len(speeds), 1) for k in sorted(common, key=int)}
+
+
+def _count_retrievals(records: list[dict]) -> dict[str, dict[str, dict[str, int]]]:
+    """Per group and check of ``HopChunks.followed``: ``{"hits", "n"}`` over the samples that recorded it."""
+    counts: dict[str, dict[str, dict[str, int]]] = {}
+    for record in records:
+        for group, checks in record.get("retrieval", {}).items():
+            for check, hit in checks.items():
+                count = counts.setdefault(group, {}).setdefault(check, {"hits": 0, "n": 0})
+                count["hits"] += int(hit)
+                count["n"] += 1
+    return counts
 
 
 def _run_sample(
@@ -404,7 +424,8 @@ def _run_sample(
         if on_tokens is not None:
             on_tokens(tokens)
 
-    predicted = predict_answer(model, sample, segment, offload_mb, offload_dir, count)
+    picks: dict[tuple[int, int], list[list[int]]] | None = {} if sample.hop is not None else None
+    predicted = predict_answer(model, sample, segment, offload_mb, offload_dir, count, picks)
     if on_tokens is not None:  # the haystack after the answer is never streamed: the progress counts length
         on_tokens(length - streamed)
     answer = sample.ids[sample.answer_start : sample.answer_start + sample.answer_len].tolist()
@@ -430,6 +451,7 @@ def _run_sample(
         "predicted": predicted,
         "seconds": round(seconds, 3),
         "tokens_per_s_at": speed.rows(),
+        **({"retrieval": sample.hop.followed(picks)} if sample.hop is not None and picks is not None else {}),
     }
 
 

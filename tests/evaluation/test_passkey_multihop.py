@@ -17,7 +17,7 @@ import pytest
 from pipeline.evaluation.haystack import TokenSource
 from pipeline.evaluation.passkey import TEMPLATES, NeedleSpec, build_sample, check_templates
 from pipeline.evaluation.tokenizer import ByteTokenizer, SentencePieceTokenizer
-from pipeline.needle import HOP_TEMPLATES, NeedleInserter
+from pipeline.needle import HOP_TEMPLATES, HopChunks, NeedleInserter
 
 _spec = importlib.util.spec_from_file_location(
     "needle_multihop_checks", Path(__file__).resolve().parents[1] / "pipeline" / "test_needle_multihop.py"
@@ -76,7 +76,47 @@ def test_samples_follow_the_definition(source, length, S, needles):
             )
             link_before += got.asked.link[0] < got.asked.needle[0]
             link_after += got.asked.link[0] > got.asked.needle[0]
+            assert sample.hop == _expected_hop_chunks(got, S)
     assert link_before and link_after
+
+
+def _expected_hop_chunks(got, S: int) -> HopChunks:
+    """The chunks the checker found each part in (``(start, length)`` spans located from the decoded text)."""
+
+    def chunks(*spans: tuple[int, int]) -> frozenset[int]:
+        return frozenset(p // S for start, n in spans for p in range(start, start + n))
+
+    return HopChunks(
+        answer=(got.answer_start - 1) // S,
+        link=chunks(got.asked.link),
+        key=chunks(got.asked.needle),
+        distractor_links=chunks(*(c.link for c in got.distractors)),
+        distractor_keys=chunks(*(c.needle for c in got.distractors)),
+    )
+
+
+def test_which_hops_a_groups_picks_followed():
+    hop = HopChunks(
+        answer=20,
+        link=frozenset({3}),
+        key=frozenset({9, 10}),
+        distractor_links=frozenset({5}),
+        distractor_keys=frozenset({14}),
+    )
+    picks = {
+        (0, 18): [[3, 7]],  # the row after the name holds the link
+        (0, 19): [[10, 2]],  # the answer's row holds the key needle's second chunk only
+        (1, 18): [[5]],  # the distractor's link instead
+        (1, 19): [[14, 9]],  # both key needles
+        (0, 17): [[9, 14]],  # another row: not looked at
+    }
+    assert hop.followed(picks) == {
+        "g0": {"first_hop_link": True, "second_hop_key": True, "second_hop_distractor_key": False},
+        "g1": {"first_hop_link": False, "second_hop_key": True, "second_hop_distractor_key": True},
+    }
+    # rows the streamed prefix never scored give no entry rather than a miss
+    assert hop.followed({(0, 19): [[14]]}) == {"g0": {"second_hop_key": False, "second_hop_distractor_key": True}}
+    assert hop.followed({}) == {}
 
 
 def test_trainer_and_eval_lay_out_the_same_structure(hop_model):
@@ -149,3 +189,55 @@ def test_question_naming_the_chain_twice(source):
         build_sample(source, TOK, spec, 4000, 0.5, np.random.default_rng(1), 64)
     except ValueError:
         pass
+
+
+def _batch_forward_picks(model, ids: np.ndarray, monkeypatch) -> dict[tuple[int, int], list[list[int]]]:
+    """(group, query chunk) -> valid picks of a batch forward of ``ids`` (one ``retrieve`` call per group)."""
+    import torch
+
+    import model.gca as gca_module
+
+    real_retrieve = gca_module.retrieve
+    picks: dict[tuple[int, int], list[list[int]]] = {}
+
+    def spy(queries, keys, chunk, **kwargs):
+        rows = real_retrieve(queries, keys, chunk, **kwargs)
+        g = len({group for group, _ in picks})
+        for i, c in enumerate(chunk.tolist()):
+            picks[(g, c)] = [[int(j) for j, w in zip(rows.index[0, i], rows.weights[0, i]) if w > 0]]
+        return rows
+
+    monkeypatch.setattr(gca_module, "retrieve", spy)
+    with torch.inference_mode():
+        model(torch.from_numpy(ids)[None])
+    monkeypatch.undo()
+    return picks
+
+
+def test_eval_counts_the_hops_each_group_followed(source, monkeypatch):
+    """The two-hop eval's ``retrieval`` counts, from picks recorded while streaming in segments, equal
+    ``HopChunks.followed`` of the picks a batch forward of the same samples makes."""
+    import torch
+    from helpers import tiny_config
+
+    from model import GCAForCausalLM
+    from pipeline.evaluation.passkey import evaluate_passkey
+
+    torch.manual_seed(0)
+    model = GCAForCausalLM(tiny_config(vocab_size=256, groups=[1, 1], chunk_size=32, top_k=2)).eval()
+    spec, length, depths, samples = NeedleSpec("multihop", needles=6), 1200, [0.2, 0.9], 3
+    rows = evaluate_passkey(model, TOK, source, spec, [length], depths, samples, 5, 100, 32)
+
+    for d, (depth, row) in enumerate(zip(depths, rows, strict=True)):
+        want: dict[str, dict[str, dict[str, int]]] = {}
+        for s in range(samples):
+            sample = build_sample(source, TOK, spec, length, depth, np.random.default_rng([5, length, d, s]), 32)
+            picks = _batch_forward_picks(model, sample.ids[: sample.answer_start], monkeypatch)
+            assert len({g for g, _ in picks}) == 2
+            for group, hops in sample.hop.followed(picks).items():
+                assert set(hops) == {"first_hop_link", "second_hop_key", "second_hop_distractor_key"}
+                for check, hit in hops.items():
+                    count = want.setdefault(group, {}).setdefault(check, {"hits": 0, "n": 0})
+                    count["hits"] += hit
+                    count["n"] += 1
+        assert row["retrieval"] == want

@@ -339,3 +339,44 @@ def test_memory_only_steps_skip_retrieval_upper_layers_and_lm_head(monkeypatch):
         assert state.memory.size == 30
         model.forward_stream(torch.randint(0, VOCAB, (1, 2)), state)  # closes no chunk: only the deferred row
     assert calls == {"retrieve": 1, "upper": 2, "head": 1, "encoder": 15}
+
+
+@pytest.mark.parametrize("groups,memory_only", [([1, 1], False), ([2], True)], ids=["two-groups", "memory-only"])
+def test_recorded_picks_are_the_batch_forwards_picks(monkeypatch, groups, memory_only):
+    """``StreamState.picks``, recorded while streaming in segments that cut chunks, holds for every row it
+    scored the chunks the batch forward picks for that row, without the invalid picks of the first chunks; a
+    memory_only prefix scores only its last landmark's row (deferred), later rows all."""
+    import model.gca as gca_module
+
+    model = trained_model(tiny_config(groups=groups, top_k=3), T=64)
+    ids = torch.randint(0, VOCAB, (2, 61))
+    batch_rows = []
+    real_retrieve = gca_module.retrieve
+
+    def spy(queries, keys, chunk, **kwargs):
+        rows = real_retrieve(queries, keys, chunk, **kwargs)
+        batch_rows.append((chunk, rows))
+        return rows
+
+    monkeypatch.setattr(gca_module, "retrieve", spy)
+    with torch.inference_mode():
+        model(ids)
+    monkeypatch.undo()
+    assert len(batch_rows) == len(groups)  # one scoring per group
+    want = {
+        (g, int(c)): [[int(j) for j, w in zip(rows.index[b, i], rows.weights[b, i]) if w > 0] for b in range(2)]
+        for g, (chunk, rows) in enumerate(batch_rows)
+        for i, c in enumerate(chunk)
+    }
+
+    state = model.new_stream_state()
+    state.picks = {}
+    prefix = 29 if memory_only else 0  # 7 chunks of 4 closed by the prefix, the 8th pending
+    with torch.inference_mode():
+        for s in range(0, prefix, 5):
+            model.forward_stream(ids[:, s : min(s + 5, prefix)], state, memory_only=True)
+        for s in range(prefix, ids.shape[1], 6):
+            model.forward_stream(ids[:, s : s + 6], state)
+    first_full = 6 if memory_only else 0  # the deferred row: landmark of chunk 6
+    assert state.picks == {k: v for k, v in want.items() if k[1] >= first_full}
+    assert all(len(row) == min(c, 3) for (_, c), rows in state.picks.items() for row in rows)

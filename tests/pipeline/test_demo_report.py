@@ -163,7 +163,7 @@ def _recorded_demo(tmp_path, monkeypatch, overrides):
     from pipeline import demo
 
     data = tmp_path / "data"
-    data.mkdir()
+    data.mkdir(exist_ok=True)
     (data / "_COMPLETE").write_text("")
     calls = {}
     monkeypatch.setattr(demo.Stages, "run", lambda self, name, cmd, done, env=None: calls.update({name: cmd}))
@@ -229,3 +229,42 @@ def test_multihop_section_and_seconds_per_sample_in_the_report(tmp_path):
     assert merged["variant"] == "multihop" and [r["model"] for r in merged["results"]] == ["gca_2groups", "gca"]
     assert (tmp_path / "multihop.png").stat().st_size > 1000
     assert "Two-hop" not in write_report(tmp_path, ["gca"], {})
+
+
+def test_only_the_two_hop_part_keeps_the_main_demos_results(tmp_path, monkeypatch):
+    """``make demo-multihop`` (multihop.only=true) runs no main-demo stage; the main results already on disk
+    stay in results.md, and without them the report has no empty main table."""
+    run = tmp_path / "run"
+    calls = _recorded_demo(tmp_path, monkeypatch, ["multihop.enabled=true", "multihop.only=true"])
+    assert calls and all("multihop" in name for name in calls)
+    assert "Passkey retrieval" not in (run / "results.md").read_text()
+    _write(
+        run / "eval/gca/passkey_0/passkey.json",
+        [{"length": 1024, "depth": 0.5, "accuracy": 0.5, "exact_match": 0.5, "n": 2, "seconds": 1.0}],
+    )
+    _recorded_demo(tmp_path, monkeypatch, ["multihop.enabled=true", "multihop.only=true"])
+    assert "| gca | 50% (50%, n=2) |" in (run / "results.md").read_text()
+
+
+def test_hop_retrieval_pooled_per_model_and_group(tmp_path):
+    def checks(link, key, other, n):
+        return {
+            "first_hop_link": {"hits": link, "n": n},
+            "second_hop_key": {"hits": key, "n": n},
+            "second_hop_distractor_key": {"hits": other, "n": n},
+        }
+
+    row = {"depth": 0.5, "accuracy": 0.5, "exact_match": 0.25, "n": 4, "seconds": 2.0}
+    for i, (length, g0, g1) in enumerate(
+        [(1024, checks(1, 4, 4, 4), checks(3, 4, 2, 4)), (4096, checks(0, 3, 4, 4), checks(1, 2, 2, 4))]
+    ):
+        _write(
+            tmp_path / f"multihop/eval/gca_2groups/passkey_{i}/passkey.json",
+            [{**row, "length": length, "retrieval": {"g0": g0, "g1": g1}}],
+        )
+    _write(tmp_path / "multihop/eval/gca/passkey_0/passkey.json", [{**row, "length": 1024}])
+    report = write_report(tmp_path, [], {}, ["gca_2groups", "gca"])
+    # pooled over both lengths: g0 1/8 links, 7/8 keys, 8/8 distractor keys; g1 4/8, 6/8, 4/8
+    assert "| gca_2groups | g0 | 12% (n=8) | 88% (n=8) | 100% (n=8) |" in report
+    assert "| gca_2groups | g1 | 50% (n=8) | 75% (n=8) | 50% (n=8) |" in report
+    assert "| gca | g" not in report  # no retrieval recorded for it: no row

@@ -286,15 +286,16 @@ def test_lay_out_multihop_follows_the_definition(sp, L, S):
     assert link_before and link_after  # the link comes first in some samples, the key needle in others
 
 
-@pytest.mark.parametrize("L,S", [(256, 8), (512, 16), (1024, 32)])
-def test_inserter_sequences_follow_the_definition(hop_model, sp, L, S):
-    ins = NeedleInserter(hop_model, L, S, variant="multihop")
+@pytest.mark.parametrize("L,S,chains", [(256, 8, 2), (512, 16, 2), (1024, 32, 2), (256, 16, 3), (512, 16, 4)])
+def test_inserter_sequences_follow_the_definition(hop_model, sp, L, S, chains):
+    ins = NeedleInserter(hop_model, L, S, variant="multihop", chains=chains)
     depths = []
     for seed in range(60):
         seq = filler(sp, L)
         out, answer = ins.insert(seq, np.random.default_rng(seed))
         assert (seq == filler(sp, L)).all()
-        got = check_two_hop(out, sp.encode, sp.decode, S, answer.start, answer.stop - answer.start, chains=2)
+        got = check_two_hop(out, sp.encode, sp.decode, S, answer.start, answer.stop - answer.start, chains=chains)
+        assert len(got.distractors) == chains - 1
         assert 10_000 <= int(got.key) < 100_000
         depths.append(got.asked.needle[0] / (got.question_start - got.asked.needle[1]))
     assert min(depths) < 0.25 and max(depths) > 0.75  # random depths, spread over the room
@@ -330,6 +331,9 @@ def _accepts(model: Path, L: int, S: int) -> bool:
 def test_too_short_names_the_settings(hop_model):
     with pytest.raises(ValueError, match=r"train\.seq_len=96 is too short for data\.needle_variant=multihop"):
         NeedleInserter(hop_model, 96, 16, variant="multihop")
+    NeedleInserter(hop_model, 192, 16, variant="multihop")
+    with pytest.raises(ValueError, match=r"seq_len=192 is too short for .*multihop with data\.hop_chains=5"):
+        NeedleInserter(hop_model, 192, 16, variant="multihop", chains=5)
     NeedleInserter(hop_model, 96, 16, variant="single")  # the one-needle mix fits
 
 
@@ -379,6 +383,8 @@ def test_config_rejects_an_unknown_variant():
     with pytest.raises(ConfigError, match=r"data\.needle_variant must be one of \['single', 'multihop'\]; got 'bogus'"):
         load_config(None, [*base, "data.needle_variant=bogus"])
     assert load_config(None, [*base, "data.needle_variant=multihop"]).data.needle_variant == "multihop"
+    with pytest.raises(ConfigError, match=r"data\.hop_chains must be >= 2 .*; got 1"):
+        load_config(None, [*base, "data.hop_chains=1"])
 
 
 def test_too_short_for_the_variant_stops_before_training(tmp_path, tiny_data, overrides):
@@ -387,6 +393,9 @@ def test_too_short_for_the_variant_stops_before_training(tmp_path, tiny_data, ov
     with pytest.raises(ConfigError, match=r"train\.seq_len=96 is too short for data\.needle_variant=multihop"):
         check_inputs(cfg)
     check_inputs(load_config(None, overrides(tmp_path / "long", tiny_data, **extra, **{"train.seq_len": 512})))
+    many = {**extra, "train.seq_len": 512, "data.hop_chains": 20}  # 40 needles in 32 chunks
+    with pytest.raises(ConfigError, match=r"seq_len=512 is too short for .*data\.hop_chains=20"):
+        check_inputs(load_config(None, overrides(tmp_path / "many", tiny_data, **many)))
 
 
 # ---------------------------------------------------------------- 5: the loader's answer weights
