@@ -18,7 +18,7 @@ One code path serves training (a whole sequence at once) and streaming (segments
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn as nn
@@ -32,6 +32,9 @@ from model.layout import StepLayout
 from model.lm import CausalLM
 from model.retrieval import DeferredRow, RetrievalRows, retrieval_stats, retrieve
 from model.stream import StreamState
+
+if TYPE_CHECKING:
+    from model.context_parallel import ContextParallel
 
 # Logit elements per GCA operator call when no gradient is needed (about 64 MB in fp32).
 _EVAL_SLICE_ELEMENTS = 1 << 24
@@ -184,15 +187,23 @@ class GCAForCausalLM(CausalLM):
         state: StreamState | None,
         last_logits: int | None = None,
         memory_only: bool = False,
+        cp: ContextParallel | None = None,
     ) -> torch.Tensor:
+        """``cp``: run one rank's span of a sequence under context parallelism (``model.context_parallel``): the
+        step starts after ``cp.n_prev`` tokens and takes from the other ranks what ``state`` would hold."""
         cfg = self.cfg
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens]; got shape {tuple(input_ids.shape)}")
+        if cp is not None and state is not None:
+            raise ValueError("a context-parallel step takes its state from the other ranks, not from a StreamState")
         B, T = input_ids.shape
-        layout = StepLayout.build(state.n_tokens if state else 0, T, cfg.chunk_size, input_ids.device)
+        n_prev = state.n_tokens if state else cp.n_prev if cp else 0
+        layout = StepLayout.build(n_prev, T, cfg.chunk_size, input_ids.device)
         caches: list[KVCache | None] = [None] * (len(self.lower) + cfg.n_upper_layers)
         if state is not None:
             caches = list(state.caches)
+        if cp is not None:
+            caches = cp.halo_caches(len(caches))
 
         tokens = self.embed(input_ids)  # [B, T, d_model]
         landmarks = self.landmark.to(tokens.dtype).expand(B, layout.n_landmarks, -1)
@@ -201,13 +212,15 @@ class GCAForCausalLM(CausalLM):
             x = layer(x, cache)
 
         readable = self._encode_chunks(x, layout, state)
+        if cp is not None:
+            readable = cp.share_chunks(readable, x)
         caches = caches[len(self.lower) :]
         # nn.ModuleList iterates as plain Modules; every entry of self.groups is a RetrievalGroup.
         for g, group in enumerate(cast("list[RetrievalGroup]", list(self.groups))):
             if memory_only:
                 self._skip_upper_layers(group, x, layout, state)
                 break
-            memory = self._retrieve(g, group, x, readable, layout, state)
+            memory = self._retrieve(g, group, x, readable, layout, state, cp)
             for layer in group.layers:
                 x = layer(x, caches.pop(0), memory, layout)
 
@@ -260,6 +273,7 @@ class GCAForCausalLM(CausalLM):
         readable: tuple[torch.Tensor, ChunkGather, ChunkGather] | None,
         layout: StepLayout,
         state: StreamState | None,
+        cp: ContextParallel | None,
     ) -> RetrievedMemory | None:
         """Rows for every chunk this step touches: chunk ``c`` uses the row of landmark ``c - 1``."""
         if readable is None:
@@ -267,6 +281,9 @@ class GCAForCausalLM(CausalLM):
         keys, mem_k, mem_v = readable
         cfg = self.cfg
         B = x.shape[0]
+        gumbel = cfg.gumbel_topk and self.training
+        # Context parallelism: every rank scores its rows of the noise one process draws for the whole sequence.
+        noise = cp.gumbel_uniform(B, x.device) if cp is not None and gumbel else None
 
         def score(queries: torch.Tensor, chunk: torch.Tensor) -> RetrievalRows:
             rows = retrieve(
@@ -275,19 +292,22 @@ class GCAForCausalLM(CausalLM):
                 chunk,
                 top_k=cfg.top_k,
                 scale=self.retrieval_scale,
-                gumbel=cfg.gumbel_topk and self.training,
+                gumbel=gumbel,
                 grad=cfg.retrieval_grad,
+                uniform=None if noise is None else noise[:, chunk],
             )
             if state is not None:
                 state.record_picks(g, rows, chunk)
             return rows
 
+        queries = group.query_norm(x[:, layout.landmark_pos])  # [B, n_landmarks, d_model]
         previous = state.rows[g] if state is not None else None
+        if cp is not None:  # the row before the span is scored here from the previous rank's last query
+            queries, previous = cp.previous_row(queries)
         if isinstance(previous, DeferredRow):
             previous = score(previous.query, previous.chunk)
         parts = [previous if previous is not None else RetrievalRows.empty(B, cfg.top_k, x.device)]
         if layout.n_landmarks:
-            queries = group.query_norm(x[:, layout.landmark_pos])  # [B, n_landmarks, d_model]
             new_rows = score(queries, layout.landmark_chunk)
             for name, value in retrieval_stats(new_rows, layout.landmark_chunk).items():
                 self.retrieval_stats[f"retrieval_{name}_g{g}"] = value
@@ -296,8 +316,12 @@ class GCAForCausalLM(CausalLM):
         if state is not None:
             state.rows[g] = rows[-1:]
         rows = rows[: layout.n_chunks]
-        batch = torch.arange(B, device=x.device)[:, None, None]
+        if cp is not None:  # mem_k/mem_v hold the span's chunks: fetch the rest from their ranks
+            k, v = cp.gather_chunks(mem_k, mem_v, rows.index)
+        else:
+            batch = torch.arange(B, device=x.device)[:, None, None]
+            k, v = mem_k[batch, rows.index], mem_v[batch, rows.index]
         # Gathered once per group, shared by its layers: [B, C, R, S, H, D] -> the operator's [B, C, H, R, S, D].
-        k = mem_k[batch, rows.index].permute(0, 1, 4, 2, 3, 5).contiguous()
-        v = mem_v[batch, rows.index].permute(0, 1, 4, 2, 3, 5).contiguous()
+        k = k.permute(0, 1, 4, 2, 3, 5).contiguous()
+        v = v.permute(0, 1, 4, 2, 3, 5).contiguous()
         return RetrievedMemory(k=k, v=v, weights=rows.weights)

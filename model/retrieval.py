@@ -66,6 +66,7 @@ def retrieve(
     scale: float,
     gumbel: bool,
     grad: bool = True,
+    uniform: torch.Tensor | None = None,
 ) -> RetrievalRows:
     """Select and weight the top-``top_k`` visible chunks for each query.
 
@@ -78,6 +79,8 @@ def retrieve(
         gumbel: perturb the selection with Gumbel noise (sampling without replacement from softmax(scores));
             the weights always use the clean scores.
         grad: when False the weights are detached (the stop-gradient ablation: the retriever is not trained).
+        uniform: ``[B, Cq, max(Cm, top_k)]`` the uniform draw behind the Gumbel noise (default: ``torch.rand_like``
+            here); context parallelism passes its rows of the draw one process makes for the whole sequence.
     """
     B, Cq, _ = queries.shape
     Cm = keys.shape[1]
@@ -94,6 +97,7 @@ def retrieve(
                     scale=scale,
                     gumbel=gumbel,
                     grad=grad,
+                    uniform=None if uniform is None else uniform[:, i : i + step],
                 )
                 for i in range(0, Cq, step)
             ]
@@ -107,7 +111,7 @@ def retrieve(
     with torch.no_grad():
         pick = scores.masked_fill(~visible, float("-inf"))
         if gumbel:
-            uniform = torch.rand_like(pick).clamp_(1e-10, 1.0 - 1e-7)
+            uniform = (torch.rand_like(pick) if uniform is None else uniform).clamp(1e-10, 1.0 - 1e-7)
             pick = pick - torch.log(-torch.log(uniform))
         index = pick.topk(top_k, dim=-1).indices  # [B, Cq, R]
     valid = visible.gather(-1, index)
