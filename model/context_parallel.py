@@ -17,6 +17,8 @@ Every exchange is an autograd Function whose backward returns the gradient to th
 the sum over ranks of ``cp_loss`` is the single-process loss and the sum over ranks of each parameter's gradient is
 the single-process gradient (up to fp32 summation order). All ranks of a group run the same exchanges in the same
 order, forward and backward, which is what keeps the blocking receives and the collectives from deadlocking.
+Every rank of a group must get the same sample and hold the same torch RNG state (the Gumbel draw);
+``model.retrieval_stats`` then describe the rank's own landmarks' rows.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 ``model(ids, labels).loss`` and its gradients, over a few AdamW steps (so later steps pick chunks with moved
 weights), and the chunks every rank retrieves must be the ones one process retrieves, Gumbel noise included.
 
-One spawn of three ranks runs every case (the two-rank cases on a subgroup of ranks 0 and 1); the parent then
+One spawn of three ranks runs every case (smaller groups on subgroups of the first ranks); the parent then
 computes the single-process reference of each case and compares."""
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import tiny_config
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 import model.gca as gca_module
 from model import GCAForCausalLM
 from model.context_parallel import cp_chunk_bounds, cp_loss, cp_span
+from model.gca import RetrievalGroup
 from model.lm import lm_loss
 
 pytestmark = pytest.mark.dist
@@ -45,6 +47,9 @@ class Case:
     batch: int = 1
     labels: str = "ids"
     """``ids``: labels are the inputs; ``masked``: every fifth label is -100; ``weighted``: random token weights."""
+    recompute: bool = False
+    """The CP ranks recompute every block in backward (the trainer's activation checkpointing), so the halo
+    exchanges of the sliding windows run again inside the backward pass."""
 
     def model(self) -> GCAForCausalLM:
         torch.manual_seed(0)
@@ -62,12 +67,14 @@ class Case:
 
 
 CASES = [
+    Case("cp1-gumbel", cp=1, T=30, gumbel=True),  # a group of one: the whole sequence, no exchange partner
     Case("cp2", cp=2, T=32),  # 8 chunks: 4 + 4
     Case(
         "cp2-gumbel-2groups-partial-masked", cp=2, T=30, groups=(1, 1), gumbel=True, top_k=3, batch=2, labels="masked"
     ),
     Case("cp3-uneven-gumbel", cp=3, T=32, gumbel=True),  # 8 chunks: 2 + 3 + 3
     Case("cp3-2groups-partial-weighted", cp=3, T=27, groups=(1, 1), labels="weighted"),  # 6 chunks + 3 tokens
+    Case("cp3-recompute-gumbel", cp=3, T=32, groups=(1, 1), gumbel=True, recompute=True),
     # 6 chunks: 2 + 2 + 2 with top_k 3: the last rank's rows (landmarks 3 and 4) see only other ranks' chunks.
     Case("cp3-remote-picks", cp=3, T=24, top_k=3),
 ]
@@ -113,8 +120,18 @@ def loss_of(model: GCAForCausalLM, case: Case) -> torch.Tensor:
     return lm_loss(model(ids).logits, labels, weights)
 
 
+def recompute_blocks(model: GCAForCausalLM) -> None:
+    """Wrap every layer (the entries of the model's layer lists) for recomputation in backward."""
+    for layers in [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]:
+        for i, layer in enumerate(layers):
+            if not isinstance(layer, RetrievalGroup):
+                layers[i] = checkpoint_wrapper(layer)
+
+
 def _run_case(case: Case, group: dist.ProcessGroup, rank: int, out: Path) -> None:
     model = case.model()
+    if case.recompute:
+        recompute_blocks(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ids, labels, weights = case.data()
     for step in range(STEPS):
@@ -124,7 +141,11 @@ def _run_case(case: Case, group: dist.ProcessGroup, rank: int, out: Path) -> Non
         loss = cp_loss(model, ids, labels, group, weights)
         loss.backward()
         gca_module.retrieve = real
-        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        grads = {
+            name.replace("_checkpoint_wrapped_module.", ""): p.grad.clone()
+            for name, p in model.named_parameters()
+            if p.grad is not None
+        }
         result = {"loss": loss.detach(), "grads": grads, "picks": picks_of(log)}
         torch.save(result, out / f"{case.name}-rank{rank}-step{step}.pt")
         for p in model.parameters():  # what the trainer does: sum the gradients over the CP group
@@ -139,7 +160,7 @@ def _rank(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
     try:
-        groups = {cp: dist.new_group(list(range(cp)), timeout=timedelta(seconds=60)) for cp in (2, 3)}
+        groups = {cp: dist.new_group(list(range(cp)), timeout=timedelta(seconds=60)) for cp in (1, 2, 3)}
         for case in CASES:
             if rank < case.cp:
                 _run_case(case, groups[case.cp], rank, Path(out))
@@ -203,8 +224,8 @@ def test_sum_over_ranks_matches_one_process(cp_runs, case):
 
 
 def test_a_rank_whose_every_pick_lives_on_other_ranks(cp_runs):
-    """The last rank of ``REMOTE`` reads chunks 0-3 (ranks 0 and 1) only, fetched from both, and its loss is exact
-    (``test_sum_over_ranks_matches_one_process``)."""
+    """Every one of the top-k picks the last rank of ``REMOTE`` reads is a chunk of rank 0 or 1 (chunks 0-3), both
+    ranks serve some, and its loss and gradients are exact (``test_sum_over_ranks_matches_one_process``)."""
     bounds = cp_chunk_bounds(REMOTE.T, 4, REMOTE.cp)
     owner = {c: r for r in range(REMOTE.cp) for c in range(bounds[r], bounds[r + 1])}
     last = REMOTE.cp - 1
@@ -214,6 +235,7 @@ def test_a_rank_whose_every_pick_lives_on_other_ranks(cp_runs):
         read = range(bounds[last] - 1, bounds[last + 1] - 1)
         used = {j for (_, c), rows in picks.items() if c in read for row in rows for j in row}
         assert used and {owner[j] for j in used} == {0, 1}
+        assert all(len(row) == REMOTE.top_k for (_, c), rows in picks.items() if c in read for row in rows)
 
 
 def test_too_short_span_is_an_error_naming_the_sizes(cp_runs):
