@@ -18,7 +18,7 @@ One code path serves training (a whole sequence at once) and streaming (segments
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -27,14 +27,12 @@ import torch.nn.functional as F
 from kernels.gca import gca_attention
 from model.chunk_store import ChunkGather, ChunkStore
 from model.config import GCAConfig
+from model.context_parallel import ContextParallel
 from model.layers import ChunkEncoder, DecoderLayer, KVCache, RMSNorm, SlidingWindowAttention, SwiGLU
 from model.layout import StepLayout
 from model.lm import CausalLM
 from model.retrieval import DeferredRow, RetrievalRows, retrieval_stats, retrieve
 from model.stream import StreamState
-
-if TYPE_CHECKING:
-    from model.context_parallel import ContextParallel
 
 # Logit elements per GCA operator call when no gradient is needed (about 64 MB in fp32).
 _EVAL_SLICE_ELEMENTS = 1 << 24
