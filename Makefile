@@ -9,7 +9,7 @@ PYTEST := $(PY) -m pytest -q
 # The default CPU tier: everything not behind a heavier marker.
 DEFAULT_MARKERS := not slow and not gpu and not dist and not slurm and not multinode
 
-.PHONY: install lint format typecheck test test-slow test-dist test-gpu test-kernels test-reliability test-slurm test-multinode preflight demo demo-16m demo-multihop demo-smoke demo-lm demo-lm-smoke prep bench bench-train bench-kernels test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv gpu-wheels gpu-check test-gpu-wheels test-gpu-check
+.PHONY: install lint format typecheck test test-slow test-dist test-gpu test-kernels test-reliability test-slurm test-multinode preflight demo demo-16m demo-multihop demo-smoke demo-lm demo-lm-smoke prep bench bench-train bench-kernels bench-cp test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv gpu-wheels gpu-check test-gpu-wheels test-gpu-check
 
 install: $(STAMP)
 
@@ -118,6 +118,11 @@ bench-train: install ds-warmup
 
 bench-kernels: install
 	$(PY) launch/bench_kernels.py
+
+# Context parallelism: one sequence on 1 rank vs split over 2 (16K/32K/64K tokens; ARGS="--lengths 4096 8192" on a
+# small machine): per-rank peak memory, step time and bytes sent, as ratios against the 1-rank run.
+bench-cp: install
+	$(PY) launch/bench_cp.py $(ARGS)
 
 # The main job: prep (only when data/default is missing) -> DeepSpeed training of GCA + baseline on 2 CPU ranks
 # -> passkey/ppl evaluation up to 1M tokens -> runs/demo/results.md. Interrupted? Run it again: it continues.
