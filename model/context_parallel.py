@@ -85,11 +85,12 @@ def cp_loss(
     positions (with ``weights [B, T]``: ``sum(w * ce)`` over its positions divided by ``sum(w)`` over the whole
     sequence, like ``model.lm.lm_loss``). Hence the sum over the group of the returned losses equals the single-
     process loss, and after ``backward()`` the sum over the group of each parameter's gradient equals the single-
-    process gradient; summing the gradients (an all-reduce over the group) is the caller's job.
+    process gradient; summing the gradients (an all-reduce over the group) is the caller's job. The span runs
+    through the module call (``model(span, cp=...)``), so the forward hooks of a wrapper such as FSDP2 run.
     """
     cp = ContextParallel(model.cfg, input_ids.shape[1], group)
     start, end = cp.span
-    logits = model._step(input_ids[:, start:end], None, cp=cp)
+    logits = model(input_ids[:, start:end], cp=cp).logits
     targets = labels[:, start + 1 : end + 1]  # the last rank has one target fewer than tokens
     ce = F.cross_entropy(
         logits[:, : targets.shape[1]].flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="none"

@@ -179,6 +179,9 @@ class GCAForCausalLM(CausalLM):
         ``None`` when ``memory_only`` is unsupported (several retrieval groups)."""
         return self.cfg.n_upper_layers * self.cfg.window + 1 if len(self.groups) == 1 else None
 
+    def _cp_step(self, input_ids: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+        return self._step(input_ids, None, cp=cp)
+
     def _step(
         self,
         input_ids: torch.Tensor,

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from model.chunk_store import ChunkStore
 from model.config import GCAConfig
+from model.context_parallel import ContextParallel
 from model.stream import StreamState
 
 
@@ -58,14 +59,31 @@ class CausalLM(nn.Module):
     cfg: GCAConfig
     embed: nn.Embedding
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> CausalLMOutput:
+    def forward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, cp: ContextParallel | None = None
+    ) -> CausalLMOutput:
         """Logits for every token of ``input_ids [B, T]``; the mean next-token loss (``lm_loss``) when ``labels``
-        (aligned with ``input_ids``, ``-100`` ignored) are given."""
-        logits = self._step(input_ids, None)
+        (aligned with ``input_ids``, ``-100`` ignored) are given.
+
+        ``cp``: ``input_ids`` is this rank's span of a sequence split over a context-parallel group (what
+        ``model.context_parallel.cp_loss`` passes; it scores the span itself, so no ``labels``). The span goes
+        through the module call rather than ``_step`` so that wrappers' forward hooks run (FSDP2 unshards the
+        root-level parameters there).
+        """
+        if cp is None:
+            logits = self._step(input_ids, None)
+        elif labels is not None:
+            raise ValueError("a context-parallel span is scored by cp_loss, which needs the peers' labels: no labels")
+        else:
+            logits = self._cp_step(input_ids, cp)
         return CausalLMOutput(logits=logits, loss=None if labels is None else lm_loss(logits, labels))
 
     def _step(self, input_ids: torch.Tensor, state: StreamState | None) -> torch.Tensor:
         raise NotImplementedError
+
+    def _cp_step(self, input_ids: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+        """Logits of this rank's span under context parallelism; only the GCA model supports it."""
+        raise NotImplementedError(f"{type(self).__name__} has no context parallelism (it needs model.arch=gca)")
 
     def new_stream_state(self, memory: ChunkStore | None = None) -> StreamState:
         """A fresh state for ``forward_stream``; ``memory`` replaces the in-RAM chunk memory."""
