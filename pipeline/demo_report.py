@@ -148,6 +148,7 @@ def _ppl_table(rows: list[dict], models: list[str]) -> list[str]:
 
 _HOP_CHECKS = {
     "first_hop_link": "first hop: the link (row after the name)",
+    "first_hop_distractor_link": "the same row: a distractor's link",
     "second_hop_key": "second hop: the asked key needle (row read by the answer)",
     "second_hop_distractor_key": "the same row: a distractor's key needle",
 }

@@ -220,15 +220,18 @@ class HopChunks:
 
     def followed(self, picks: dict[tuple[int, int], list[list[int]]]) -> dict[str, dict[str, bool]]:
         """Per group ``g<i>``, from ``StreamState.picks`` (batch row 0): ``first_hop_link`` -- the row of landmark
-        ``c - 2`` (right after the name) holds the link; ``second_hop_key`` -- the row of landmark ``c - 1`` (read
-        by the answer's chunk) holds the asked key needle; ``second_hop_distractor_key`` -- it holds another
-        chain's key needle. A row never scored (the prefix skipped it) gives no entry."""
+        ``c - 2`` (right after the name) holds the link; ``first_hop_distractor_link`` -- it holds another chain's
+        link (a retriever that learned which kind of chunk to fetch but not by which name); ``second_hop_key`` --
+        the row of landmark ``c - 1`` (read by the answer's chunk) holds the asked key needle;
+        ``second_hop_distractor_key`` -- it holds another chain's key needle. A row never scored (the prefix
+        skipped it) gives no entry."""
         out: dict[str, dict[str, bool]] = {}
         for g in sorted({group for group, _ in picks}):
             hops: dict[str, bool] = {}
             first = picks.get((g, self.answer - 2))
             if first is not None:
                 hops["first_hop_link"] = bool(self.link & set(first[0]))
+                hops["first_hop_distractor_link"] = bool(self.distractor_links & set(first[0]))
             second = picks.get((g, self.answer - 1))
             if second is not None:
                 hops["second_hop_key"] = bool(self.key & set(second[0]))

@@ -111,8 +111,18 @@ def test_which_hops_a_groups_picks_followed():
         (0, 17): [[9, 14]],  # another row: not looked at
     }
     assert hop.followed(picks) == {
-        "g0": {"first_hop_link": True, "second_hop_key": True, "second_hop_distractor_key": False},
-        "g1": {"first_hop_link": False, "second_hop_key": True, "second_hop_distractor_key": True},
+        "g0": {
+            "first_hop_link": True,
+            "first_hop_distractor_link": False,
+            "second_hop_key": True,
+            "second_hop_distractor_key": False,
+        },
+        "g1": {
+            "first_hop_link": False,
+            "first_hop_distractor_link": True,
+            "second_hop_key": True,
+            "second_hop_distractor_key": True,
+        },
     }
     # rows the streamed prefix never scored give no entry rather than a miss
     assert hop.followed({(0, 19): [[14]]}) == {"g0": {"second_hop_key": False, "second_hop_distractor_key": True}}
@@ -235,7 +245,12 @@ def test_eval_counts_the_hops_each_group_followed(source, monkeypatch):
             picks = _batch_forward_picks(model, sample.ids[: sample.answer_start], monkeypatch)
             assert len({g for g, _ in picks}) == 2
             for group, hops in sample.hop.followed(picks).items():
-                assert set(hops) == {"first_hop_link", "second_hop_key", "second_hop_distractor_key"}
+                assert set(hops) == {
+                    "first_hop_link",
+                    "first_hop_distractor_link",
+                    "second_hop_key",
+                    "second_hop_distractor_key",
+                }
                 for check, hit in hops.items():
                     count = want.setdefault(group, {}).setdefault(check, {"hits": 0, "n": 0})
                     count["hits"] += hit
