@@ -460,12 +460,13 @@ class CheckpointManager:
         t0 = time.perf_counter()
         final = self.root / f"step_{step:08d}"
         tmp = final.with_name(final.name + ".tmp")
-        rank, reached = self.info.rank, save_point or (lambda point: None)
+        reached = save_point or (lambda point: None)
         self._start_save(step, final, tmp)
         dist.barrier()
         engine.save(tmp)
         reached("engine")
-        torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
+        if self.info.cp_rank == 0:  # one RNG stream per data-parallel rank: its context-parallel group shares it
+            torch.save(_rng_state(), tmp / f"rng_rank{self.info.dp_rank}.pt")
         reached("rng")
         if export is not None:
             weights = engine.full_state_dict()
@@ -584,14 +585,16 @@ class CheckpointManager:
         """Restore engine state and this rank's RNG from a checkpoint that passed `read_state`."""
         scan_pickles(path)
         engine.load(path)
-        rng_file = path / f"rng_rank{self.info.rank}.pt"
+        rng_file = path / f"rng_rank{self.info.dp_rank}.pt"  # the stream of this data-parallel rank, any CP degree
         if rng_file.is_file():
             rng = torch.load(rng_file, weights_only=True)
             torch.set_rng_state(rng["cpu"])
             if "cuda" in rng and torch.cuda.is_available():
                 torch.cuda.set_rng_state(rng["cuda"])
         else:
-            log.warning("%s has no RNG state for rank %d; its RNG stream restarts", path, self.info.rank)
+            log.warning(
+                "%s has no RNG state for data-parallel rank %d; its RNG stream restarts", path, self.info.dp_rank
+            )
 
     def restore(
         self,

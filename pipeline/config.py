@@ -21,6 +21,7 @@ from data_prep.redaction import restore_env_interpolations
 from data_prep.safe_files import is_within
 from data_prep.schema import load_schema
 from model.config import GCAConfig
+from model.context_parallel import check_cp_spans
 from pipeline.dist import TIMEOUT_ENV, collective_timeout_s
 from pipeline.needle import VARIANTS as NEEDLE_VARIANTS
 
@@ -124,6 +125,10 @@ class ParallelConfig:
     """Recompute each transformer block in the backward pass."""
     fsdp_reshard_after_forward: bool = True
     """FSDP2: free gathered parameters after forward (ZeRO-3-like) or keep them (ZeRO-2-like)."""
+    context_parallel: int = 1
+    """Ranks that split each sequence between them (``model/context_parallel.py``); it must divide the world size,
+    and the data-parallel degree is world size / context_parallel. > 1 needs ``parallel.engine=fsdp`` and
+    ``model.arch=gca``."""
 
 
 @dataclass
@@ -203,9 +208,13 @@ class TrainConfig:
     logging: LogConfig = field(default_factory=LogConfig)
     eval: TrainEvalConfig = field(default_factory=TrainEvalConfig)
 
+    def data_parallel(self, world_size: int) -> int:
+        """Data-parallel degree: the ranks of a context-parallel group share their sequences."""
+        return world_size // self.parallel.context_parallel
+
     def grad_accum(self, world_size: int) -> int:
         """Micro-batches per optimizer step on each rank."""
-        return self.train.global_batch // (self.train.micro_batch * world_size)
+        return self.train.global_batch // (self.train.micro_batch * self.data_parallel(world_size))
 
     @property
     def tokens_per_step(self) -> int:
@@ -330,14 +339,51 @@ def _check_extrapolation(cfg: TrainConfig, world_size: int) -> None:
             )
 
 
-def _batch_fixes(t: TrainLoopConfig, world_size: int) -> str:
-    """What would make the batch arithmetic work on ``world_size`` ranks: a smaller micro batch that keeps the
+def _batch_fixes(t: TrainLoopConfig, data_parallel: int) -> str:
+    """What would make the batch arithmetic work on ``data_parallel`` ranks: a smaller micro batch that keeps the
     global batch (and so the training recipe), or the nearest global batch that keeps the micro batch."""
-    micro = [m for m in range(t.micro_batch - 1, 0, -1) if t.global_batch % (m * world_size) == 0]
-    per_step = t.micro_batch * world_size
+    micro = [m for m in range(t.micro_batch - 1, 0, -1) if t.global_batch % (m * data_parallel) == 0]
+    per_step = t.micro_batch * data_parallel
     nearest = max(per_step, round(t.global_batch / per_step) * per_step)
     keep = f"train.micro_batch={micro[0]} keeps the global batch" if micro else "no micro batch keeps the global batch"
     return f"{keep}, or train.global_batch={nearest} keeps the micro batch"
+
+
+def check_context_parallel(cfg: TrainConfig, world_size: int) -> None:
+    """``parallel.context_parallel`` fits the world size, the engine, the architecture and the sequence length.
+
+    Called by ``validate`` with the world size the launcher announced, and again by the trainer with the one the
+    process group has (a ``Trainer`` can be built without ``load_config``)."""
+    cp, p, m = cfg.parallel.context_parallel, cfg.parallel, cfg.model
+    if cp < 1:
+        raise ConfigError(f"parallel.context_parallel must be >= 1; got {cp}")
+    if world_size % cp != 0:
+        raise ConfigError(
+            f"parallel.context_parallel={cp} must divide the world size {world_size} (data-parallel degree = world "
+            "size / context_parallel)"
+        )
+    if cp == 1:
+        return
+    if p.engine != "fsdp":
+        # DeepSpeed would average the CP shares over its data-parallel group instead of summing them; the plain
+        # engine's DDP would need the same loss scaling: only FSDP2 is wired and tested.
+        raise ConfigError(f"parallel.context_parallel={cp} > 1 needs parallel.engine=fsdp; got {p.engine}")
+    if m.arch != "gca":
+        raise ConfigError(f"parallel.context_parallel={cp} > 1 needs model.arch=gca; got {m.arch}")
+    if cfg.train.eval_every and cfg.train.global_batch % world_size:
+        # The validation pass (pipeline.callbacks.evaluation) is not context-parallel: it shards whole sequences
+        # over every rank, and a rank's share rounds down to nothing or drops sequences.
+        raise ConfigError(
+            f"train.global_batch={cfg.train.global_batch} must be divisible by the world size {world_size} when "
+            f"train.eval_every > 0 with parallel.context_parallel={cp}: validation shares whole sequences out over "
+            "every rank"
+        )
+    try:
+        check_cp_spans(m, cfg.train.seq_len, cp)
+    except ValueError as err:
+        raise ConfigError(
+            f"train.seq_len={cfg.train.seq_len} is too short for parallel.context_parallel={cp}: {err}"
+        ) from None
 
 
 def validate(cfg: TrainConfig, world_size: int) -> None:
@@ -369,10 +415,13 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     for key, value in non_negative:
         if value < 0:
             raise ConfigError(f"{key} must be >= 0; got {value}")
-    if t.global_batch % (t.micro_batch * world_size) != 0:
+    check_context_parallel(cfg, world_size)
+    dp = cfg.data_parallel(world_size)
+    if t.global_batch % (t.micro_batch * dp) != 0:
+        ranks = "world size" if dp == world_size else "data-parallel ranks (world size / parallel.context_parallel)"
         raise ConfigError(
-            f"train.global_batch={t.global_batch} must be divisible by train.micro_batch x world size = "
-            f"{t.micro_batch} x {world_size} = {t.micro_batch * world_size}; {_batch_fixes(t, world_size)}"
+            f"train.global_batch={t.global_batch} must be divisible by train.micro_batch x {ranks} = "
+            f"{t.micro_batch} x {dp} = {t.micro_batch * dp}; {_batch_fixes(t, dp)}"
         )
     n_chunks = t.seq_len // cfg.model.chunk_size
     if cfg.model.arch == "gca" and cfg.model.top_k > n_chunks:  # the baselines retrieve nothing

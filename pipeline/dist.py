@@ -154,10 +154,27 @@ class DistInfo:
     local_rank: int
     world_size: int
     device: torch.device
+    context_parallel: int = 1
+    """Ranks per context-parallel group: consecutive ranks (``rank = dp_rank * context_parallel + cp_rank``), so
+    a group's point-to-point halo exchanges stay within a node."""
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index: which share of each global batch it trains on (with its CP group)."""
+        return self.rank // self.context_parallel
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.context_parallel
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's place in its context-parallel group (which span of the sequence it runs)."""
+        return self.rank % self.context_parallel
 
 
 def world_size_from_env() -> int:

@@ -16,15 +16,22 @@ import logging
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+import torch.distributed as torch_dist
 import torch.nn as nn
 
+from model.context_parallel import cp_loss
 from model.lm import lm_loss
 from pipeline.config import TrainConfig
 from pipeline.dist import DistInfo
 from pipeline.optim import build_optimizer
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from model.gca import GCAForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -105,13 +112,18 @@ def next_token_loss(model: nn.Module, x: torch.Tensor, weights: torch.Tensor | N
 
 
 class TorchEngine:
-    """``parallel.engine=none`` (plain module, DDP when several ranks) and ``fsdp`` (FSDP2)."""
+    """``parallel.engine=none`` (plain module, DDP when several ranks) and ``fsdp`` (FSDP2, with context
+    parallelism when ``info.context_parallel > 1``)."""
 
     def __init__(self, model: nn.Module, cfg: TrainConfig, info: DistInfo, bf16: bool) -> None:
         self.kind, self.info, self.cfg = cfg.parallel.engine, info, cfg
         self.autocast = bf16 and self.kind == "none"
+        self.cp_group: torch_dist.ProcessGroup | None = None
         if self.kind == "fsdp":
-            apply_fsdp(model, cfg, info, bf16)
+            mesh = device_mesh(info)
+            apply_fsdp(model, cfg, info, bf16, mesh)
+            if info.context_parallel > 1:
+                self.cp_group = mesh.get_group("cp")
             self.module = model
             self.model: nn.Module = model
         elif info.world_size > 1:
@@ -145,12 +157,30 @@ class TorchEngine:
             return next_token_loss(self.model, x, weights)
 
     def micro_step(self, x: torch.Tensor, accum: int, last: bool, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward and backward of one micro-batch; returns its loss over whole sequences (what one process
+        computes), also under context parallelism."""
         if self.kind == "fsdp" and last:
             self.model.set_requires_gradient_sync(True)  # type: ignore[operator]
+        if self.cp_group is not None:
+            return self._cp_micro_step(x, accum, last, weights)
         with self._sync_context(last):
             loss = self.loss(x, weights)
             (loss / accum).backward()
         return loss.detach()
+
+    def _cp_micro_step(self, x: torch.Tensor, accum: int, last: bool, weights: torch.Tensor | None) -> torch.Tensor:
+        """Every rank of the CP group runs its span of the same ``x`` (``cp_loss``: its share of the loss).
+
+        FSDP2 averages each gradient over all the ranks it shards over, dp x cp, but the shares of one sequence
+        must be summed: scaling the share by ``cp`` turns the average into the sum over the CP group divided by
+        the data-parallel degree, the single-process gradient of the dp ranks' mean loss."""
+        cp = self.info.context_parallel
+        with self._sync_context(last):
+            share = cp_loss(cast("GCAForCausalLM", self.model), x, x, self.cp_group, weights)
+            (share * (cp / accum)).backward()
+        loss = share.detach().clone()
+        torch_dist.all_reduce(loss, group=self.cp_group)  # the sequences' loss, the same on every rank of the group
+        return loss
 
     def grad_norm_before_step(self, max_norm: float) -> float | None:
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -215,27 +245,46 @@ class TorchEngine:
         return _clean(self.module.state_dict()) if self.info.is_main else {}
 
 
-def apply_fsdp(model: nn.Module, cfg: TrainConfig, info: DistInfo, bf16: bool) -> None:
-    """Shard every block, then the root, with FSDP2 ``fully_shard`` over a 1-D mesh of all ranks.
+def device_mesh(info: DistInfo) -> DeviceMesh:
+    """The ``("dp", "cp")`` mesh of all ranks, numbered as ``DistInfo`` numbers them (``rank = dp_rank * cp +
+    cp_rank``): a context-parallel group is consecutive ranks, so its point-to-point traffic stays within a node."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(info.device.type, (info.dp_size, info.context_parallel), mesh_dim_names=("dp", "cp"))
+
+
+def apply_fsdp(model: nn.Module, cfg: TrainConfig, info: DistInfo, bf16: bool, mesh: DeviceMesh) -> None:
+    """Shard every block, then the root, with FSDP2 ``fully_shard`` over all ranks of ``mesh`` (its ``dp`` and
+    ``cp`` dimensions flattened).
+
+    The ranks of a context-parallel group hold the same parameters and optimizer state, so sharding over them too
+    divides that memory by the whole world instead of by the data-parallel degree: CP is for sequences whose
+    activations already crowd a device. The price is that the parameter all-gathers span the CP group as well,
+    and that FSDP averages gradients over dp x cp (``TorchEngine`` scales the CP loss to make that a sum over CP).
 
     On gloo, FSDP2's built-in gradient averaging is wrong (pytorch#162338), so reductions are forced to plain
     sums with FSDP doing the division itself; ``tests/pipeline/test_pipeline_dist.py`` checks the gradients against a
     single process on the whole batch.
     """
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(info.device.type, (info.world_size,))
+    shard_mesh = mesh._flatten("dp_cp")
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     )
     reshard = cfg.parallel.fsdp_reshard_after_forward
     for block in blocks(model):
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(block, mesh=shard_mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(model, mesh=shard_mesh, mp_policy=mp, reshard_after_forward=reshard)
     if info.device.type == "cpu":
         model.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
-    log.info("FSDP2: sharded %d blocks + root over %d ranks", len(blocks(model)), info.world_size)
+    log.info(
+        "FSDP2: sharded %d blocks + root over %d ranks (data parallel %d x context parallel %d)",
+        len(blocks(model)),
+        info.world_size,
+        info.dp_size,
+        info.context_parallel,
+    )
 
 
 class DeepSpeedEngine:

@@ -15,6 +15,7 @@ and a first Ctrl-C save at the next step boundary; a failed evaluation saves the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -43,7 +44,7 @@ from pipeline.callbacks import (
     fault_injection,
 )
 from pipeline.checkpoint import CheckpointManager
-from pipeline.config import ConfigError, TrainConfig, load_config, to_yaml
+from pipeline.config import ConfigError, TrainConfig, check_context_parallel, load_config, to_yaml
 from pipeline.data import (
     DataFingerprintError,
     EmptySplitError,
@@ -106,6 +107,8 @@ class Trainer:
     """
 
     def __init__(self, cfg: TrainConfig, info: dist.DistInfo, callbacks: list[Callback] | None = None) -> None:
+        check_context_parallel(cfg, info.world_size)  # the process group's world size, not the announced one
+        info = dataclasses.replace(info, context_parallel=cfg.parallel.context_parallel)
         self.cfg, self.info = cfg, info
         self.run_dir = Path(cfg.run_dir)
         self.accum = cfg.grad_accum(info.world_size)
@@ -117,7 +120,8 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len, matmul_params(model))
         self.n_params = count_parameters(model)
         self.engine = build_engine(model, cfg, info, self.bf16)
-        dist.seed_all(cfg.seed + 1 + info.rank)  # per-rank stream for Gumbel top-k noise
+        # Gumbel top-k noise: one stream per data-parallel rank; a CP group's ranks must draw the same noise.
+        dist.seed_all(cfg.seed + 1 + info.dp_rank)
         self.eos_id = eos_id_of(cfg.data.path)  # first: refuses an interrupted data-prep output
         self.tokenizer = read_tokenizer(cfg.data.path)  # once, read safely; the needles and every export use it
         self.batches, self.data_fingerprint = self._train_batches()
@@ -151,8 +155,8 @@ class Trainer:
             stream,
             cfg.train.global_batch,
             cfg.train.micro_batch,
-            info.rank,
-            info.world_size,
+            info.dp_rank,  # the ranks of a context-parallel group train on the same sequences
+            info.dp_size,
             needles,
             cfg.data.needle_mix,
             cfg.seed,
