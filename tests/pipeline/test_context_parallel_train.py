@@ -23,6 +23,8 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.config import ConfigError, load_config
+from pipeline.dist import DistInfo
+from pipeline.trainer import Trainer
 
 pytestmark = pytest.mark.dist
 
@@ -112,6 +114,10 @@ def runs(tmp_path_factory, tiny_data, overrides) -> dict[str, Path]:
         "ref_plain": run("ref_plain", 1, PLAIN),
         "cp2_gumbel": run("cp2_gumbel", 2, GUMBEL, **{"parallel.context_parallel": 2}),
         "dp2_cp2": run("dp2_cp2", 4, PLAIN, **{"parallel.context_parallel": 2}),
+        # Recomputed blocks run their halo exchanges again inside the backward pass, between FSDP's reductions.
+        "cp2_recompute": run(
+            "cp2_recompute", 2, GUMBEL, **{"parallel.context_parallel": 2, "parallel.activation_checkpointing": True}
+        ),
     }
     # Resume the step-2 checkpoint of a cp=2 run with cp=1 on one rank, and a cp=1 one with cp=2 on two ranks.
     out["cp2_to_cp1"] = run("cp2_to_cp1", 1, GUMBEL, **{"checkpoint.resume": out["cp2_gumbel"] / STEP2})
@@ -126,8 +132,8 @@ def runs(tmp_path_factory, tiny_data, overrides) -> dict[str, Path]:
 
 @pytest.mark.parametrize(
     "run, reference",
-    [("cp2_gumbel", "ref_gumbel"), ("dp2_cp2", "ref_plain")],
-    ids=["world2-cp2-gumbel", "world4-dp2-cp2"],
+    [("cp2_gumbel", "ref_gumbel"), ("dp2_cp2", "ref_plain"), ("cp2_recompute", "ref_gumbel")],
+    ids=["world2-cp2-gumbel", "world4-dp2-cp2-validation", "world2-cp2-activation-checkpointing"],
 )
 def test_context_parallel_run_matches_one_process(runs, metrics, run, reference):
     got, want = metrics(runs[run]), metrics(runs[reference])
@@ -212,6 +218,16 @@ def test_checkpoint_resumes_at_another_context_parallel_degree(runs, metrics, ru
 def test_config_errors(tmp_path, tiny_data, overrides, world, extra, message):
     with pytest.raises(ConfigError, match="^" + re.escape(message)):
         load_config(None, overrides(tmp_path / "run", tiny_data, **extra), world)
+
+
+def test_trainer_checks_the_world_size_of_its_process_group(tmp_path, tiny_data, overrides):
+    """A ``Trainer`` built with a config loaded for another world size still refuses a CP degree that does not
+    divide the world of its process group, before any work."""
+    cfg = load_config(None, overrides(tmp_path / "run", tiny_data, **PLAIN, **{"parallel.context_parallel": 2}), 2)
+    info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    with pytest.raises(ConfigError, match="^parallel.context_parallel=2 must divide the world size 1"):
+        Trainer(cfg, info)
+    assert not (tmp_path / "run").exists()
 
 
 def test_data_parallel_degree_sets_the_accumulation(tmp_path, tiny_data, overrides):
