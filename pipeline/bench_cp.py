@@ -185,21 +185,23 @@ def measure(length: int, cp: int, repeats: int) -> dict:
 
 
 def cp_bytes_formula(cfg: GCAConfig, length: int, cp: int) -> float:
-    """Upper bound of the mean bytes a rank of ``cp`` sends per step (forward + backward) for a model ``cfg``:
-    per sliding-window layer the ``window`` halo K/V to the next rank and, in backward, the gradient of the halo it
-    received; its chunks' landmark keys to every other rank and, in backward, the other ranks' keys' gradients; per
-    retrieval group the last landmark's query and its gradient; and the K/V of the picked chunks (at most
-    ``top_k`` per chunk of the sequence, each fetched once per reading rank) and their gradients, spread over the
-    ranks."""
+    """Upper bound of the mean bytes a rank of ``cp`` sends per step (forward and backward, batch 1) for a model
+    ``cfg``, summed over what every rank sends and divided by ``cp``: the sliding-window halos (``window`` positions'
+    K/V per layer from each rank to the next; their gradients back); the landmark keys (each rank's to every other
+    rank; the gradients back); the landmark query before each span (per retrieval group; its gradient back); and,
+    per retrieval group, the picked chunks' K/V -- rank ``r`` reads at most ``min(N - N_r, top_k * N_r)`` chunks
+    of other ranks -- with their gradients back, plus the chunk ids asked for (8 bytes each) and the counts."""
     kv = 2 * cfg.n_kv_heads * cfg.head_dim * FP32_BYTES  # one position's K and V
     swa_layers = cfg.n_lower_layers + cfg.n_upper_layers
+    groups = len(cfg.groups)
     bounds = cp_chunk_bounds(length, cfg.chunk_size, cp)
-    chunks = max(b - a for a, b in zip(bounds, bounds[1:]))
-    halo = 2 * swa_layers * cfg.window * kv
-    keys = 2 * (cp - 1) * chunks * cfg.d_model * FP32_BYTES
-    query = 2 * len(cfg.groups) * cfg.d_model * FP32_BYTES
-    memories = 2 * len(cfg.groups) * chunks * cfg.top_k * cfg.chunk_size * kv
-    return float(halo + keys + query + memories)
+    n = length // cfg.chunk_size  # chunks with a landmark key
+    remote = sum(min(n - (hi - lo), cfg.top_k * (hi - lo)) for lo, hi in zip(bounds, bounds[1:]))
+    halo = 2 * (cp - 1) * swa_layers * cfg.window * kv
+    keys = 2 * (cp - 1) * n * cfg.d_model * FP32_BYTES
+    query = 2 * (cp - 1) * groups * cfg.d_model * FP32_BYTES
+    memories = groups * (2 * remote * cfg.chunk_size * kv + remote * 8 + cp * (cp - 1) * 8)
+    return (halo + keys + query + memories) / cp
 
 
 def ring_bytes(cfg: GCAConfig, length: int, cp: int) -> float:
