@@ -200,7 +200,7 @@ def _multihop_section(run_dir: Path, models: list[str]) -> list[str]:
     _plot(rows, "accuracy", "two-hop accuracy (first answer token)", train_len, run_dir / "multihop.png")
     return [
         "Two-hop retrieval (`--task passkey variant=multihop`): the question names A, a link needle says A leads to "
-        "B, a key needle holds B's pass key, plus a distractor chain; accuracy of the first answer token (all "
+        "B, a key needle holds B's pass key, plus distractor chains; accuracy of the first answer token (all "
         f"answer tokens in brackets); models trained on {train_len}-token sequences with the two-hop needle mix. "
         "gca_2groups has two retrieval groups, gca one (the control).",
         "",
