@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         report = run_bench(args.lengths, args.full_lengths, args.timeout)
         args.out = args.out or "bench_eval.json"
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    logging.getLogger(__name__).info("wrote %s", args.out)
     return 0
 
 

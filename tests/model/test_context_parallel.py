@@ -184,7 +184,7 @@ def cp_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def rank_results(out: Path, case: Case, step: int) -> list[dict]:
-    return [torch.load(out / f"{case.name}-rank{r}-step{step}.pt") for r in range(case.cp)]
+    return [torch.load(out / f"{case.name}-rank{r}-step{step}.pt", weights_only=True) for r in range(case.cp)]
 
 
 def test_spans_split_chunks_evenly_and_give_the_partial_chunk_to_the_last_rank():
