@@ -9,7 +9,7 @@ PYTEST := $(PY) -m pytest -q
 # The default CPU tier: everything not behind a heavier marker.
 DEFAULT_MARKERS := not slow and not gpu and not dist and not slurm and not multinode
 
-.PHONY: install lint format typecheck test test-slow test-dist test-gpu test-kernels test-reliability test-slurm test-multinode preflight demo demo-16m demo-multihop demo-smoke demo-lm demo-lm-smoke prep bench bench-train bench-kernels bench-cp test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv gpu-wheels gpu-check test-gpu-wheels test-gpu-check
+.PHONY: install lint format typecheck test test-slow test-dist test-gpu test-kernels test-reliability test-slurm test-multinode preflight demo demo-16m demo-multihop demo-smoke demo-lm demo-lm-smoke prep bench bench-train bench-kernels bench-cp test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv gpu-wheels gpu-check test-gpu-wheels test-gpu-check reference-curves
 
 install: $(STAMP)
 
@@ -41,6 +41,12 @@ typecheck: install
 
 test: install lint typecheck
 	$(PYTEST) -m "$(DEFAULT_MARKERS)" tests
+
+# Regenerate tests/assets/reference_curves.json (debug config, 20 steps, single / FSDP2 / ZeRO-2 on 2 ranks), only
+# after a deliberate numerics change; the commit says why the curves moved (tests/reference_curves.py, docs/testing.md).
+reference-curves: install ds-warmup
+	work=$$(mktemp -d) && $(PY) tests/reference_curves.py --work $$work; status=$$?; rm -rf "$$work"; \
+		rm -f /dev/shm/deepspeed_allreduce_buffer_*; exit $$status
 
 test-slow: install
 	$(PYTEST) -m "slow and not gpu" tests
