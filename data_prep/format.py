@@ -1,4 +1,4 @@
-"""The on-disk contract between ``make prep`` and the trainer (``pipeline/data.py``).
+"""The on-disk contract between ``make prep`` and the trainer (``pipeline/data/reader.py``).
 
 A prepared dataset is a directory::
 

@@ -1,12 +1,12 @@
 """The fused Triton GCA kernel vs the naive reference and dense attention (``make bench-kernels``; CUDA only):
 ``python launch/bench_kernels.py``.
 
-The command line is ``kernels.bench_gca``'s (also runnable as ``python -m kernels.bench_gca``).
+The command line is ``pipeline.bench.kernels``'s (also runnable as ``python -m pipeline.bench.kernels``).
 """
 
 import sys
 
-from kernels.bench_gca import main
+from pipeline.bench.kernels import main
 
 if __name__ == "__main__":
     sys.exit(main())

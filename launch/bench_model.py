@@ -1,12 +1,12 @@
 """Forward throughput and peak memory of a GCA model vs full attention (``make bench``):
 ``python launch/bench_model.py [--lengths 1024 4096 16384] [--gca-only 65536] [--repeats 2]``.
 
-The command line is ``model.bench``'s (also runnable as ``python -m model.bench``).
+The command line is ``pipeline.bench.model``'s (also runnable as ``python -m pipeline.bench.model``).
 """
 
 import sys
 
-from model.bench import main
+from pipeline.bench.model import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -51,6 +51,49 @@ def test_no_forbidden_imports(package):
     assert not offenders, "\n".join(offenders)
 
 
+# Inside pipeline/: its job groups, lowest first (pipeline/__init__.py says what each owns). A group may import
+# itself and the groups before it, never one after it.
+PIPELINE_GROUPS = ("data", "hf", "evaluation", "train", "demos", "bench", "gpucheck", "cli")
+
+
+def pipeline_group_violations(root: Path) -> list[str]:
+    """Each import of a later pipeline group, and each pipeline module that sits outside every group."""
+    offenders = []
+    for path in sorted((root / "pipeline").rglob("*.py")):
+        parts = path.relative_to(root / "pipeline").parts
+        if len(parts) == 1:
+            if parts[0] != "__init__.py":
+                offenders.append(f"pipeline/{parts[0]} is outside every group of {PIPELINE_GROUPS}")
+            continue
+        if parts[0] not in PIPELINE_GROUPS:
+            offenders.append(f"pipeline/{parts[0]}/ is not one of the groups {PIPELINE_GROUPS}")
+            continue
+        rank = PIPELINE_GROUPS.index(parts[0])
+        for name in _imports(path):
+            target = name.split(".")
+            if target[0] == "pipeline" and len(target) > 1 and target[1] in PIPELINE_GROUPS:
+                if PIPELINE_GROUPS.index(target[1]) > rank:
+                    offenders.append(f"{path.relative_to(root)} ({parts[0]}) imports {name} ({target[1]})")
+    return offenders
+
+
+def test_pipeline_groups_import_only_lower_groups():
+    offenders = pipeline_group_violations(ROOT)
+    assert not offenders, "\n".join(offenders)
+
+
+def test_pipeline_group_check_flags_an_upward_import(tmp_path):
+    (tmp_path / "pipeline" / "data").mkdir(parents=True)
+    (tmp_path / "pipeline" / "train").mkdir()
+    (tmp_path / "pipeline" / "data" / "reader.py").write_text("from pipeline.train.config import TrainConfig\n")
+    (tmp_path / "pipeline" / "train" / "trainer.py").write_text("from pipeline.data.reader import RankBatches\n")
+    (tmp_path / "pipeline" / "stray.py").write_text("")
+    offenders = pipeline_group_violations(tmp_path)
+    assert len(offenders) == 2
+    assert "pipeline/data/reader.py (data) imports pipeline.train.config" in offenders[0]
+    assert "pipeline/stray.py is outside every group" in offenders[1]
+
+
 def test_model_never_sets_up_process_groups():
     offenders = [str(p.relative_to(ROOT)) for p in (ROOT / "model").rglob("*.py") if GROUP_SETUP.search(p.read_text())]
     assert not offenders, offenders

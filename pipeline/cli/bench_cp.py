@@ -1,7 +1,7 @@
 """Context parallelism against one rank: ``python -m pipeline.cli.bench_cp [--lengths 16384 32768 65536] [--cp 2]
 [--repeats N]``.
 
-What is measured is described in ``pipeline/bench_cp.py``; the results are printed as one table.
+What is measured is described in ``pipeline/bench/cp.py``; the results are printed as one table.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from pipeline.bench_cp import cp_table, run_rank
+from pipeline.bench.cp import cp_table, run_rank
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,7 @@
 passkey prefix once and print tokens/s at each position with its ratio to the first (flat = 1.0), measured in one
 run (``run_per_token``).
 
-The models and targets are described in ``pipeline/evaluation/bench.py``; the report is written as JSON to
+The models and targets are described in ``pipeline/bench/eval.py``; the report is written as JSON to
 ``--out``.
 """
 
@@ -17,7 +17,7 @@ import logging
 import sys
 from pathlib import Path
 
-from pipeline.evaluation.bench import run_bench, run_per_token
+from pipeline.bench.eval import run_bench, run_per_token
 
 
 def _lengths(text: str) -> list[int]:

@@ -1,7 +1,7 @@
 """Training step time of GCA vs sliding window vs full attention, and ZeRO-2 on 2 processes vs 1:
 ``python -m pipeline.cli.bench_train [--lengths 1024 4096 16384] [--repeats N] [--data DIR] [--steps N]``.
 
-What is measured is described in ``pipeline/bench_train.py``; the results are printed as tables.
+What is measured is described in ``pipeline/bench/train.py``; the results are printed as tables.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from pipeline.bench_train import step_time_table, time_step, zero2_comparison
+from pipeline.bench.train import step_time_table, time_step, zero2_comparison
 
 
 def main(argv: list[str] | None = None) -> int:

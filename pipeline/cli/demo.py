@@ -1,7 +1,7 @@
 """The demo: prep output -> DeepSpeed training of GCA + baseline -> passkey/ppl eval -> results table:
 ``python -m pipeline.cli.demo [--config configs/demo/demo.yaml] [key=value ...]``.
 
-The stages are described in ``pipeline/demo.py``. Exit status: 0 done, 1 a stage failed or the data is missing
+The stages are described in ``pipeline/demos/demo.py``. Exit status: 0 done, 1 a stage failed or the data is missing
 (one line saying which; rerunning continues where it stopped), 2 a bad demo config (one line naming the key).
 """
 
@@ -13,7 +13,7 @@ import sys
 
 from data_prep.redaction import install_log_redaction
 from data_prep.schema import ConfigError
-from pipeline.demo import DemoError, run_demo
+from pipeline.demos.demo import DemoError, run_demo
 
 
 def main(argv: list[str] | None = None) -> int:

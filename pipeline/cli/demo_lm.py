@@ -2,8 +2,9 @@
 model and full attention -> perplexity by context on the same tokens -> results:
 ``python -m pipeline.cli.demo_lm [--config configs/demo_lm/demo_lm.yaml] [key=value ...]``.
 
-The stages are described in ``pipeline/demo_lm.py``. Exit status: 0 done, 1 a stage failed or a held-out package is
-unusable (one line saying which; rerunning continues where it stopped), 2 a bad config (one line naming the key).
+The stages are described in ``pipeline/demos/demo_lm.py``. Exit status: 0 done, 1 a stage failed or a held-out
+package is unusable (one line saying which; rerunning continues where it stopped), 2 a bad config (one line
+naming the key).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 
 from data_prep.redaction import install_log_redaction
 from data_prep.schema import ConfigError
-from pipeline.demo_lm import DemoLMError, run_demo_lm
+from pipeline.demos.demo_lm import DemoLMError, run_demo_lm
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from data_prep.redaction import redact
 from model.io import CONFIG_NAME, ExportError
-from pipeline.checkpoint import COMMIT_MARKER, CheckpointError
-from pipeline.hf.checkpoint_export import export_checkpoint, export_directory
+from pipeline.train.checkpoint import COMMIT_MARKER, CheckpointError
+from pipeline.train.export import export_checkpoint, export_directory
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -184,7 +184,7 @@ def _directory_files(root: Path) -> list[Path]:
 def _mds_docs(split: Path) -> Iterator[np.ndarray]:
     """Documents of an MDS split in order (pieces of one ``doc_id`` joined), read the way the trainer reads it:
     the index checked first, regular files only, through a private cache; the dataset is never written."""
-    from pipeline.data import MDSReader
+    from pipeline.data.reader import MDSReader
 
     reader = MDSReader(str(split.parent), split.name, cache_dir=None)
     try:

@@ -1,7 +1,7 @@
 """Passkey / needle-in-a-haystack retrieval, laid out on the model's chunks (docs/evaluation.md).
 
 A sample of ``length`` tokens is a haystack window with the needle(s), the question and the answer written over
-it, laid out on the model's chunks exactly like the trainer's needle mix (``pipeline.needle.place_needle``): the
+it, laid out on the model's chunks exactly like the trainer's needle mix (``pipeline.data.needle.place_needle``): the
 question's last token is the first token of a chunk near the end (so the answer is predicted by a chunk whose
 retrieval the question's landmark triggered), and the key-bearing needle starts at
 ``round(depth * room)`` (``room`` = latest start before the question), moved left by less than a chunk if it
@@ -15,7 +15,7 @@ space before the digits) are moved into the question: they are the same for ever
 token trivially predictable.
 
 Variants (templates overridable with ``needle``, ``question``, ``answer``, ``link``):
-- ``single``: one pass-key needle (the trainer's needle-mix texts, ``pipeline/needle.py``);
+- ``single``: one pass-key needle (the trainer's needle-mix texts, ``pipeline/data/needle.py``);
 - ``multi``: ``needles`` key/value needles with distinct names; the question asks for one of them;
 - ``multihop``: chains ``name -> next name -> key`` (a link needle plus a key needle); the question names the
   chain's start, so the key needle is found only by following the link (needs >= 2 retrieval groups in GCA).
@@ -35,12 +35,7 @@ import numpy as np
 import torch
 
 from model import CausalLM
-from pipeline.evaluation.generate import decode, prefill
-from pipeline.evaluation.haystack import TokenSource
-from pipeline.evaluation.resume import SampleLog
-from pipeline.evaluation.runtime import stream_state
-from pipeline.evaluation.tokenizer import ByteTokenizer, SentencePieceTokenizer
-from pipeline.needle import (
+from pipeline.data.needle import (
     ANSWER,
     HOP_TEMPLATES,
     NEEDLE,
@@ -53,6 +48,11 @@ from pipeline.needle import (
     place_needle,
     split_question,
 )
+from pipeline.evaluation.generate import decode, prefill
+from pipeline.evaluation.haystack import TokenSource
+from pipeline.evaluation.resume import SampleLog
+from pipeline.evaluation.runtime import stream_state
+from pipeline.evaluation.tokenizer import ByteTokenizer, SentencePieceTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,8 @@ def build_sample(
     rng: np.random.Generator,
     chunk_size: int,
 ) -> PasskeySample:
-    """One passkey sequence of ``length`` tokens, laid out on the model's chunks (``pipeline.needle.place_needle``).
+    """One passkey sequence of ``length`` tokens, laid out on the model's chunks
+    (``pipeline.data.needle.place_needle``).
 
     Raises:
         ValueError: ``length`` cannot hold the needles, question and answer; a template is malformed.
@@ -244,7 +245,7 @@ def _build_multihop(
     key: str,
     new_key: Callable[[], str],
 ) -> PasskeySample:
-    """A two-hop sample, laid out by the trainer's ``pipeline.needle.lay_out_multihop``: the key needle at
+    """A two-hop sample, laid out by the trainer's ``pipeline.data.needle.lay_out_multihop``: the key needle at
     ``depth``, the link and ``needles // 2 - 1`` distractor chains in chunks of their own."""
     templates = {part: spec.template(part) for part in ("needle", "link", "question", "answer")}
     texts = hop_texts(tokenizer.encode, tokenizer.decode, templates, key, new_key, rng, spec.needles // 2)

@@ -15,7 +15,7 @@ from data_prep.config import load_config
 from data_prep.format import Manifest
 from data_prep.shard import main as prep_main
 from data_prep.streaming_compat import ensure_streaming_importable
-from pipeline.preflight import clean_stale_shm
+from pipeline.train.preflight import clean_stale_shm
 
 ensure_streaming_importable()
 

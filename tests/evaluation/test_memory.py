@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipeline.evaluation.bench import run_one
+from pipeline.bench.eval import run_one
 
 
 def _peak_rss(export, length, out):
@@ -27,7 +27,7 @@ KEYS_PER_TOKEN = 64 * 4 / 16
 def test_streamed_prefix_keeps_only_landmark_keys_in_ram(tiny_export, tmp_path):
     """The passkey prefix path (memory_only segments, chunk K/V spilled to disk from the first chunk), through the
     per-token benchmark: the store's RAM part is the landmark keys alone, every chunk's K/V is on disk."""
-    from pipeline.evaluation.bench import run_per_token
+    from pipeline.bench.eval import run_per_token
 
     report = run_per_token([8192, 32768], window=8192, segment=4096, checkpoint=str(tiny_export), offload_dir=tmp_path)
     for row in report["rows"]:
@@ -40,7 +40,7 @@ def test_streamed_prefix_keeps_only_landmark_keys_in_ram(tiny_export, tmp_path):
 def test_resident_memory_grows_far_slower_than_the_spilled_store(tiny_export, tmp_path):
     """8x the streamed tokens: the process's resident memory grows by far less than the K/V written to disk (after
     the first 32K tokens, which include the allocator's warm-up)."""
-    from pipeline.evaluation.bench import run_per_token
+    from pipeline.bench.eval import run_per_token
 
     rows = run_per_token([32768, 262144], window=32768, checkpoint=str(tiny_export), offload_dir=tmp_path)["rows"]
     written = (rows[1]["store_disk_mib"] - rows[0]["store_disk_mib"]) * 2**20

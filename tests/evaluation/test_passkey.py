@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 from eval_stubs import InductionOracle, RandomDigits, Recorder
 
+from pipeline.data.needle import NEEDLE
 from pipeline.evaluation.haystack import TokenSource
 from pipeline.evaluation.passkey import NeedleSpec, build_sample, evaluate_passkey, predict_answer
 from pipeline.evaluation.tokenizer import ByteTokenizer
-from pipeline.needle import NEEDLE
 
 TOK = ByteTokenizer()
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pipeline.data.needle import HOP_TEMPLATES, HopChunks, NeedleInserter
 from pipeline.evaluation.haystack import TokenSource
 from pipeline.evaluation.passkey import TEMPLATES, NeedleSpec, build_sample, check_templates
 from pipeline.evaluation.tokenizer import ByteTokenizer, SentencePieceTokenizer
-from pipeline.needle import HOP_TEMPLATES, HopChunks, NeedleInserter
 
 _spec = importlib.util.spec_from_file_location(
     "needle_multihop_checks", Path(__file__).resolve().parents[1] / "pipeline" / "test_needle_multihop.py"

@@ -105,7 +105,7 @@ def gpu_env(tmp_path_factory) -> dict:
 def test_image_alone_lacks_the_carried_packages(gpu_env):
     """Control: without the wheels the trainer does not import, so the simulated image is really bare."""
     env = {**gpu_env["env"], "PYTHONPATH": str(ROOT)}
-    done = _run([gpu_env["python"], "-c", "import pipeline.trainer"], env)
+    done = _run([gpu_env["python"], "-c", "import pipeline.train.trainer"], env)
     assert done.returncode != 0
     assert "ModuleNotFoundError: No module named 'omegaconf'" in done.stderr
     assert {"torch", "triton", "pytest", "numpy", "sentencepiece"} <= {n.lower() for n in gpu_env["linked"]}
@@ -116,13 +116,13 @@ PROBE = textwrap.dedent("""
     import importlib, json, sys
     sys.path.insert(0, "launch")
     import torch, deepspeed, omegaconf, pydantic_core, zstd, brotli, snappy
-    import pipeline.trainer, pipeline.parallel, pipeline.evaluation.run, data_prep.shard
-    import kernels.gca.triton_gca, kernels.swa.gpu, kernels.bench_gca
+    import pipeline.train.trainer, pipeline.train.parallel, pipeline.evaluation.run, data_prep.shard
+    import kernels.gca.triton_gca, kernels.swa.gpu, pipeline.bench.kernels
     import pretrain, eval, prep, gpu_check
     import deepspeed.runtime.engine
     from deepspeed.runtime.config import DeepSpeedConfig
-    from pipeline.config import DataConfig, ParallelConfig, TrainConfig
-    from pipeline.parallel import build_deepspeed_config
+    from pipeline.train.config import DataConfig, ParallelConfig, TrainConfig
+    from pipeline.train.parallel import build_deepspeed_config
     cfg = TrainConfig(run_dir="r", data=DataConfig(path="d"), parallel=ParallelConfig(engine="deepspeed",
                                                                                     zero_stage=1))
     ds = DeepSpeedConfig(build_deepspeed_config(cfg, world_size=1, bf16=True))

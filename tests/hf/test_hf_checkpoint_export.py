@@ -12,8 +12,14 @@ from hf_export_helpers import hf_model_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from model import GCAForCausalLM, load_pretrained, save_pretrained
-from pipeline.checkpoint import COMMIT_MARKER, TRAINER_STATE, CheckpointCorruptError, CheckpointError, write_integrity
-from pipeline.hf.checkpoint_export import _ONE_PROCESS, export_checkpoint
+from pipeline.train.checkpoint import (
+    COMMIT_MARKER,
+    TRAINER_STATE,
+    CheckpointCorruptError,
+    CheckpointError,
+    write_integrity,
+)
+from pipeline.train.export import _ONE_PROCESS, export_checkpoint
 
 
 def _checkpoint(tmp_path, tokenizer: bytes, with_export: bool):

@@ -13,7 +13,7 @@ import sentencepiece as spm
 import torch
 import torch.nn.functional as F
 
-from pipeline.hf.lm_eval_task import DATA_FILE, write_recall_data
+from pipeline.evaluation.lm_eval_task import DATA_FILE, write_recall_data
 
 TASKS = Path(__file__).resolve().parents[2] / "configs" / "eval" / "lm_eval"
 

@@ -26,7 +26,7 @@ def write_mds(root: Path, split: str, n_docs: int, seed: int, size_limit: int = 
 def _tokenizer_bytes() -> bytes:
     import sentencepiece as spm
 
-    from pipeline.needle import NEEDLE, QUESTION
+    from pipeline.data.needle import NEEDLE, QUESTION
 
     words = "the grass is green the sky is blue here we go again".split()
     rng = np.random.default_rng(0)

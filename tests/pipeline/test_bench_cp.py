@@ -18,7 +18,7 @@ from helpers import tiny_config
 
 from model import GCAForCausalLM
 from model.context_parallel import cp_loss
-from pipeline.bench_cp import FP32_BYTES, count_sent_bytes, cp_bytes_formula
+from pipeline.bench.cp import FP32_BYTES, count_sent_bytes, cp_bytes_formula
 
 pytestmark = pytest.mark.dist
 

@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 import torch
 
-from pipeline import dist
-from pipeline.callbacks import Callback, CallbackList, CheckpointCadence, HangWatchdog, PeriodicEval, SignalStop
-from pipeline.callbacks.fault_injection import FaultInjector
-from pipeline.checkpoint import SAVE_POINTS
-from pipeline.config import load_config
-from pipeline.trainer import Trainer
+from pipeline.train import dist
+from pipeline.train.callbacks import Callback, CallbackList, CheckpointCadence, HangWatchdog, PeriodicEval, SignalStop
+from pipeline.train.callbacks.fault_injection import FaultInjector
+from pipeline.train.checkpoint import SAVE_POINTS
+from pipeline.train.config import load_config
+from pipeline.train.trainer import Trainer
 
 
 class Recorder(Callback):

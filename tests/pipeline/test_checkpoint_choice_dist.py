@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
-from pipeline import checkpoint, dist
+from pipeline.train import checkpoint, dist
 
 pytestmark = pytest.mark.dist
 

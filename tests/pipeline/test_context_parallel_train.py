@@ -22,9 +22,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.config import ConfigError, load_config
-from pipeline.dist import DistInfo
-from pipeline.trainer import Trainer
+from pipeline.train.config import ConfigError, load_config
+from pipeline.train.dist import DistInfo
+from pipeline.train.trainer import Trainer
 
 pytestmark = pytest.mark.dist
 

@@ -11,14 +11,14 @@ import sentencepiece as spm
 from data_prep import format as fmt
 from data_prep.builtin import corpus_files
 from data_prep.schema import ConfigError
-from pipeline.demo_lm import (
+from pipeline.demos.demo_lm import (
     DemoLMError,
     check_earlier_outputs,
     holdout_files,
     load_demo_lm_config,
     write_eval_documents,
 )
-from pipeline.demo_lm_report import claims, retrieval_summary, write_demo_lm_report
+from pipeline.demos.demo_lm_report import claims, retrieval_summary, write_demo_lm_report
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -7,8 +7,8 @@ import pytest
 
 from data_prep.redaction import restore_env_interpolations
 from data_prep.schema import ConfigError
-from pipeline.demo import load_demo_config
-from pipeline.demo_report import write_report
+from pipeline.demos.demo import load_demo_config
+from pipeline.demos.demo_report import write_report
 
 
 def _write(path, results, train_seq_len=512):
@@ -75,7 +75,7 @@ def test_ppl_rows_of_every_model_in_one_table(tmp_path, caplog):
 
 
 def test_the_ppl_stage_scores_windows_of_the_validation_split(tmp_path, monkeypatch):
-    from pipeline import demo
+    from pipeline.demos import demo
 
     demo_yaml = Path(__file__).resolve().parents[2] / "configs/demo/demo.yaml"
     cfg, _ = load_demo_config(demo_yaml, [f"run_dir={tmp_path}", "ppl_lengths=[1024,4096]", "ppl_score_len=256"])
@@ -120,7 +120,7 @@ def test_environment_values_stay_out_of_errors_and_the_saved_demo_config(tmp_pat
 
 
 def test_curriculum_stages_chain_their_weights(tmp_path, monkeypatch):
-    from pipeline import demo
+    from pipeline.demos import demo
 
     cfg, _ = load_demo_config(
         Path(__file__).resolve().parents[2] / "configs/demo/demo.yaml",
@@ -160,7 +160,7 @@ def test_cli_reports_a_bad_config_and_missing_data_as_one_line(tmp_path, capsys)
 
 def _recorded_demo(tmp_path, monkeypatch, overrides):
     """Run the demo with every stage recorded instead of run; returns {stage name: command}."""
-    from pipeline import demo
+    from pipeline.demos import demo
 
     data = tmp_path / "data"
     data.mkdir(exist_ok=True)

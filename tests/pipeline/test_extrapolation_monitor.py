@@ -8,14 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline import dist
-from pipeline.callbacks import extrapolation
-from pipeline.callbacks.extrapolation import ExtrapolationMonitor, make_plan
-from pipeline.config import ConfigError, load_config
 from pipeline.evaluation.haystack import TokenSource
 from pipeline.evaluation.passkey import NeedleSpec, evaluate_passkey
 from pipeline.evaluation.runtime import load_checkpoint
-from pipeline.trainer import Trainer, main
+from pipeline.train import dist
+from pipeline.train.callbacks import extrapolation
+from pipeline.train.callbacks.extrapolation import ExtrapolationMonitor, make_plan
+from pipeline.train.config import ConfigError, load_config
+from pipeline.train.trainer import Trainer, main
 
 SEQ = 64  # train.seq_len of the tiny runs
 MONITOR = {

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from model import FullAttentionLM, build_model, load_pretrained
-from pipeline import dist
-from pipeline.config import load_config
-from pipeline.logging import flops_per_token
-from pipeline.parallel import blocks
-from pipeline.trainer import Trainer
+from pipeline.train import dist
+from pipeline.train.config import load_config
+from pipeline.train.metrics import flops_per_token
+from pipeline.train.parallel import blocks
+from pipeline.train.trainer import Trainer
 
 
 def test_the_blocks_sharded_and_checkpointed_are_the_full_attention_layers(tmp_path, tiny_data, overrides):

@@ -17,7 +17,7 @@ from data_prep import format as fmt
 from data_prep.config import TokenizerConfig
 from data_prep.tokenize import train_tokenizer
 from model import load_pretrained
-from pipeline.trainer import main
+from pipeline.train.trainer import main
 
 REPO = Path(__file__).resolve().parents[2]
 TEXT = "def main(x):\n    return x + 1\n"

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from pipeline.needle import NeedleInserter, move_answer_whitespace, place_needle
+from pipeline.data.needle import NeedleInserter, move_answer_whitespace, place_needle
 
 
 @pytest.mark.parametrize("length,S", [(256, 16), (1000, 16), (4096, 64), (300, 7)])

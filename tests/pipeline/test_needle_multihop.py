@@ -1,6 +1,6 @@
 """Two-hop needle mix (``data.needle_variant=multihop``): the layout checked against its definition.
 
-The definition (``pipeline/needle.py``): the answer starts right after the first token of the last chunk ``c`` that
+The definition (``pipeline/data/needle.py``): the answer starts right after the first token of the last chunk ``c`` that
 leaves room for it; the question's head, ending with the chain's first name, ends with the last token of chunk
 ``c - 2``; its tail ends with the first token of chunk ``c``; every needle (the asked key needle at the requested
 depth, the asked link, each distractor chain's link and key needle) lies in chunks that no other needle and no
@@ -23,10 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import ConfigError, load_config
-from pipeline.data import MDSReader, PackedSequences, RankBatches
-from pipeline.evaluation.haystack import WORDS
-from pipeline.needle import (
+from pipeline.data.needle import (
     HOP_TEMPLATES,
     SYLLABLES,
     NeedleInserter,
@@ -35,7 +32,10 @@ from pipeline.needle import (
     place_hop_question,
     split_question,
 )
-from pipeline.train_inputs import check_inputs
+from pipeline.data.reader import MDSReader, PackedSequences, RankBatches
+from pipeline.evaluation.haystack import WORDS
+from pipeline.train.config import ConfigError, load_config
+from pipeline.train.inputs import check_inputs
 
 NAME = r"([A-Z][a-z]+)"
 

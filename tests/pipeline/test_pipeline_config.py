@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import ConfigError, load_config
-from pipeline.parallel import build_deepspeed_config
+from pipeline.train.config import ConfigError, load_config
+from pipeline.train.parallel import build_deepspeed_config
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = ["run_dir=/tmp/unused/run", "data.path=/tmp/unused/data"]

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.data import MDSReader, PackedSequences, RankBatches
-from pipeline.needle import NeedleInserter
+from pipeline.data.needle import NeedleInserter
+from pipeline.data.reader import MDSReader, PackedSequences, RankBatches
 
 SEQ, GLOBAL, MICRO = 64, 8, 2
 

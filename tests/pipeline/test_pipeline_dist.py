@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.trainer import main
+from pipeline.train.trainer import main
 
 pytestmark = pytest.mark.dist
 

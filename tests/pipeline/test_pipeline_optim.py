@@ -7,8 +7,8 @@ import torch
 from helpers import tiny_config
 
 from model import GCAForCausalLM
-from pipeline.config import OptimConfig, ScheduleConfig
-from pipeline.optim import build_optimizer, lr_at, param_groups, set_lr
+from pipeline.train.config import OptimConfig, ScheduleConfig
+from pipeline.train.optim import build_optimizer, lr_at, param_groups, set_lr
 
 
 def test_param_groups_split():

@@ -11,11 +11,11 @@ import torch
 from safetensors.torch import load_file
 
 from model import load_pretrained
-from pipeline import dist
-from pipeline.checkpoint import OWNER_FILE, OWNER_WRITER, CheckpointError
-from pipeline.config import load_config, to_yaml
-from pipeline.logging import resolve_wandb_mode
-from pipeline.trainer import NonFiniteError, Trainer, main
+from pipeline.train import dist
+from pipeline.train.checkpoint import OWNER_FILE, OWNER_WRITER, CheckpointError
+from pipeline.train.config import load_config, to_yaml
+from pipeline.train.metrics import resolve_wandb_mode
+from pipeline.train.trainer import NonFiniteError, Trainer, main
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""Preflight checks (``pipeline/preflight.py``): each one passes on a good setup and gives one clear line otherwise."""
+"""Preflight checks (``pipeline/train/preflight.py``): each passes on a good setup, else gives one clear line."""
 
 import hashlib
 import logging
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from data_prep import format as fmt
-from pipeline import preflight
-from pipeline.config import load_config
+from pipeline.train import preflight
+from pipeline.train.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from pipeline.stage_runner import StageError, StageRunner
+from pipeline.demos.runner import StageError, StageRunner
 
 
 def _touch(path) -> list[str]:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipeline.trainer import main
+from pipeline.train.trainer import main
 
 WANDB = Path(sys.executable).parent / "wandb"
 

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from model import GCAForCausalLM
-from pipeline import dist
-from pipeline.config import load_config
-from pipeline.parallel import TorchEngine
+from pipeline.train import dist
+from pipeline.train.config import load_config
+from pipeline.train.parallel import TorchEngine
 
 MODEL = [
     "model.vocab_size=67",

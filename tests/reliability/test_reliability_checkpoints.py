@@ -15,11 +15,11 @@ import pytest
 import torch
 from reliability_harness import assert_same_checkpoint, assert_same_steps, committed, flip_byte, overrides
 
-from pipeline import dist, faults
-from pipeline.checkpoint import COMMIT_MARKER, INTEGRITY_FILE, CheckpointCorruptError
-from pipeline.config import load_config
-from pipeline.parallel import TorchEngine
-from pipeline.trainer import Trainer, main
+from pipeline.train import dist, faults
+from pipeline.train.checkpoint import COMMIT_MARKER, INTEGRITY_FILE, CheckpointCorruptError
+from pipeline.train.config import load_config
+from pipeline.train.parallel import TorchEngine
+from pipeline.train.trainer import Trainer, main
 
 pytestmark = pytest.mark.reliability
 
@@ -140,7 +140,7 @@ def test_t04_fallback_to_previous_verified_checkpoint(two_checkpoints, data, cap
 def test_t05_keep_last_n(data, tmp_path, monkeypatch, caplog):
     """keep_last=3 with a save every step: exactly the 3 newest remain. A delete that fails is a warning,
     training goes on, later purges still run, and the in-progress save is never touched by a purge."""
-    import pipeline.checkpoint as checkpoint
+    import pipeline.train.checkpoint as checkpoint
 
     run = tmp_path / "run"
     real_rmtree = checkpoint.shutil.rmtree
@@ -177,7 +177,7 @@ def test_t05_keep_last_n(data, tmp_path, monkeypatch, caplog):
 
 def _reparallel(run: Path, engine: str, zero_stage: int, world_size: int) -> Path:
     """Rewrite a checkpoint's recorded layout (and reseal it), as if another engine / world size had saved it."""
-    from pipeline.checkpoint import write_integrity
+    from pipeline.train.checkpoint import write_integrity
 
     ckpt = run / "checkpoints/step_00000008"
     path = ckpt / "trainer_state.json"
@@ -211,7 +211,7 @@ def _reparallel(run: Path, engine: str, zero_stage: int, world_size: int) -> Pat
 def test_t07_layouts_that_cannot_be_resharded_are_refused(engine, zero_stage, world, current, match, two_checkpoints):
     """T7's refusal half (the re-sharding runs are in test_reliability_world_size_dist.py): DeepSpeed ZeRO-1/2/3
     optimizer partitions cannot move to another world size here, and no engine reads another engine's format."""
-    from pipeline.checkpoint import CheckpointError, CheckpointManager
+    from pipeline.train.checkpoint import CheckpointError, CheckpointManager
 
     ckpt = _reparallel(two_checkpoints, engine, zero_stage, world)
     info = dist.DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))

@@ -18,10 +18,10 @@ import torch.distributed
 from reliability_harness import REPO, committed, overrides
 from safetensors.torch import load_file
 
-from pipeline import dist
-from pipeline.checkpoint import CheckpointError, verify_integrity
-from pipeline.config import load_config
-from pipeline.trainer import NonFiniteError, Trainer, main
+from pipeline.train import dist
+from pipeline.train.checkpoint import CheckpointError, verify_integrity
+from pipeline.train.config import load_config
+from pipeline.train.trainer import NonFiniteError, Trainer, main
 
 pytestmark = pytest.mark.reliability
 
@@ -171,7 +171,7 @@ def test_t23_checkpoint_of_the_previous_release_fails_with_a_migration_error(dat
 
 
 def test_fault_injection_is_off_by_default_and_strict(monkeypatch):
-    from pipeline import faults
+    from pipeline.train import faults
 
     assert faults.from_env() is None, "unset PIPE_FAULT: no plan, every hook is a single `is None` test"
     monkeypatch.setenv("PIPE_FAULT", "sigusr1:step=5:rank=1, exit_during_save:step=8:at=renamed")

@@ -14,14 +14,14 @@ import pytest
 from reliability_harness import committed, flip_byte, overrides
 
 from data_prep.streaming_compat import ensure_streaming_importable
-from pipeline.data import (
+from pipeline.data.reader import (
     MDSReader,
     PackedSequences,
     RankBatches,
     UnsafeColumnError,
     UnsafeShardPathError,
 )
-from pipeline.trainer import main
+from pipeline.train.trainer import main
 
 pytestmark = pytest.mark.reliability
 

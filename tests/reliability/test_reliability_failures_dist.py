@@ -12,8 +12,8 @@ import pytest
 import torch
 from reliability_harness import committed, overrides, train_ranks
 
-from pipeline import dist
-from pipeline.checkpoint import verify_integrity, write_integrity
+from pipeline.train import dist
+from pipeline.train.checkpoint import verify_integrity, write_integrity
 
 pytestmark = [pytest.mark.reliability, pytest.mark.dist]
 

@@ -26,11 +26,11 @@ import pytest
 from reliability_harness import REPO, overrides, train_ranks, write_dataset
 
 from data_prep.safe_files import UnsafeDatasetError, UnsafeShardPathError
-from pipeline import preflight
-from pipeline.data import EmptySplitError, MDSReader, ShardCorruptError
+from pipeline.data.reader import EmptySplitError, MDSReader, ShardCorruptError
 from pipeline.evaluation.haystack import TokenSource
 from pipeline.evaluation.tokenizer import ByteTokenizer
-from pipeline.trainer import main
+from pipeline.train import preflight
+from pipeline.train.trainer import main
 
 pytestmark = pytest.mark.reliability
 

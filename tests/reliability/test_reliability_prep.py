@@ -24,7 +24,7 @@ from data_prep.format import COMPLETE_MARKER, MANIFEST_FILENAME, read_manifest
 from data_prep.shard import _WORK_MARKER
 from data_prep.shard import main as prep
 from data_prep.streaming_compat import ensure_streaming_importable
-from pipeline.trainer import main as train
+from pipeline.train.trainer import main as train
 
 pytestmark = pytest.mark.reliability
 

@@ -22,8 +22,8 @@ from reliability_harness import (
     train_ranks,
 )
 
-from pipeline import dist
-from pipeline.checkpoint import verify_integrity
+from pipeline.train import dist
+from pipeline.train.checkpoint import verify_integrity
 
 pytestmark = [pytest.mark.reliability, pytest.mark.dist]
 

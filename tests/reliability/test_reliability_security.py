@@ -21,9 +21,9 @@ import torch
 from reliability_harness import REPO, overrides
 
 from model import load_pretrained
-from pipeline import dist
-from pipeline.checkpoint import UnsafeCheckpointError, write_integrity
-from pipeline.trainer import NonFiniteError, main
+from pipeline.train import dist
+from pipeline.train.checkpoint import UnsafeCheckpointError, write_integrity
+from pipeline.train.trainer import NonFiniteError, main
 
 pytestmark = pytest.mark.reliability
 
@@ -111,7 +111,7 @@ def test_t18_eval_loads_safetensors_and_json_only(trained, tmp_path, capsys):
 
 
 _PACKAGES = ("kernels", "model", "pipeline", "data_prep", "launch")
-_PICKLE_ALLOWED = {"pipeline/checkpoint.py"}
+_PICKLE_ALLOWED = {"pipeline/train/checkpoint.py"}
 """Modules allowed to touch the pickle machinery: the restricted (allowlist) unpickler lives there."""
 
 
@@ -163,7 +163,7 @@ def test_t18_old_torch_is_refused_at_import(monkeypatch):
     """weights_only=True had RCE bypasses before torch 2.10; the checkpoint module refuses to import on them."""
     monkeypatch.setattr(torch, "__version__", "2.5.1+cpu")
     with pytest.raises(ImportError, match="torch 2.5.1\\+cpu is too old.*2.10"):
-        runpy.run_path(str(REPO / "pipeline/checkpoint.py"))
+        runpy.run_path(str(REPO / "pipeline/train/checkpoint.py"))
 
 
 # -- T19 -----------------------------------------------------------------------------------------------------------

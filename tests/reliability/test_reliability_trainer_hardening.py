@@ -30,10 +30,10 @@ from reliability_harness import (
 )
 from safetensors.torch import load_file
 
-from pipeline.checkpoint import COMMIT_MARKER, OWNER_FILE, CheckpointError
-from pipeline.config import load_config
-from pipeline.logging import setup_logging
-from pipeline.trainer import main
+from pipeline.train.checkpoint import COMMIT_MARKER, OWNER_FILE, CheckpointError
+from pipeline.train.config import load_config
+from pipeline.train.metrics import setup_logging
+from pipeline.train.trainer import main
 
 pytestmark = pytest.mark.reliability
 

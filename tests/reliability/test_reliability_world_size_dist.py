@@ -15,9 +15,9 @@ import torch
 from reliability_harness import committed, overrides, read_metrics, train_ranks
 from safetensors.torch import load_file
 
-from pipeline import dist
-from pipeline.config import load_config
-from pipeline.trainer import Trainer, main
+from pipeline.train import dist
+from pipeline.train.config import load_config
+from pipeline.train.trainer import Trainer, main
 
 pytestmark = [pytest.mark.reliability, pytest.mark.dist]
 

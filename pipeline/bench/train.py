@@ -1,0 +1,149 @@
+"""Training step throughput of GCA vs a same-depth sliding-window model vs full attention, and DeepSpeed ZeRO-2 on
+2 processes vs 1 process, printed as ratios measured in one run (``make bench-train``).
+
+Part 1 times one optimizer step (forward, backward, AdamW) of each model at each sequence length, every
+configuration in a fresh process, on random tokens. Part 2 runs the real trainer (``configs/train/debug.yaml`` on
+a prepared dataset) for a few steps with one process and with ``deepspeed --num_gpus 2`` and compares the median
+``tokens_per_s`` of ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import TextIO
+
+import torch
+
+from kernels.cpu_math import flush_denormals, retain_freed_memory
+from model.lm import lm_loss
+from pipeline.bench.model import BENCH_CONFIG, bench_model
+from pipeline.demos.runner import TRAIN_MODULE
+
+ROOT = Path(__file__).resolve().parents[1]
+KINDS = ("gca", "swa", "full")
+"""The ``model.arch`` of each compared model."""
+STEP_MODULE = "pipeline.cli.bench_train"
+"""The benchmark's own command line; its hidden ``--one KIND LENGTH`` times one configuration."""
+
+
+def time_step(kind: str, length: int, repeats: int) -> dict:
+    """The fastest of ``repeats`` optimizer steps of a fresh ``kind`` model on one random sequence, in seconds."""
+    flush_denormals()  # as the trainer does
+    retain_freed_memory()
+    torch.manual_seed(0)
+    model = bench_model(kind)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, BENCH_CONFIG.vocab_size, (1, length))
+    times = []
+    for _ in range(repeats + 1):  # the first step warms up allocator and kernels
+        start = time.perf_counter()
+        lm_loss(model(ids).logits, ids).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    return {"kind": kind, "length": length, "step_s": min(times[1:])}
+
+
+def _isolated(kind: str, length: int, repeats: int) -> dict:
+    """``time_step`` in its own process, so one configuration's memory and threads never slow the next."""
+    cmd = [sys.executable, "-m", STEP_MODULE, "--one", kind, str(length), "--repeats", str(repeats)]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if done.returncode != 0:
+        return {"kind": kind, "length": length, "error": (done.stderr.strip().splitlines() or ["?"])[-1]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _median_tokens_per_s(run_dir: Path) -> float:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    speeds = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r][3:]  # skip warm-up steps
+    return statistics.median(speeds)
+
+
+def trainer_throughput(data: str, steps: int) -> tuple[float, float]:
+    """Median tokens/s of the real trainer on ``data``: one process, then DeepSpeed ZeRO-2 on 2 processes."""
+    common = [
+        "--config",
+        "configs/train/debug.yaml",
+        f"data.path={data}",
+        f"train.max_steps={steps}",
+        "checkpoint.every=0",
+        "checkpoint.export=false",
+        "train.eval_every=0",
+        "logging.every=1",
+        "logging.progress=false",
+        "train.global_batch=8",
+        "train.micro_batch=4",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    with tempfile.TemporaryDirectory() as tmp:
+        single, ds = Path(tmp) / "single", Path(tmp) / "zero2"
+        subprocess.run(
+            [sys.executable, "-m", TRAIN_MODULE, *common, f"run_dir={single}", "parallel.engine=none"],
+            cwd=ROOT,
+            env={**env, "OMP_NUM_THREADS": "2"},
+            check=True,
+            capture_output=True,
+        )
+        subprocess.run(
+            [
+                str(Path(sys.executable).parent / "deepspeed"),
+                "--num_gpus",
+                "2",
+                "--module",
+                TRAIN_MODULE,
+                *common,
+                f"run_dir={ds}",
+                "parallel.engine=deepspeed",
+                "parallel.zero_stage=2",
+            ],
+            cwd=ROOT,
+            env=env,
+            check=True,
+            capture_output=True,
+        )
+        return _median_tokens_per_s(single), _median_tokens_per_s(ds)
+
+
+def step_time_table(lengths: list[int], repeats: int, out: TextIO) -> None:
+    """Part 1: one row per length with each model's step time and GCA's ratio to the other two."""
+    out.write(
+        f"training step (fwd+bwd+AdamW), batch 1, fp32, {torch.get_num_threads()} threads; model: "
+        f"d_model {BENCH_CONFIG.d_model}, {BENCH_CONFIG.n_lower_layers}+{sum(BENCH_CONFIG.groups)}+"
+        f"{BENCH_CONFIG.n_encoder_layers} layers, chunk {BENCH_CONFIG.chunk_size}, top-{BENCH_CONFIG.top_k}, "
+        f"window {BENCH_CONFIG.window}\n\n"
+    )
+    header = (
+        f"{'T':>6} | {'GCA s/step':>10} | {'SWA s/step':>10} | {'full s/step':>11} | {'GCA/SWA':>8} | {'GCA/full':>8}"
+    )
+    out.write(header + "\n" + "-" * len(header) + "\n")
+    for length in lengths:
+        res = {kind: _isolated(kind, length, repeats) for kind in KINDS}
+        cell = {k: (f"{r['step_s']:.2f}" if "step_s" in r else "failed") for k, r in res.items()}
+        ok = all("step_s" in r for r in res.values())
+        ratio_swa = f"{res['gca']['step_s'] / res['swa']['step_s']:.2f}x" if ok else "-"
+        ratio_full = f"{res['gca']['step_s'] / res['full']['step_s']:.2f}x" if ok else "-"
+        out.write(
+            f"{length:>6} | {cell['gca']:>10} | {cell['swa']:>10} | {cell['full']:>11} | {ratio_swa:>8} | "
+            f"{ratio_full:>8}\n"
+        )
+        out.flush()
+
+
+def zero2_comparison(data: str, steps: int, out: TextIO) -> None:
+    """Part 2, skipped with a line saying why when ``data`` (relative to the repository) is not a prepared dataset."""
+    path = ROOT / data
+    if not (path / "_COMPLETE").is_file():
+        out.write(f"\nZeRO-2 comparison skipped: {data} is not a complete data-prep output (run `make prep`)\n")
+        return
+    single, zero2 = trainer_throughput(str(path), steps)
+    out.write(
+        f"\ntrainer, configs/train/debug.yaml: 1 process {single:,.0f} tokens/s; DeepSpeed ZeRO-2 on 2 "
+        f"processes {zero2:,.0f} tokens/s ({zero2 / single:.2f}x)\n"
+    )

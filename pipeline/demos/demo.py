@@ -1,0 +1,236 @@
+"""``make demo``: prep -> DeepSpeed pretraining (2 CPU ranks) of a GCA model and a sliding-window baseline ->
+passkey and perplexity evaluation far beyond the training length -> one results table.
+
+Every stage is a subprocess running the same command a user could type (printed before it runs: the trainer and
+the eval started by module name, ``deepspeed --module pipeline.cli.train`` and ``python -m pipeline.cli.eval``),
+and every stage is skipped when its output is already complete, so an interrupted demo continues where it stopped.
+Settings come from ``configs/demo/demo.yaml``; the training recipe from the train configs it names.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from data_prep.redaction import restore_env_interpolations
+from data_prep.schema import load_schema
+from pipeline.demos.runner import StageError, StageRunner, eval_command, train_command
+
+ROOT = Path(__file__).resolve().parents[1]
+MULTIHOP_DIR = "multihop"
+"""Where the two-hop part's models and evaluations go, under the demo's run_dir."""
+# What distinguishes the demo's models; everything else comes from the same train config.
+MODEL_OVERRIDES = {
+    "gca": [],
+    "baseline": ["model.arch=swa"],
+    "ablation": ["model.retrieval_grad=false"],  # GCA whose retriever gets no gradient
+    "gca_2groups": ["model.groups=[1,1]"],  # the same upper layers as two retrieval groups of one layer each
+}
+
+
+@dataclass
+class EvalSlice:
+    lengths: list[int]
+    samples: int
+    """Samples per (length, depth)."""
+    models: list[str] | None = None
+    """The models evaluated on this slice (default: all of them)."""
+    haystack: str | None = None
+    """The ``data`` of this slice (default: the demo's ``haystack``)."""
+
+
+@dataclass
+class TrainStage:
+    name: str
+    overrides: list[str] = field(default_factory=list)
+    """``key=value`` overrides of this stage (sequence length, batch, steps, ...)."""
+
+
+@dataclass
+class MultihopDemo:
+    """The two-hop part (``multihop.enabled=true``): models trained with the two-hop needle mix and evaluated with
+    ``--task passkey variant=multihop``, under ``<run_dir>/multihop``; a section of ``results.md``."""
+
+    enabled: bool = False
+    only: bool = False
+    """Run only the two-hop part (``make demo-multihop``): the main demo's stages are not run, and its results
+    already on disk stay in ``results.md``."""
+    models: list[str] = field(default_factory=lambda: ["gca_2groups", "gca"])
+    """Two retrieval groups against the single-group control (same layers, same data, same steps)."""
+    train_overrides: list[str] = field(default_factory=list)
+    train_stages: list[TrainStage] = field(default_factory=list)
+    """Its own curriculum (a two-hop sample needs more chunks than the main demo's first stage has; the needle
+    variant is set per stage)."""
+    passkey: list[EvalSlice] = field(default_factory=list)
+    needles: int = 4
+    """Needles per sample: the asked chain's link and key needle, and (needles - 2) / 2 distractor chains."""
+
+
+@dataclass
+class DemoConfig:
+    run_dir: str = "runs/demo"
+    data: str = "data/default"
+    """A complete data-prep output (``make prep``)."""
+    gca_config: str = "configs/demo/gca.yaml"
+    """Train config of the GCA model; the baseline uses it with ``model.arch=swa`` (same data, steps, seed)."""
+    ranks: int = 2
+    """DeepSpeed ranks on this machine (CPU: one per core)."""
+    train_overrides: list[str] = field(default_factory=list)
+    """Extra ``key=value`` overrides for every training run (e.g. a shorter smoke run)."""
+    train_stages: list[TrainStage] = field(default_factory=list)
+    """A curriculum: each model trains through these stages in order, every stage starting from the previous
+    stage's weights (``checkpoint.init_from``); empty = one stage with the train config as it is."""
+    models: list[str] = field(default_factory=lambda: ["gca", "baseline"])
+    passkey: list[EvalSlice] = field(default_factory=list)
+    depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    haystack: str = "stdlib"
+    ppl_lengths: list[int] = field(default_factory=lambda: [1024, 4096, 16384])
+    ppl_samples: int = 4
+    """Windows of the longest ppl length cut from the validation split (its documents are shorter)."""
+    ppl_score_len: int = 512
+    """The final tokens of each window scored at every ppl length (below the shortest)."""
+    seed: int = 0
+    longest: bool = False
+    """Also run ``longest_passkey`` (``make demo-16m``): after the demo's own slices, so a finished demo's stages
+    are reused and only the new evaluation runs."""
+    longest_passkey: list[EvalSlice] = field(default_factory=list)
+    multihop: MultihopDemo = field(default_factory=MultihopDemo)
+
+    def __post_init__(self) -> None:
+        named = [m for piece in [*self.passkey, *self.longest_passkey] for m in piece.models or []]
+        unknown = [m for m in [*self.models, *self.multihop.models, *named] if m not in MODEL_OVERRIDES]
+        if unknown:
+            raise ValueError(
+                f"config key 'models' has a wrong value: {unknown} are not among {sorted(MODEL_OVERRIDES)}"
+            )
+        if not self.ppl_lengths or not 1 <= self.ppl_score_len < min(self.ppl_lengths):
+            raise ValueError(
+                f"config key 'ppl_score_len' has a wrong value: {self.ppl_score_len} must be >= 1 and below the "
+                f"shortest of ppl_lengths={self.ppl_lengths} (each length scores it after its context)"
+            )
+
+
+def load_demo_config(path: str | Path, overrides: list[str]) -> tuple[DemoConfig, dict[str, str]]:
+    """The YAML merged with ``key=value`` overrides (``data_prep.schema.load_schema``), and the dotted keys of the
+    values that read the environment.
+
+    Raises:
+        ConfigError: one line naming the file or override, the key and the value (environment values redacted).
+    """
+    return load_schema(DemoConfig, path, overrides, what="demo")
+
+
+class DemoError(RuntimeError):
+    """The demo cannot go on (no prepared data, a stage failed); the message says which and how to continue."""
+
+
+class Stages:
+    """The demo's commands, timed and skipped when already done (``pipeline.demos.runner``)."""
+
+    def __init__(self, cfg: DemoConfig) -> None:
+        self.cfg = cfg
+        self.run_dir = ROOT / cfg.run_dir
+        self.runner = StageRunner(self.run_dir, ROOT)
+
+    def run(self, name: str, cmd: list[str], done: Path, env: dict[str, str]) -> None:
+        try:
+            self.runner.run(name, cmd, done, env)
+        except StageError as err:
+            raise DemoError(f"demo {err}") from None
+
+    def train(
+        self, model: str, stages: list[TrainStage] | None = None, part: str = "", extra: list[str] | None = None
+    ) -> Path:
+        """Train ``model`` through ``stages`` (default: the demo's curriculum) under ``<run_dir>/<part>``, with
+        ``extra`` overrides after the demo's own; returns the last stage's export."""
+        cfg = self.cfg
+        stages = stages or cfg.train_stages or [TrainStage(name="train")]
+        export: Path | None = None
+        for stage in stages:
+            run_dir = self.run_dir / part / model / stage.name
+            overrides = [
+                f"run_dir={run_dir}",
+                f"data.path={ROOT / cfg.data}",
+                *MODEL_OVERRIDES[model],
+                *stage.overrides,
+                *cfg.train_overrides,
+                *(extra or []),
+            ]
+            if export is not None:
+                overrides.append(f"checkpoint.init_from={export}")
+            cmd, env = train_command(cfg.ranks, cfg.gca_config, overrides)
+            export = run_dir / "export"
+            name = "-".join(filter(None, ["train", part, model, stage.name]))
+            self.run(name, cmd, export / "model.safetensors", env)
+        assert export is not None
+        return export
+
+    def passkey(
+        self, model: str, export: Path, slices: list[EvalSlice], part: str = "", extra: list[str] | None = None
+    ) -> None:
+        """``--task passkey`` of every slice into ``<run_dir>/<part>/eval/<model>/passkey_<i>``."""
+        cfg = self.cfg
+        for i, piece in enumerate(slices):
+            if piece.models is not None and model not in piece.models:
+                continue
+            out = self.run_dir / part / "eval" / model / f"passkey_{i}"
+            keys = [
+                f"lengths={piece.lengths}",
+                f"samples={piece.samples}",
+                f"depths={cfg.depths}",
+                f"seed={cfg.seed}",
+                f"data={piece.haystack or cfg.haystack}",
+                *(extra or []),
+            ]
+            cmd, env = eval_command(export, "passkey", out, keys)
+            self.run("-".join(filter(None, ["passkey", part, model, str(i)])), cmd, out / "passkey.json", env)
+
+    def evaluate(self, model: str, export: Path) -> None:
+        cfg = self.cfg
+        self.passkey(model, export, [*cfg.passkey, *(cfg.longest_passkey if cfg.longest else [])])
+        out = self.run_dir / "eval" / model / "ppl"
+        keys = [
+            f"lengths={cfg.ppl_lengths}",
+            f"samples={cfg.ppl_samples}",
+            f"score_len={cfg.ppl_score_len}",
+            "ppl_documents=windows",
+            f"seed={cfg.seed}",
+            f"data={ROOT / cfg.data}",
+        ]
+        cmd, env = eval_command(export, "ppl", out, keys)
+        self.run(f"ppl-{model}", cmd, out / "ppl.json", env)
+
+
+def run_demo(config: str, overrides: list[str]) -> None:
+    """Every stage of the demo that is not done yet, then the results table (printed and written to the run dir).
+
+    Raises:
+        ConfigError: the demo config is wrong (nothing has run).
+        DemoError: the data is not prepared, or a stage failed.
+    """
+    from pipeline.demos.demo_report import write_report
+
+    cfg, env_paths = load_demo_config(config, overrides)
+    if not (ROOT / cfg.data / "_COMPLETE").is_file():
+        raise DemoError(f"{cfg.data} is not a complete data-prep output; run `make prep` first")
+    stages = Stages(cfg)
+    # The demo config as run (overrides applied); each training stage writes its own resolved config.yaml.
+    as_run = restore_env_interpolations(OmegaConf.to_container(OmegaConf.structured(cfg)), env_paths)
+    (stages.run_dir / "demo.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(as_run)))
+    hop = cfg.multihop
+    if not (hop.enabled and hop.only):
+        exports = {model: stages.train(model) for model in cfg.models}
+        for model, export in exports.items():
+            stages.evaluate(model, export)
+    if hop.enabled:
+        hop_exports = {
+            model: stages.train(model, hop.train_stages, MULTIHOP_DIR, hop.train_overrides) for model in hop.models
+        }
+        for model, export in hop_exports.items():
+            keys = ["variant=multihop", f"needles={hop.needles}"]
+            stages.passkey(model, export, hop.passkey, MULTIHOP_DIR, keys)
+    report = write_report(stages.run_dir, cfg.models, stages.runner.timings, hop.models if hop.enabled else [])
+    sys.stdout.write(report + "\n")

@@ -1,0 +1,85 @@
+"""Periodic validation: the mean loss over ``train.eval_batches`` global batches every ``train.eval_every`` steps."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pipeline.data.reader import MDSReader, PackedSequences, RankBatches
+from pipeline.train import dist
+from pipeline.train.callbacks.base import Callback
+
+if TYPE_CHECKING:
+    from pipeline.train.trainer import Trainer
+
+
+class EvalError(RuntimeError):
+    """The validation pass failed (on any rank); raised on every rank, after the step was saved."""
+
+
+class PeriodicEval(Callback):
+    """Evaluates after every ``train.eval_every``-th step, on the same sequences every time, without moving the
+    training RNG; the result goes to the ``on_eval`` hooks. A failed pass saves the finished step first, so a
+    relaunch loses nothing, then raises `EvalError` on every rank. Registered before the stop decision and the
+    checkpoint cadence, as the step boundary has always run them: evaluate, then decide, then save."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self._reader: MDSReader | None = None
+
+    def post_step(self, trainer: Trainer, step: int, metrics: dict[str, Any]) -> None:
+        if step % self.every:
+            return
+        try:
+            val_loss = self.evaluate(trainer)
+        except EvalError as err:
+            path = trainer.save()
+            raise EvalError(
+                f"{err}; step {step} was saved first ({path}), so a relaunch resumes there: fix "
+                f"the '{trainer.cfg.data.val_split}' split of data.path or set train.eval_every=0"
+            ) from err
+        trainer.callbacks.on_eval(trainer, step, val_loss)
+
+    def post_train(self, trainer: Trainer) -> None:
+        if self._reader is not None:
+            self._reader.close()  # its private shard cache goes now, not whenever the reader is collected
+            self._reader = None
+
+    @torch.no_grad()
+    def evaluate(self, trainer: Trainer) -> float:
+        """Mean validation loss over ``train.eval_batches`` global batches (collective).
+
+        Raises:
+            EvalError: on every rank, when reading the validation split failed on any rank.
+        """
+        batches, error = self._batches(trainer)
+        failed = dist.all_gather_flags(error is not None, trainer.info.device)
+        if any(failed):
+            ranks = [r for r, f in enumerate(failed) if f]
+            cause = f": {type(error).__name__}: {(str(error).splitlines() or [''])[0]}" if error else ""
+            raise EvalError(f"validation at step {trainer.step} failed on rank(s) {ranks}{cause}") from error
+        engine = trainer.engine
+        with dist.isolated_rng():  # evaluation must not move the training RNG (Gumbel noise)
+            engine.train(False)
+            try:
+                losses = [engine.loss(x.to(trainer.info.device)).float() for x in batches]
+            finally:
+                engine.train(True)
+        return dist.all_reduce_mean(torch.stack(losses).mean()).item()
+
+    def _batches(self, trainer: Trainer) -> tuple[list[torch.Tensor], Exception | None]:
+        """This rank's validation micro-batches, or the error reading them; no collective inside, so a bad split
+        on one rank cannot leave the others waiting in one."""
+        cfg, info = trainer.cfg, trainer.info
+        try:
+            if self._reader is None:
+                cache = cfg.data.cache_dir or str(trainer.run_dir / "data_cache")
+                self._reader = MDSReader(cfg.data.path, cfg.data.val_split, cache, cfg.data.validate_hash)
+            stream = PackedSequences(
+                self._reader, cfg.train.seq_len, cfg.seed, False, cfg.train.global_batch, trainer.eos_id
+            )
+            batches = RankBatches(stream, cfg.train.global_batch, cfg.train.micro_batch, info.rank, info.world_size)
+            return [x for _ in range(cfg.train.eval_batches) for x in batches.next_step()], None
+        except Exception as err:  # whatever the reader raises (missing, corrupt, empty split): reported collectively
+            return [], err

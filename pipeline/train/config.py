@@ -1,0 +1,482 @@
+"""``TrainConfig``: the one typed schema of a pretraining run, loaded from YAML plus ``key=value`` overrides.
+
+Every field has a docstring under it. Loading goes through the shared loader (``data_prep.schema``: unknown keys
+and wrong types are errors naming the full key, with a near-miss suggestion) -> a real dataclass tree ->
+cross-field rules (``validate``), all before any process group, directory or file is created. Derived numbers (gradient
+accumulation, tokens per step) are properties, never stored twice.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from omegaconf import MISSING, OmegaConf
+
+from data_prep import schema
+from data_prep.redaction import restore_env_interpolations
+from data_prep.safe_files import is_within
+from data_prep.schema import load_schema
+from model.config import GCAConfig
+from model.context_parallel import check_cp_spans
+from pipeline.data.needle import VARIANTS as NEEDLE_VARIANTS
+from pipeline.train.dist import TIMEOUT_ENV, collective_timeout_s
+
+_ENV_PATHS = "_env_interpolations"
+"""Attribute of a loaded ``TrainConfig`` (outside its schema) holding `env_interpolations`."""
+
+
+ConfigError = schema.ConfigError
+"""The training configuration is invalid; the message names the full key and the rule (the one config error)."""
+
+
+@dataclass
+class TrainLoopConfig:
+    max_steps: int = 100
+    """Optimizer steps of the whole run; the LR schedule is pinned to it."""
+    seq_len: int = 256
+    """Raw tokens per training sequence (landmarks are added inside the model)."""
+    micro_batch: int = 2
+    """Sequences per rank per forward/backward pass."""
+    global_batch: int = 8
+    """Sequences per optimizer step over all ranks; accumulation = global / (micro x world)."""
+    grad_clip: float = 1.0
+    """Max global gradient norm; 0 disables clipping (the norm is still logged)."""
+    eval_every: int = 0
+    """Run validation every N steps (0 = never)."""
+    eval_batches: int = 2
+    """Global batches of the validation split per evaluation."""
+    requeue_exit_code: int = 75
+    """Exit code after a SIGTERM/SIGUSR1-triggered save, so a wrapper can requeue (EX_TEMPFAIL). A Ctrl-C
+    (SIGINT) also saves first, but exits with 130: the user stopped the run, nothing should requeue it."""
+    retain_freed_memory: bool = True
+    """Keep freed host memory for reuse instead of returning it to the OS (glibc): ~12% faster CPU steps for
+    ~15% more resident memory (``kernels.cpu_math.retain_freed_memory``)."""
+
+
+@dataclass
+class DataConfig:
+    path: str = MISSING
+    """Data-prep output: a local directory or a remote URL holding ``train/``, ``val/``, ``tokenizer.model``."""
+    train_split: str = "train"
+    """Sub-directory of the training split."""
+    val_split: str = "val"
+    """Sub-directory of the validation split."""
+    cache_dir: str | None = None
+    """Where every reader (local or remote ``data.path``) creates its private shard cache, a fresh directory per
+    process removed when the reader ends (default: ``<run_dir>/data_cache``); never inside ``data.path``."""
+    shuffle: bool = True
+    """Shuffle the shard order each epoch and the sequence order within a window."""
+    shuffle_window: int = 64
+    """Packed sequences shuffled together; larger mixes more, costs memory on every rank."""
+    needle_mix: float = 0.0
+    """Fraction of training sequences that get a passkey needle and the question + answer at the end."""
+    needle_variant: str = "single"
+    """``single``: one pass-key needle; ``multihop``: a two-hop chain (a link "A leads to B", a key needle for B,
+    a distractor chain) whose question asks for A's key -- the layout a second retrieval group can follow
+    (``pipeline/data/needle.py``; evaluated with ``--task passkey variant=multihop``)."""
+    hop_chains: int = 2
+    """``multihop``: chains per sample, the asked one and ``hop_chains - 1`` distractors (the eval's
+    ``needles=2*hop_chains``). With top-k retrieval and ``hop_chains <= top_k``, fetching every key needle
+    always brings the asked one; more chains make that shortcut fail, so only following the link pays."""
+    needle_answer_weight: float = 1.0
+    """Loss weight of a needle's answer tokens relative to every other token (the loss is the weighted mean).
+    1 is the plain LM loss of the paper; a larger weight strengthens the retrieval signal of short runs."""
+    validate_hash: str | None = None
+    """Shard hash checked on read (e.g. ``xxh64``), if data prep wrote one."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    """Peak learning rate (after warm-up)."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the cosine decay (reached at ``train.max_steps``)."""
+    weight_decay: float = 0.1
+    """AdamW decay on matrices only; norms, biases, embeddings and landmark vectors get none."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW (beta1, beta2)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+
+
+@dataclass
+class ScheduleConfig:
+    warmup_steps: int = 0
+    """Linear warm-up steps from lr/warmup_steps to ``optim.lr``."""
+    decay: Literal["cosine", "constant"] = "cosine"
+    """After warm-up: cosine from ``optim.lr`` to ``optim.min_lr``, or constant ``optim.lr``."""
+
+
+@dataclass
+class ParallelConfig:
+    engine: Literal["deepspeed", "fsdp", "none"] = "none"
+    """``deepspeed`` (ZeRO 0-3), ``fsdp`` (PyTorch FSDP2) or ``none`` (plain module; data parallel if ranks > 1)."""
+    zero_stage: int = 0
+    """DeepSpeed ZeRO stage 0-3 (``parallel.engine=deepspeed`` only)."""
+    offload_optimizer: bool = False
+    """DeepSpeed: keep optimizer state in CPU memory (ZeRO >= 1)."""
+    offload_params: bool = False
+    """DeepSpeed: keep parameters in CPU memory (ZeRO 3)."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block in the backward pass."""
+    fsdp_reshard_after_forward: bool = True
+    """FSDP2: free gathered parameters after forward (ZeRO-3-like) or keep them (ZeRO-2-like)."""
+    context_parallel: int = 1
+    """Ranks that split each sequence between them (``model/context_parallel.py``); it must divide the world size,
+    and the data-parallel degree is world size / context_parallel. > 1 needs ``parallel.engine=fsdp`` and
+    ``model.arch=gca``."""
+
+
+@dataclass
+class PrecisionConfig:
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """Compute dtype: ``auto`` is bf16 on CUDA and fp32 on CPU. Master weights stay fp32."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0
+    """Save every N steps (0 = only at the end and on SIGTERM/SIGUSR1)."""
+    keep_last: int = 3
+    """Committed checkpoints kept; older ones are deleted after a new one commits."""
+    resume: str = "auto"
+    """``auto`` (latest committed checkpoint in ``run_dir``, else fresh), ``none``, or a checkpoint directory."""
+    export: bool = True
+    """Write an eval export (safetensors + config.json + tokenizer.model) into every checkpoint."""
+    init_from: str | None = None
+    """An eval export directory whose weights start a fresh run (a curriculum stage, fine-tuning); the optimizer,
+    schedule and data start anew. A checkpoint of this run (``resume``) takes precedence."""
+
+
+@dataclass
+class LogConfig:
+    every: int = 10
+    """Console/metrics/wandb logging interval in steps."""
+    wandb: bool = False
+    """Log to Weights & Biases (rank 0)."""
+    wandb_project: str = "gca-pretrain"
+    """wandb project name."""
+    wandb_mode: Literal["auto", "online", "offline", "disabled"] = "auto"
+    """``auto``: ``$WANDB_MODE`` when set, else online when WANDB_API_KEY is set, else offline (never waits on the
+    network)."""
+    progress: bool = True
+    """tqdm progress bar with ETA on the rank-0 console."""
+    peak_tflops: float | None = None
+    """Per-device peak TFLOP/s for MFU; ``None`` guesses from the CUDA device name (no MFU on CPU)."""
+
+
+@dataclass
+class TrainEvalConfig:
+    """Evaluation during training beyond the validation loss: the extrapolation monitor
+    (``pipeline.train.callbacks.extrapolation``)."""
+
+    extrapolation_every: int = 0
+    """Run the extrapolation monitor every N steps (0 = never): a passkey probe and perplexity by context at
+    multiples of ``train.seq_len``, on rank 0, logged as ``extrap/*`` step metrics."""
+    extrapolation_lengths: list[int] = field(default_factory=lambda: [1, 16, 256])
+    """Probe lengths as multiples of ``train.seq_len`` (a probe of multiple m reads m x seq_len tokens)."""
+    extrapolation_samples: int = 2
+    """Passkey samples per length (one per depth, spread evenly over the haystack), and validation windows the
+    perplexity is averaged over."""
+    extrapolation_score_len: int | None = None
+    """Tokens scored at the end of each validation window, with the tokens before them as context; ``None``:
+    min(train.seq_len // 2, 1024). Must be shorter than the shortest probe length."""
+    extrapolation_budget_s: float = 120.0
+    """Wall-clock seconds the probes of one monitor step may take (shortest first); a probe still running when
+    it is spent is abandoned, and it and every probe after it count in ``extrap/skipped``."""
+
+
+@dataclass
+class TrainConfig:
+    run_dir: str = MISSING
+    """Output directory: checkpoints, metrics.jsonl, export/, wandb/."""
+    seed: int = 1234
+    """Seeds weights, data order, needles and Gumbel noise; the same seed gives the same run."""
+    model: GCAConfig = field(default_factory=GCAConfig)
+    """The architecture (``model/config.py``)."""
+    train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LogConfig = field(default_factory=LogConfig)
+    eval: TrainEvalConfig = field(default_factory=TrainEvalConfig)
+
+    def data_parallel(self, world_size: int) -> int:
+        """Data-parallel degree: the ranks of a context-parallel group share their sequences."""
+        return world_size // self.parallel.context_parallel
+
+    def grad_accum(self, world_size: int) -> int:
+        """Micro-batches per optimizer step on each rank."""
+        return self.train.global_batch // (self.train.micro_batch * self.data_parallel(world_size))
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.train.global_batch * self.train.seq_len
+
+    @property
+    def extrapolation_score_len(self) -> int:
+        """``eval.extrapolation_score_len``, or its default: half the training length, at most 1024 tokens."""
+        configured = self.eval.extrapolation_score_len
+        return configured if configured is not None else max(1, min(self.train.seq_len // 2, 1024))
+
+
+def env_interpolations(cfg: TrainConfig) -> dict[str, str]:
+    """Dotted key -> raw ``${oc.env:...}`` text of every config node whose value came from the environment.
+
+    Kept next to the config (not in its schema) so that everything written from it can store the interpolation
+    instead of the value (see ``data_prep.redaction``).
+    """
+    return getattr(cfg, _ENV_PATHS, {})
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = (), world_size: int = 1) -> TrainConfig:
+    """Load YAML + dotlist overrides into a validated ``TrainConfig``.
+
+    Args:
+        path: YAML file with values only (or ``None`` to start from the defaults).
+        overrides: ``key=value`` strings, applied after the YAML.
+        world_size: number of ranks the run will use, for the batch-divisibility rule.
+
+    Raises:
+        ConfigError: unknown key, wrong type, missing value or a broken cross-field rule; the message names the
+            full key.
+    """
+    cfg, env_paths = load_schema(TrainConfig, path, overrides, what="train")
+    setattr(cfg, _ENV_PATHS, env_paths)
+    validate(cfg, world_size)
+    return cfg
+
+
+def _numbers(node: Any, path: str = "") -> list[tuple[str, float]]:
+    """Every float of a plain config tree as (dotted key, value); list items as ``key[i]``."""
+    if isinstance(node, dict):
+        return [item for key, value in node.items() for item in _numbers(value, f"{path}.{key}" if path else key)]
+    if isinstance(node, list):
+        return [item for i, value in enumerate(node) for item in _numbers(value, f"{path}[{i}]")]
+    return [(path, node)] if isinstance(node, float) else []
+
+
+def _check_finite(cfg: TrainConfig) -> None:
+    """No NaN or infinity anywhere: every range rule below is a comparison, which NaN would pass or fail silently
+    (``grad_clip=nan`` once turned clipping off)."""
+    for key, value in _numbers(OmegaConf.to_container(OmegaConf.structured(cfg))):
+        if not math.isfinite(value):
+            raise ConfigError(f"{key} must be a finite number; got {value}")
+
+
+def _check_outputs_outside_data(cfg: TrainConfig) -> None:
+    """The run writes to run_dir and the shard cache; neither may be inside the dataset, which is only read."""
+    if "://" in cfg.data.path:
+        return
+    data = Path(cfg.data.path)
+    for key, value in (("run_dir", cfg.run_dir), ("data.cache_dir", cfg.data.cache_dir)):
+        if value is not None and is_within(Path(value), data):
+            raise ConfigError(
+                f"{key}={value} is inside data.path={cfg.data.path}; the dataset is only ever read: "
+                f"put {key} outside it"
+            )
+
+
+def _check_ranges(cfg: TrainConfig) -> None:
+    """Per-key ranges of the numeric settings that have no cross-field rule."""
+    t, o = cfg.train, cfg.optim
+    if cfg.seed < 0:
+        raise ConfigError(f"seed must be >= 0; got {cfg.seed}")
+    if not o.eps > 0:
+        raise ConfigError(f"optim.eps must be > 0; got {o.eps}")
+    if t.eval_batches < 1:
+        raise ConfigError(f"train.eval_batches must be >= 1; got {t.eval_batches}")
+    if not 1 <= t.requeue_exit_code <= 255:
+        raise ConfigError(f"train.requeue_exit_code must be an exit code in 1..255; got {t.requeue_exit_code}")
+    if cfg.logging.peak_tflops is not None and not cfg.logging.peak_tflops > 0:
+        raise ConfigError(f"logging.peak_tflops must be > 0 (or null to guess); got {cfg.logging.peak_tflops}")
+
+
+def _check_extrapolation(cfg: TrainConfig, world_size: int) -> None:
+    """The monitor's settings, checked even while it is off, so that turning it on never meets a stale typo."""
+    e = cfg.eval
+    if e.extrapolation_every < 0:
+        raise ConfigError(f"eval.extrapolation_every must be >= 0 (0 = off); got {e.extrapolation_every}")
+    lengths = e.extrapolation_lengths
+    if not lengths or min(lengths) < 1:
+        raise ConfigError(
+            f"eval.extrapolation_lengths must be a non-empty list of positive integers (multiples of "
+            f"train.seq_len); got {lengths}"
+        )
+    if len(set(lengths)) != len(lengths):
+        raise ConfigError(f"eval.extrapolation_lengths must not repeat a length; got {lengths}")
+    if e.extrapolation_samples < 1:
+        raise ConfigError(f"eval.extrapolation_samples must be >= 1; got {e.extrapolation_samples}")
+    shortest = min(lengths) * cfg.train.seq_len
+    if not 1 <= cfg.extrapolation_score_len < shortest:
+        raise ConfigError(
+            f"eval.extrapolation_score_len={cfg.extrapolation_score_len} must be >= 1 and shorter than the shortest "
+            f"probe, min(eval.extrapolation_lengths) x train.seq_len = {shortest} tokens (the tokens before the "
+            "scored ones are the context)"
+        )
+    budget = e.extrapolation_budget_s
+    if not budget > 0:
+        raise ConfigError(f"eval.extrapolation_budget_s must be > 0; got {budget}")
+    if e.extrapolation_every and world_size > 1:
+        # The other ranks wait for rank 0's probes in a collective, which fails after the collective timeout;
+        # half of it leaves room for gathering the weights and for the segment that overruns the budget.
+        try:
+            timeout = collective_timeout_s()
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        if budget > timeout / 2:
+            raise ConfigError(
+                f"eval.extrapolation_budget_s={budget} must be at most half the collective timeout "
+                f"({timeout:g} s, {TIMEOUT_ENV}): the other {world_size - 1} rank(s) wait for the monitor in a "
+                f"collective; lower the budget or raise {TIMEOUT_ENV}"
+            )
+
+
+def _batch_fixes(t: TrainLoopConfig, data_parallel: int) -> str:
+    """What would make the batch arithmetic work on ``data_parallel`` ranks: a smaller micro batch that keeps the
+    global batch (and so the training recipe), or the nearest global batch that keeps the micro batch."""
+    micro = [m for m in range(t.micro_batch - 1, 0, -1) if t.global_batch % (m * data_parallel) == 0]
+    per_step = t.micro_batch * data_parallel
+    nearest = max(per_step, round(t.global_batch / per_step) * per_step)
+    keep = f"train.micro_batch={micro[0]} keeps the global batch" if micro else "no micro batch keeps the global batch"
+    return f"{keep}, or train.global_batch={nearest} keeps the micro batch"
+
+
+def check_context_parallel(cfg: TrainConfig, world_size: int) -> None:
+    """``parallel.context_parallel`` fits the world size, the engine, the architecture and the sequence length.
+
+    Called by ``validate`` with the world size the launcher announced, and again by the trainer with the one the
+    process group has (a ``Trainer`` can be built without ``load_config``)."""
+    cp, p, m = cfg.parallel.context_parallel, cfg.parallel, cfg.model
+    if cp < 1:
+        raise ConfigError(f"parallel.context_parallel must be >= 1; got {cp}")
+    if world_size % cp != 0:
+        raise ConfigError(
+            f"parallel.context_parallel={cp} must divide the world size {world_size} (data-parallel degree = world "
+            "size / context_parallel)"
+        )
+    if cp == 1:
+        return
+    if p.engine != "fsdp":
+        # DeepSpeed would average the CP shares over its data-parallel group instead of summing them; the plain
+        # engine's DDP would need the same loss scaling: only FSDP2 is wired and tested.
+        raise ConfigError(f"parallel.context_parallel={cp} > 1 needs parallel.engine=fsdp; got {p.engine}")
+    if m.arch != "gca":
+        raise ConfigError(f"parallel.context_parallel={cp} > 1 needs model.arch=gca; got {m.arch}")
+    if cfg.train.eval_every and cfg.train.global_batch % world_size:
+        # The validation pass (pipeline.train.callbacks.validation) is not context-parallel: it shards whole sequences
+        # over every rank, and a rank's share rounds down to nothing or drops sequences.
+        raise ConfigError(
+            f"train.global_batch={cfg.train.global_batch} must be divisible by the world size {world_size} when "
+            f"train.eval_every > 0 with parallel.context_parallel={cp}: validation shares whole sequences out over "
+            "every rank"
+        )
+    try:
+        check_cp_spans(m, cfg.train.seq_len, cp)
+    except ValueError as err:
+        raise ConfigError(
+            f"train.seq_len={cfg.train.seq_len} is too short for parallel.context_parallel={cp}: {err}"
+        ) from None
+
+
+def validate(cfg: TrainConfig, world_size: int) -> None:
+    """Cross-field rules; each error states the rule and the values."""
+    _check_finite(cfg)
+    _check_ranges(cfg)
+    _check_extrapolation(cfg, world_size)
+    _check_outputs_outside_data(cfg)
+    t, o, p, c = cfg.train, cfg.optim, cfg.parallel, cfg.checkpoint
+    positive: tuple[tuple[str, float], ...] = (
+        ("train.max_steps", t.max_steps),
+        ("train.seq_len", t.seq_len),
+        ("train.micro_batch", t.micro_batch),
+        ("train.global_batch", t.global_batch),
+        ("checkpoint.keep_last", c.keep_last),
+        ("logging.every", cfg.logging.every),
+        ("data.shuffle_window", cfg.data.shuffle_window),
+    )
+    for key, value in positive:
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1; got {value}")
+    non_negative: tuple[tuple[str, float], ...] = (
+        ("checkpoint.every", c.every),
+        ("train.eval_every", t.eval_every),
+        ("schedule.warmup_steps", cfg.schedule.warmup_steps),
+        ("train.grad_clip", t.grad_clip),
+        ("optim.weight_decay", o.weight_decay),
+    )
+    for key, value in non_negative:
+        if value < 0:
+            raise ConfigError(f"{key} must be >= 0; got {value}")
+    check_context_parallel(cfg, world_size)
+    dp = cfg.data_parallel(world_size)
+    if t.global_batch % (t.micro_batch * dp) != 0:
+        ranks = "world size" if dp == world_size else "data-parallel ranks (world size / parallel.context_parallel)"
+        raise ConfigError(
+            f"train.global_batch={t.global_batch} must be divisible by train.micro_batch x {ranks} = "
+            f"{t.micro_batch} x {dp} = {t.micro_batch * dp}; {_batch_fixes(t, dp)}"
+        )
+    n_chunks = t.seq_len // cfg.model.chunk_size
+    if cfg.model.arch == "gca" and cfg.model.top_k > n_chunks:  # the baselines retrieve nothing
+        raise ConfigError(
+            f"model.top_k={cfg.model.top_k} is larger than the number of chunks per sequence, "
+            f"train.seq_len // model.chunk_size = {t.seq_len} // {cfg.model.chunk_size} = {n_chunks}"
+        )
+    if not 0 < o.lr:
+        raise ConfigError(f"optim.lr must be > 0; got {o.lr}")
+    if not 0 <= o.min_lr <= o.lr:
+        raise ConfigError(f"optim.min_lr must satisfy 0 <= optim.min_lr <= optim.lr; got min_lr={o.min_lr}, lr={o.lr}")
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+        raise ConfigError(f"optim.betas must be two values in [0, 1); got {o.betas}")
+    if cfg.schedule.warmup_steps >= t.max_steps:
+        raise ConfigError(f"schedule.warmup_steps={cfg.schedule.warmup_steps} must be < train.max_steps={t.max_steps}")
+    if not 0.0 <= cfg.data.needle_mix <= 1.0:
+        raise ConfigError(f"data.needle_mix must be in [0, 1]; got {cfg.data.needle_mix}")
+    if cfg.data.needle_variant not in NEEDLE_VARIANTS:
+        raise ConfigError(
+            f"data.needle_variant must be one of {list(NEEDLE_VARIANTS)}; got {cfg.data.needle_variant!r}"
+        )
+    if cfg.data.hop_chains < 2:
+        raise ConfigError(f"data.hop_chains must be >= 2 (the asked chain and a distractor); got {cfg.data.hop_chains}")
+    if not cfg.data.needle_answer_weight > 0:
+        raise ConfigError(f"data.needle_answer_weight must be > 0; got {cfg.data.needle_answer_weight}")
+    if not 0 <= p.zero_stage <= 3:
+        raise ConfigError(f"parallel.zero_stage must be 0, 1, 2 or 3; got {p.zero_stage}")
+    if p.engine != "deepspeed" and (p.zero_stage or p.offload_optimizer or p.offload_params):
+        raise ConfigError(
+            f"parallel.zero_stage / offload_optimizer / offload_params need parallel.engine=deepspeed; got "
+            f"engine={p.engine}, zero_stage={p.zero_stage}, offload_optimizer={p.offload_optimizer}, "
+            f"offload_params={p.offload_params}"
+        )
+    if p.offload_optimizer and p.zero_stage < 1:
+        raise ConfigError(f"parallel.offload_optimizer needs parallel.zero_stage >= 1; got {p.zero_stage}")
+    if p.offload_params and p.zero_stage != 3:
+        raise ConfigError(f"parallel.offload_params needs parallel.zero_stage=3; got {p.zero_stage}")
+    if c.init_from is not None and not (Path(c.init_from) / "model.safetensors").is_file():
+        raise ConfigError(
+            f"checkpoint.init_from must be a model export directory (with model.safetensors); got {c.init_from!r}"
+        )
+    if c.resume not in ("auto", "none") and not Path(c.resume).is_dir():
+        raise ConfigError(
+            f"checkpoint.resume must be 'auto', 'none' or an existing checkpoint directory; got {c.resume!r}"
+        )
+
+
+def to_plain(cfg: TrainConfig) -> dict[str, Any]:
+    """The resolved config as nested dicts, with every environment-derived value put back as its
+    ``${oc.env:...}`` text (what wandb and every written config get)."""
+    resolved = OmegaConf.to_container(OmegaConf.structured(cfg))
+    return restore_env_interpolations(resolved, env_interpolations(cfg))
+
+
+def to_yaml(cfg: TrainConfig) -> str:
+    """The config as YAML (what the run log, ``config.yaml`` and every checkpoint record): resolved, except that
+    values from the environment stay ``${oc.env:...}``, so the file holds no such value and re-runs as it is."""
+    return OmegaConf.to_yaml(OmegaConf.create(to_plain(cfg)))

@@ -1,0 +1,193 @@
+"""What the trainer checks before any work starts, and the one input it loads into a fresh model.
+
+``check_no_secrets`` and ``check_inputs`` need no process group and write nothing, so a bad config or dataset
+costs one error line and exit code 2, never a half-started run (tests/reliability, docs/reliability.md).
+``init_weights_from`` loads ``checkpoint.init_from``, refusing an export that does not fit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from data_prep import format as fmt
+from data_prep.redaction import find_secret, is_secret_name
+from model import CausalLM, read_export_config
+from model.io import ExportError, check_safetensors
+from pipeline.data.needle import NeedleInserter
+from pipeline.data.reader import UnsafeDatasetError, is_remote, read_tokenizer
+from pipeline.train.checkpoint import OWNER_FILE, foreign_leftovers
+from pipeline.train.config import ConfigError, TrainConfig
+from pipeline.train.metrics import resolve_wandb_mode
+
+log = logging.getLogger(__name__)
+
+
+def check_no_secrets(cfg: TrainConfig) -> None:
+    """Refuse a config that would carry a secret into logs, checkpoints and wandb (they all record the config).
+
+    A value equal to or containing the value of a secret-named environment variable (``WANDB_API_KEY``,
+    ``HF_TOKEN``, ``AWS_SECRET_ACCESS_KEY``, ...; e.g. through ``${oc.env:WANDB_API_KEY}``) is refused, and so
+    is any literal value under a key named like a secret, and any value shaped like a credential (an ``hf_...``
+    or ``ghp_...`` token, an AWS key id, a password in a URL; ``data_prep.redaction``). Secrets are read from
+    the environment by the libraries that need them, never through the config. The message names the key and
+    the variable, never the value.
+
+    Raises:
+        ConfigError: naming the config key (and the environment variable).
+    """
+    from omegaconf import OmegaConf
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, f"{path}.{key}" if path else str(key))
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                walk(value, f"{path}[{i}]")
+        elif isinstance(node, str) and node:
+            if is_secret_name(path.rsplit(".", 1)[-1]):
+                raise ConfigError(
+                    f"config key '{path}' looks like a secret; secrets must come from the environment "
+                    "(e.g. WANDB_API_KEY), never from the config, which is logged and checkpointed"
+                )
+            secret = find_secret(node)
+            if secret is not None:
+                raise ConfigError(
+                    f"config key '{path}' holds {secret}; secrets must not enter the config (it is "
+                    "logged, checkpointed and sent to wandb): pass credentials through the environment "
+                    "variables the library in question reads, never through ${oc.env:...} or a literal"
+                )
+
+    walk(OmegaConf.to_container(OmegaConf.structured(cfg)), "")
+
+
+def _check_tokenizer(cfg: TrainConfig) -> None:
+    """The tokenizer next to data.path must fit ``model.vocab_size`` (else an IndexError deep in the embedding)."""
+    path = Path(cfg.data.path) / fmt.TOKENIZER_FILENAME
+    try:
+        model = read_tokenizer(cfg.data.path)
+    except UnsafeDatasetError as err:
+        raise ConfigError(str(err)) from None
+    if model is None:
+        if cfg.data.needle_mix > 0:
+            raise ConfigError(
+                f"data.needle_mix={cfg.data.needle_mix} needs the tokenizer {path}, which does not "
+                "exist; set data.needle_mix=0 or point data.path at a prepared dataset"
+            )
+        return  # a hand-written MDS dataset without one; the export says so
+    import sentencepiece as spm
+
+    try:
+        pieces = spm.SentencePieceProcessor(model_proto=model).get_piece_size()
+    except (RuntimeError, OSError) as err:
+        raise ConfigError(
+            f"{path} is not a readable SentencePiece model ({str(err).splitlines()[0]}); re-run data "
+            "prep or point data.path at a prepared dataset"
+        ) from None
+    if pieces > cfg.model.vocab_size:
+        raise ConfigError(
+            f"the tokenizer {path} has {pieces} pieces but model.vocab_size={cfg.model.vocab_size}: "
+            f"token ids would fall outside the embedding; set model.vocab_size={pieces} (or larger)"
+        )
+    if cfg.data.needle_mix > 0:
+        try:
+            NeedleInserter(model, cfg.train.seq_len, cfg.model.chunk_size, cfg.data.needle_variant, cfg.data.hop_chains)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
+
+def _split_size(root: Path, split: str) -> int | None:
+    """Size of a split: the manifest's token count when data prep wrote one, else the MDS index's sample count;
+    None when the split has no index at all."""
+    if (root / fmt.MANIFEST_FILENAME).is_file() or (root / fmt.COMPLETE_MARKER).is_file():
+        try:
+            stats = fmt.read_manifest(root).splits.get(split)
+        except (fmt.IncompleteDatasetError, ValueError, KeyError, TypeError) as err:
+            raise ConfigError(f"data.path={root}: {str(err).splitlines()[0]}") from None
+        if stats is not None:
+            return stats.tokens
+    index = root / split / "index.json"
+    if not index.is_file():
+        return None
+    try:
+        return sum(int(shard["samples"]) for shard in json.loads(index.read_text())["shards"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"{index} is not a readable MDS index ({err}); re-run data prep") from None
+
+
+def _check_val_split(cfg: TrainConfig) -> None:
+    """``train.eval_every > 0`` needs a non-empty validation split (else the first eval crashes mid-run)."""
+    if not cfg.train.eval_every:
+        return
+    root, split = Path(cfg.data.path), cfg.data.val_split
+    found = _split_size(root, split)
+    if not found:
+        what = "has no" if found is None else "has an empty"
+        raise ConfigError(
+            f"train.eval_every={cfg.train.eval_every} but data.path={root} {what} validation split "
+            f"'{split}' (data.val_split): set train.eval_every=0, or prepare the data with a larger "
+            "val_fraction / more documents"
+        )
+
+
+def check_inputs(cfg: TrainConfig) -> None:
+    """Everything about the inputs that can be checked before any work starts (no process group, no output).
+
+    Raises:
+        ConfigError: naming the key, file or value and the fix.
+    """
+    if not is_remote(cfg.data.path):  # a remote dataset is checked as its shards arrive
+        if not Path(cfg.data.path).is_dir():
+            raise ConfigError(
+                f"data.path={cfg.data.path} is not a directory; run make prep (or launch/prep.py) "
+                "and point data.path at its output"
+            )
+        _check_tokenizer(cfg)
+        _check_val_split(cfg)
+    if cfg.logging.wandb:
+        try:
+            resolve_wandb_mode(cfg.logging.wandb_mode, os.environ)
+        except ValueError as err:
+            raise ConfigError(f"logging.wandb_mode=auto reads WANDB_MODE, and {err}") from None
+    foreign = foreign_leftovers(cfg.run_dir)
+    if foreign:
+        raise ConfigError(
+            f"{foreign[0]} is not a committed checkpoint and was not written by this trainer (no "
+            f"{OWNER_FILE}), so it is never deleted; move it out of {foreign[0].parent} and relaunch"
+            + (f" ({len(foreign) - 1} more like it)" if len(foreign) > 1 else "")
+        )
+
+
+def init_weights_from(model: CausalLM, export_dir: str) -> None:
+    """Load the weights of an eval export into a freshly built model (``checkpoint.init_from``).
+
+    Raises:
+        ConfigError: the export holds another architecture, or tensors that do not fit this model (named).
+    """
+    from safetensors.torch import load_model
+
+    weights = Path(export_dir) / "model.safetensors"
+    try:
+        exported, _ = read_export_config(export_dir)
+        check_safetensors(weights)  # a pickle or damaged file is refused by its header, never loaded
+    except (ExportError, FileNotFoundError) as exc:
+        raise ConfigError(f"checkpoint.init_from: {exc}") from None
+    if exported.arch != model.cfg.arch:
+        raise ConfigError(
+            f"checkpoint.init_from={export_dir!r} holds a model.arch={exported.arch!r} model; "
+            f"this run builds model.arch={model.cfg.arch!r}"
+        )
+    try:
+        missing, unexpected = load_model(model, str(weights), strict=False)
+    except RuntimeError as exc:  # a tensor of another shape
+        raise ConfigError(f"checkpoint.init_from: {weights} does not fit model.*: {exc}") from exc
+    if missing or unexpected:
+        raise ConfigError(
+            f"checkpoint.init_from: {weights} does not fit model.*: missing tensors "
+            f"{sorted(missing)}, unexpected tensors {sorted(unexpected)}"
+        )
+    log.info("initial weights from %s", weights)

@@ -1,0 +1,357 @@
+"""Parallelism applied from the outside to the plain ``GCAForCausalLM``, and one ``Engine`` interface over it.
+
+``build_deepspeed_config`` generates the DeepSpeed JSON from the typed config (no hand-written ds_config can
+drift). ``apply_activation_checkpointing`` and ``apply_fsdp`` transform the module. The engines give the
+trainer one vocabulary -- ``micro_step``, ``grad_norm_before_step``, ``optimizer_step``, ``save``, ``load``,
+``full_state_dict`` -- so ``pipeline/train/trainer.py`` has no per-backend branches.
+
+Ordering: activation checkpointing wraps blocks first, then FSDP shards them (or DeepSpeed wraps the model),
+then the optimizer is built over the final (possibly sharded) parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+import torch.distributed as torch_dist
+import torch.nn as nn
+
+from model.context_parallel import cp_loss
+from model.lm import lm_loss
+from pipeline.train.config import TrainConfig
+from pipeline.train.dist import DistInfo
+from pipeline.train.optim import build_optimizer
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from model.gca import GCAForCausalLM
+
+log = logging.getLogger(__name__)
+
+_WRAPPED = "_checkpoint_wrapped_module."
+
+
+def _has_module_list(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.ModuleList) for m in module.modules())
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks: children of ``nn.ModuleList``s that hold no ``nn.ModuleList`` themselves (the
+    lower, encoder and upper layers; a retrieval group is a container of upper layers, not a block)."""
+    return [
+        child for m in model.modules() if isinstance(m, nn.ModuleList) for child in m if not _has_module_list(child)
+    ]
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute every block in the backward pass (non-reentrant, so it composes with FSDP2 and ZeRO-3).
+
+    Must run before ``apply_fsdp`` / DeepSpeed wrapping. Saved state dicts keep the original names (the
+    wrapper strips its prefix).
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    targets = {id(b) for b in blocks(model)}
+    for parent in [m for m in model.modules() if isinstance(m, nn.ModuleList)]:
+        for i, child in enumerate(parent):
+            if id(child) in targets:
+                parent[i] = checkpoint_wrapper(child)
+    log.info("activation checkpointing: wrapped %d blocks", len(targets))
+
+
+def build_deepspeed_config(cfg: TrainConfig, world_size: int, bf16: bool) -> dict[str, Any]:
+    """The DeepSpeed config dict for ``deepspeed.initialize(config=...)``, derived from ``cfg``.
+
+    The optimizer is our torch AdamW passed as a client optimizer (no JIT-built FusedAdam/CPUAdam), and the LR
+    is set on it by the trainer each step, so no ``optimizer``/``scheduler`` sections are generated.
+    """
+    p = cfg.parallel
+    zero: dict[str, Any] = {"stage": p.zero_stage}
+    if p.zero_stage >= 1:
+        zero.update(overlap_comm=False, contiguous_gradients=True)
+    if p.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if p.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    return {
+        "train_batch_size": cfg.train.global_batch,
+        "train_micro_batch_size_per_gpu": cfg.train.micro_batch,
+        "gradient_accumulation_steps": cfg.grad_accum(world_size),
+        "gradient_clipping": cfg.train.grad_clip,
+        "bf16": {"enabled": bf16},
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        # Offload with a torch optimizer: we accept CPU AdamW speed rather than JIT-building DeepSpeedCPUAdam.
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _clean(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    return {k.replace(_WRAPPED, ""): v.detach().cpu() for k, v in state.items()}
+
+
+def next_token_loss(model: nn.Module, x: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """Next-token loss of ``x`` (``model.lm_loss``): the model's own mean loss, or with ``weights [B, T]``
+    (aligned with ``x`` as labels) the weighted mean over the predicted positions.
+
+    The weights stay outside the model's forward: FSDP's mixed precision would cast a floating-point forward
+    argument to bf16.
+    """
+    if weights is None:
+        return model(x, labels=x).loss
+    return lm_loss(model(x).logits, x, weights)
+
+
+class TorchEngine:
+    """``parallel.engine=none`` (plain module, DDP when several ranks) and ``fsdp`` (FSDP2, with context
+    parallelism when ``info.context_parallel > 1``)."""
+
+    def __init__(self, model: nn.Module, cfg: TrainConfig, info: DistInfo, bf16: bool) -> None:
+        self.kind, self.info, self.cfg = cfg.parallel.engine, info, cfg
+        self.autocast = bf16 and self.kind == "none"
+        self.cp_group: torch_dist.ProcessGroup | None = None
+        if self.kind == "fsdp":
+            mesh = device_mesh(info)
+            apply_fsdp(model, cfg, info, bf16, mesh)
+            if info.context_parallel > 1:
+                self.cp_group = mesh.get_group("cp")
+            self.module = model
+            self.model: nn.Module = model
+        elif info.world_size > 1:
+            self.module = model
+            self.model = torch.nn.parallel.DistributedDataParallel(
+                model, device_ids=[info.device.index] if info.device.type == "cuda" else None
+            )
+        else:
+            self.module = self.model = model
+        self.optimizer = build_optimizer(self.module, cfg.optim)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    def train(self, mode: bool = True) -> None:
+        self.model.train(mode)
+
+    def _sync_context(self, sync: bool) -> Any:
+        if sync:
+            return contextlib.nullcontext()
+        if self.kind == "fsdp":
+            self.model.set_requires_gradient_sync(False)  # type: ignore[operator]
+            return contextlib.nullcontext()
+        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            return self.model.no_sync()
+        return contextlib.nullcontext()
+
+    def loss(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        with torch.autocast(self.info.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            return next_token_loss(self.model, x, weights)
+
+    def micro_step(self, x: torch.Tensor, accum: int, last: bool, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward and backward of one micro-batch; returns its loss over whole sequences (what one process
+        computes), also under context parallelism."""
+        if self.kind == "fsdp" and last:
+            self.model.set_requires_gradient_sync(True)  # type: ignore[operator]
+        if self.cp_group is not None:
+            return self._cp_micro_step(x, accum, last, weights)
+        with self._sync_context(last):
+            loss = self.loss(x, weights)
+            (loss / accum).backward()
+        return loss.detach()
+
+    def _cp_micro_step(self, x: torch.Tensor, accum: int, last: bool, weights: torch.Tensor | None) -> torch.Tensor:
+        """Every rank of the CP group runs its span of the same ``x`` (``cp_loss``: its share of the loss).
+
+        FSDP2 averages each gradient over all the ranks it shards over, dp x cp, but the shares of one sequence
+        must be summed: scaling the share by ``cp`` turns the average into the sum over the CP group divided by
+        the data-parallel degree, the single-process gradient of the dp ranks' mean loss."""
+        cp = self.info.context_parallel
+        with self._sync_context(last):
+            share = cp_loss(cast("GCAForCausalLM", self.model), x, x, self.cp_group, weights)
+            (share * (cp / accum)).backward()
+        loss = share.detach().clone()
+        torch_dist.all_reduce(loss, group=self.cp_group)  # the sequences' loss, the same on every rank of the group
+        return loss
+
+    def grad_norm_before_step(self, max_norm: float) -> float | None:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def discard_grads(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def grad_norm_after_step(self) -> float | None:
+        return None
+
+    def save(self, directory: Path) -> None:
+        if self.kind == "fsdp":
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+            state = {
+                "model": get_model_state_dict(self.model),
+                "optim": get_optimizer_state_dict(self.model, self.optimizer),
+            }
+            dcp.save(state, checkpoint_id=str(directory / "dcp"))
+        elif self.info.is_main:
+            torch.save(
+                {"model": self.module.state_dict(), "optim": self.optimizer.state_dict()}, directory / "state.pt"
+            )
+
+    def load(self, directory: Path) -> None:
+        if self.kind == "fsdp":
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import (
+                get_model_state_dict,
+                get_optimizer_state_dict,
+                set_state_dict,
+            )
+
+            state: dict[str, Any] = {
+                "model": get_model_state_dict(self.model),
+                "optim": get_optimizer_state_dict(self.model, self.optimizer),
+            }
+            dcp.load(state, checkpoint_id=str(directory / "dcp"))
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        else:
+            # weights_only: a checkpoint file never gets to run code when unpickled.
+            state = torch.load(directory / "state.pt", map_location=self.info.device, weights_only=True)
+            self.module.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optim"])
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unsharded fp32 model weights on rank 0 (collective under FSDP; other ranks get ``{}``)."""
+        if self.kind == "fsdp":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            return _clean(get_model_state_dict(self.model, options=opts))
+        return _clean(self.module.state_dict()) if self.info.is_main else {}
+
+
+def device_mesh(info: DistInfo) -> DeviceMesh:
+    """The ``("dp", "cp")`` mesh of all ranks, numbered as ``DistInfo`` numbers them (``rank = dp_rank * cp +
+    cp_rank``): a context-parallel group is consecutive ranks, so its point-to-point traffic stays within a node."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(info.device.type, (info.dp_size, info.context_parallel), mesh_dim_names=("dp", "cp"))
+
+
+def apply_fsdp(model: nn.Module, cfg: TrainConfig, info: DistInfo, bf16: bool, mesh: DeviceMesh) -> None:
+    """Shard every block, then the root, with FSDP2 ``fully_shard`` over all ranks of ``mesh`` (its ``dp`` and
+    ``cp`` dimensions flattened).
+
+    The ranks of a context-parallel group hold the same parameters and optimizer state, so sharding over them too
+    divides that memory by the whole world instead of by the data-parallel degree: CP is for sequences whose
+    activations already crowd a device. The price is that the parameter all-gathers span the CP group as well,
+    and that FSDP averages gradients over dp x cp (``TorchEngine`` scales the CP loss to make that a sum over CP).
+
+    On gloo, FSDP2's built-in gradient averaging is wrong (pytorch#162338), so reductions are forced to plain
+    sums with FSDP doing the division itself; ``tests/pipeline/test_pipeline_dist.py`` checks the gradients against a
+    single process on the whole batch.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    shard_mesh = mesh._flatten("dp_cp")
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    )
+    reshard = cfg.parallel.fsdp_reshard_after_forward
+    for block in blocks(model):
+        fully_shard(block, mesh=shard_mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(model, mesh=shard_mesh, mp_policy=mp, reshard_after_forward=reshard)
+    if info.device.type == "cpu":
+        model.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+    log.info(
+        "FSDP2: sharded %d blocks + root over %d ranks (data parallel %d x context parallel %d)",
+        len(blocks(model)),
+        info.world_size,
+        info.dp_size,
+        info.context_parallel,
+    )
+
+
+class DeepSpeedEngine:
+    """``parallel.engine=deepspeed``: ZeRO 0-3 with our AdamW as the client optimizer."""
+
+    def __init__(self, model: nn.Module, cfg: TrainConfig, info: DistInfo, bf16: bool) -> None:
+        import deepspeed
+
+        self.info, self.cfg = info, cfg
+        self.optimizer = build_optimizer(model, cfg.optim)
+        self.ds_config = build_deepspeed_config(cfg, info.world_size, bf16)
+        self.model, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=self.ds_config)
+        self.module = self.model.module
+
+    @property
+    def param_groups(self) -> list[dict]:
+        # DeepSpeed's ZeRO optimizers step the client optimizer's own param-group dicts, so setting "lr" on
+        # them is what the next update uses.
+        return self.optimizer.param_groups
+
+    def train(self, mode: bool = True) -> None:
+        self.model.train(mode)
+
+    def loss(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        return next_token_loss(self.model, x, weights)
+
+    def micro_step(self, x: torch.Tensor, accum: int, last: bool, weights: torch.Tensor | None = None) -> torch.Tensor:
+        loss = self.loss(x, weights)
+        self.model.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself
+        if not last:
+            self.model.step()  # off the accumulation boundary this only advances DeepSpeed's counters
+        return loss.detach().float()
+
+    def grad_norm_before_step(self, max_norm: float) -> float | None:
+        return None  # DeepSpeed computes (and clips) the norm inside step(); see grad_norm_after_step
+
+    def optimizer_step(self) -> None:
+        self.model.step()
+
+    def discard_grads(self) -> None:
+        self.model.zero_grad()
+
+    def grad_norm_after_step(self) -> float | None:
+        norm = self.model.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    def save(self, directory: Path) -> None:
+        self.model.save_checkpoint(str(directory / "deepspeed"), tag="state", save_latest=False)
+
+    def load(self, directory: Path) -> None:
+        path, _ = self.model.load_checkpoint(
+            str(directory / "deepspeed"), tag="state", load_optimizer_states=True, load_lr_scheduler_states=False
+        )
+        if path is None:
+            raise FileNotFoundError(f"DeepSpeed found no checkpoint under {directory / 'deepspeed'}")
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded weights on rank 0 (a collective gather under ZeRO-3; other ranks get ``{}``)."""
+        if self.cfg.parallel.zero_stage == 3:
+            state = self.model._zero3_consolidated_16bit_state_dict()
+            return _clean(state) if self.info.is_main and state else {}
+        return _clean(self.module.state_dict()) if self.info.is_main else {}
+
+
+def build_engine(model: nn.Module, cfg: TrainConfig, info: DistInfo, bf16: bool) -> TorchEngine | DeepSpeedEngine:
+    if cfg.parallel.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if cfg.parallel.engine == "deepspeed":
+        return DeepSpeedEngine(model, cfg, info, bf16)
+    return TorchEngine(model, cfg, info, bf16)

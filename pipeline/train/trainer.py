@@ -1,0 +1,401 @@
+"""The trainer: one step loop for DeepSpeed, FSDP2 and plain PyTorch (``parallel.engine``), extended by callbacks.
+
+``main(config_path, overrides)`` validates the config and the inputs before anything starts
+(``pipeline.train.inputs``), sets up the process group, and runs ``Trainer.train()``: resume
+(``checkpoint.restore``), then ``train_step`` until ``train.max_steps``, then the eval export. Everything around
+the step is a callback (``pipeline.train.callbacks``), in this order: the hang watchdog, retrieval telemetry, the
+extrapolation monitor (only when ``eval.extrapolation_every > 0``), metrics and logging, fault injection (only
+when ``PIPE_FAULT`` plans a fault), periodic evaluation, the signal stop and the checkpoint cadence.
+
+Failure handling (tests/reliability, docs/reliability.md): values from the environment never reach a log or a
+written file; resume refuses corrupt checkpoints and changed data; a non-finite loss or gradient norm stops every
+rank before the optimizer step; a failed collective is re-raised naming the step and the phase; SIGTERM/SIGUSR1
+and a first Ctrl-C save at the next step boundary; a failed evaluation saves the step before it stops the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from data_prep import format as fmt
+from data_prep.redaction import redact
+from kernels.cpu_math import flush_denormals, retain_freed_memory
+from model import build_model, count_parameters, save_pretrained
+from pipeline.data.needle import NeedleInserter
+from pipeline.data.reader import (
+    DataFingerprintError,
+    EmptySplitError,
+    MDSReader,
+    PackedSequences,
+    RankBatches,
+    ShardCorruptError,
+    UnsafeDatasetError,
+    check_fingerprint,
+    dataset_fingerprint,
+    eos_id_of,
+    read_tokenizer,
+)
+from pipeline.hf import write_hf_files
+from pipeline.train import dist
+from pipeline.train.callbacks import (
+    EXIT_INTERRUPTED,
+    Callback,
+    CallbackList,
+    CheckpointCadence,
+    EvalError,
+    ExtrapolationMonitor,
+    HangWatchdog,
+    MetricsLogging,
+    PeriodicEval,
+    RetrievalTelemetry,
+    SignalStop,
+    fault_injection,
+)
+from pipeline.train.checkpoint import CheckpointManager
+from pipeline.train.config import ConfigError, TrainConfig, check_context_parallel, load_config, to_yaml
+from pipeline.train.inputs import check_inputs, check_no_secrets, init_weights_from
+from pipeline.train.metrics import flops_per_token, matmul_params, memory_gb, peak_flops, setup_logging
+from pipeline.train.optim import lr_at, set_lr
+from pipeline.train.parallel import build_engine
+from pipeline.train.preflight import version_mismatches
+
+log = logging.getLogger(__name__)
+
+TOKENIZER_FILE = fmt.TOKENIZER_FILENAME
+
+
+class NonFiniteError(RuntimeError):
+    """Loss or gradient norm became NaN/Inf; raised on every rank before the optimizer step (under DeepSpeed, whose
+    step computes the gradient norm, right after it and before anything is saved)."""
+
+
+def use_bf16(cfg: TrainConfig, device: torch.device) -> bool:
+    if cfg.precision.dtype == "auto":
+        return device.type == "cuda"
+    return cfg.precision.dtype == "bf16"
+
+
+def default_callbacks(cfg: TrainConfig, info: dist.DistInfo) -> list[Callback]:
+    """The callbacks of every run, in dispatch order (see ``pipeline.train.callbacks.base`` for why order matters)."""
+    injector = fault_injection.from_env(info.rank)
+    return [
+        HangWatchdog(),
+        RetrievalTelemetry(),
+        *([ExtrapolationMonitor()] if cfg.eval.extrapolation_every else []),
+        MetricsLogging(),
+        *([injector] if injector is not None else []),
+        *([PeriodicEval(cfg.train.eval_every)] if cfg.train.eval_every else []),
+        SignalStop(),
+        CheckpointCadence(cfg.checkpoint.every, cfg.train.max_steps),
+    ]
+
+
+class Trainer:
+    """Owns the engine (model + optimizer), the data stream and the checkpoints of one run, and runs its steps.
+
+    Args:
+        cfg: the validated config.
+        info: this process's rank, world size and device.
+        callbacks: run after the `default_callbacks`, in this order.
+    """
+
+    def __init__(self, cfg: TrainConfig, info: dist.DistInfo, callbacks: list[Callback] | None = None) -> None:
+        check_context_parallel(cfg, info.world_size)  # the process group's world size, not the announced one
+        info = dataclasses.replace(info, context_parallel=cfg.parallel.context_parallel)
+        self.cfg, self.info = cfg, info
+        self.run_dir = Path(cfg.run_dir)
+        self.accum = cfg.grad_accum(info.world_size)
+        self.bf16 = use_bf16(cfg, info.device)
+        dist.seed_all(cfg.seed)  # the same initial weights on every rank and every world size
+        model = build_model(cfg.model).to(info.device)
+        if cfg.checkpoint.init_from:
+            init_weights_from(model, cfg.checkpoint.init_from)
+        self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len, matmul_params(model))
+        self.n_params = count_parameters(model)
+        self.engine = build_engine(model, cfg, info, self.bf16)
+        # Gumbel top-k noise: one stream per data-parallel rank; a CP group's ranks must draw the same noise.
+        dist.seed_all(cfg.seed + 1 + info.dp_rank)
+        self.eos_id = eos_id_of(cfg.data.path)  # first: refuses an interrupted data-prep output
+        self.tokenizer = read_tokenizer(cfg.data.path)  # once, read safely; the needles and every export use it
+        self.batches, self.data_fingerprint = self._train_batches()
+        self.callbacks = CallbackList([*default_callbacks(cfg, info), *(callbacks or [])])
+        self.ckpt = CheckpointManager(self.run_dir, cfg.checkpoint.keep_last, info)
+        self.step = 0
+        self.tokens_seen = 0
+        self.resumed = False
+        self.exit_code: int | None = None
+        self._phase = "setup"
+
+    def _train_batches(self) -> tuple[RankBatches, dict[str, Any]]:
+        """This rank's share of the packed, shuffled training stream (with the needle mix), and the dataset's
+        fingerprint, which a resume compares."""
+        cfg, info = self.cfg, self.info
+        cache = cfg.data.cache_dir or str(self.run_dir / "data_cache")
+        reader = MDSReader(cfg.data.path, cfg.data.train_split, cache, cfg.data.validate_hash)
+        stream = PackedSequences(
+            reader, cfg.train.seq_len, cfg.seed, cfg.data.shuffle, cfg.data.shuffle_window, self.eos_id
+        )
+        needles = None
+        if cfg.data.needle_mix > 0:
+            needles = NeedleInserter(
+                self.tokenizer or Path(cfg.data.path) / TOKENIZER_FILE,
+                cfg.train.seq_len,
+                cfg.model.chunk_size,
+                cfg.data.needle_variant,
+                cfg.data.hop_chains,
+            )
+        batches = RankBatches(
+            stream,
+            cfg.train.global_batch,
+            cfg.train.micro_batch,
+            info.dp_rank,  # the ranks of a context-parallel group train on the same sequences
+            info.dp_size,
+            needles,
+            cfg.data.needle_mix,
+            cfg.seed,
+            cfg.data.needle_answer_weight,
+        )
+        return batches, dataset_fingerprint(reader, cfg.data.path)
+
+    # -- the loop -----------------------------------------------------------------------------------------
+    def train(self) -> int:
+        """Run to ``train.max_steps``; returns the process exit code (``train.requeue_exit_code`` on a signal)."""
+        self.ckpt.remove_uncommitted()
+        self.resumed = self.resume()
+        try:
+            self.callbacks.pre_train(self)
+            while self.step < self.cfg.train.max_steps and self.exit_code is None:
+                metrics = self._guarded_step()
+                self.callbacks.post_step(self, self.step, metrics)
+            if self.exit_code is not None:
+                return self.exit_code
+            weights = self.engine.full_state_dict()
+            if self.info.is_main:
+                self.export(weights, self.run_dir / "export")
+                log.info("done: %d steps, eval export in %s", self.step, self.run_dir / "export")
+            dist.barrier()
+            return 0
+        finally:
+            self.callbacks.post_train(self)
+
+    def request_stop(self, exit_code: int) -> None:
+        """Finish this step boundary (the callbacks after the caller still run; the checkpoint cadence saves),
+        then leave the loop with ``exit_code``."""
+        self.exit_code = exit_code
+
+    def _guarded_step(self) -> dict[str, Any]:
+        """The ``pre_step`` hooks (the watchdog arms first) and ``train_step``; an out-of-memory error is explained,
+        a failed collective is re-raised naming the step and the phase."""
+        step = self.step + 1
+        try:
+            self.callbacks.pre_step(self, step)
+            return self.train_step()
+        except torch.OutOfMemoryError:
+            log.error(
+                "rank %d: out of memory at step %d with train.micro_batch=%d; lower train.micro_batch (the "
+                "accumulation steps grow to keep train.global_batch) or enable "
+                "parallel.activation_checkpointing; nothing of this step was saved",
+                self.info.rank,
+                step,
+                self.cfg.train.micro_batch,
+            )
+            raise
+        except RuntimeError as err:
+            if isinstance(err, NonFiniteError) or not dist.is_collective_failure(err):
+                raise
+            raise dist.named_failure(self.info.rank, f"step {step}, during {self._phase},", err) from err
+
+    # -- one optimizer step -------------------------------------------------------------------------------
+    def train_step(self) -> dict[str, Any]:
+        """Forward/backward over this rank's micro-batches, a collective finiteness check, then the update."""
+        cfg, eng, step = self.cfg, self.engine, self.step + 1
+        lr = lr_at(self.step, cfg.train.max_steps, cfg.optim, cfg.schedule)
+        set_lr(eng.param_groups, lr)
+        t0 = time.perf_counter()
+        eng.train(True)
+        self._phase = "forward/backward (with the data-parallel gradient reduction)"
+        micro = self.batches.next_step_weighted()
+        losses = [
+            eng.micro_step(
+                x.to(self.info.device),
+                self.accum,
+                last=i == len(micro) - 1,
+                weights=None if w is None else w.to(self.info.device),
+            )
+            for i, (x, w) in enumerate(micro)
+        ]
+        loss = torch.stack(losses).mean().float()
+        self._phase = "gradient-norm reduction and clipping"
+        grad_norm = eng.grad_norm_before_step(cfg.train.grad_clip)
+        self.callbacks.pre_optim_step(self, step, loss)
+        bad = not math.isfinite(loss.item()) or (grad_norm is not None and not math.isfinite(grad_norm))
+        self._phase = "all-gather of the finiteness flags"
+        flags = dist.all_gather_flags(bad, self.info.device)
+        if any(flags):
+            eng.discard_grads()
+            ranks = [r for r, f in enumerate(flags) if f]
+            raise NonFiniteError(
+                f"non-finite loss or gradient norm at step {step} on rank(s) {ranks} "
+                f"(this rank: loss={loss.item()}, grad_norm={grad_norm}); stopped before the optimizer step, the "
+                f"last checkpoint in {self.ckpt.root} is intact"
+            )
+        self._phase = "optimizer step"
+        eng.optimizer_step()
+        if grad_norm is None:
+            # DeepSpeed computes (and clips by) the norm inside its step; an Inf/NaN is first visible here. ZeRO
+            # 1-2 in fp32 skip such an update as an overflow, other modes may apply it; either way the run stops
+            # before anything of this step is saved.
+            grad_norm = eng.grad_norm_after_step()
+            self._phase = "all-gather of the finiteness flags"
+            flags = dist.all_gather_flags(grad_norm is not None and not math.isfinite(grad_norm), self.info.device)
+            if any(flags):
+                raise NonFiniteError(
+                    f"non-finite gradient norm at step {step} on rank(s) "
+                    f"{[r for r, f in enumerate(flags) if f]} (loss={loss.item()}, grad_norm={grad_norm}), found by "
+                    f"DeepSpeed inside its optimizer step; nothing of this step is saved, the last checkpoint in "
+                    f"{self.ckpt.root} is intact"
+                )
+        self._phase = "loss all-reduce"
+        global_loss = dist.all_reduce_mean(loss).item()
+        dt = time.perf_counter() - t0
+        tokens = cfg.tokens_per_step
+        self.step = step
+        self.tokens_seen += tokens
+        peak = peak_flops(cfg.logging.peak_tflops)
+        tps = tokens / dt
+        return {
+            "loss": global_loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": tps,
+            "step_time_s": dt,
+            "mfu": self.flops_per_token * tps / (peak * self.info.world_size) if peak else None,
+            "mem_gb": memory_gb(),
+            "tokens": self.tokens_seen,
+        }
+
+    # -- checkpoints and export ---------------------------------------------------------------------------
+    def export(self, weights: dict[str, torch.Tensor], directory: Path) -> None:
+        """Write an eval export (rank 0): safetensors weights, config.json and the tokenizer, plus the files that make
+        it a Hugging Face model folder (remote code and tokenizer files; never fails the run)."""
+        with dist.isolated_rng():  # the model's random init must not advance the training RNG
+            model = build_model(self.cfg.model)
+        model.load_state_dict(weights)
+        save_pretrained(
+            model, directory, extra={"step": self.step, "seq_len": self.cfg.train.seq_len, "tokenizer": TOKENIZER_FILE}
+        )
+        if self.tokenizer is not None:
+            (directory / TOKENIZER_FILE).write_bytes(self.tokenizer)
+        else:
+            log.warning("no local %s next to data.path; the export in %s has no tokenizer", TOKENIZER_FILE, directory)
+        write_hf_files(directory)
+
+    def _parallel(self) -> dict[str, Any]:
+        return {"engine": self.cfg.parallel.engine, "zero_stage": self.cfg.parallel.zero_stage}
+
+    def save(self) -> Path:
+        """Save the current step (collective; a failed collective names the save), then the ``post_checkpoint``
+        hooks."""
+        # The config text keeps ${oc.env:...} in place of values from the environment; every other field is a
+        # number, a hash or a name from a fixed set, compared verbatim at resume.
+        state = {
+            "tokens_seen": self.tokens_seen,
+            "data": self.batches.state_dict(),
+            "model_config": self.cfg.model.to_dict(),
+            "config_yaml": redact(to_yaml(self.cfg)),
+            "parallel": self._parallel(),
+            "data_fingerprint": self.data_fingerprint,
+        }
+        export = self.export if self.cfg.checkpoint.export else None
+        path = dist.guarded_collective(
+            self.info.rank,
+            f"checkpoint save of step {self.step}",
+            lambda: self.ckpt.save(self.step, self.engine, state, export, self._save_point),
+        )
+        self.callbacks.post_checkpoint(self, self.step, path)
+        return path
+
+    def _save_point(self, point: str) -> None:
+        self.callbacks.on_save_point(self, self.step, point)
+
+    def resume(self) -> bool:
+        def same_data(path: Path, state: dict[str, Any]) -> None:
+            check_fingerprint(state["data_fingerprint"], self.data_fingerprint, str(path))
+
+        found = self.ckpt.restore(
+            self.cfg.checkpoint.resume, self.engine, self.cfg.model.to_dict(), self._parallel(), check=same_data
+        )
+        if found is None:
+            return False
+        _, state = found
+        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+        self.batches.load_state_dict(state["data"])
+        return True
+
+
+DATASET_ERRORS = (UnsafeDatasetError, ShardCorruptError, EmptySplitError, DataFingerprintError)
+"""What a reader raises for a dataset it refuses: one line to the user, never a traceback."""
+
+
+def main(config_path: str | None, overrides: list[str]) -> int:
+    """Entry point of ``pipeline.cli.train``; returns the exit code (2 for a configuration error)."""
+    flush_denormals()  # first, before torch starts its thread pool (see kernels/cpu_math.py)
+    setup_logging(dist.rank_from_env())
+    try:
+        cfg = load_config(config_path, overrides, dist.world_size_from_env())
+        check_no_secrets(cfg)
+        check_inputs(cfg)
+    except ConfigError as err:
+        log.error("configuration error: %s", err)
+        return 2
+    if cfg.train.retain_freed_memory:
+        retain_freed_memory()  # steps reuse their buffers instead of page-faulting fresh mappings
+    info = dist.init_distributed(cfg.parallel.engine)
+    setup_logging(info.rank)
+    try:
+        mismatches = version_mismatches(info)  # every rank gets the same list, so all of them stop together
+        if mismatches:
+            if info.is_main:
+                for line in mismatches:
+                    log.error("%s", line)
+                log.error("the nodes run different library versions (above); not starting the training")
+            return 2
+        try:
+            trainer = Trainer(cfg, info)
+        except ConfigError as err:  # found while building the run (e.g. checkpoint.init_from does not fit)
+            log.error("configuration error: %s", err)
+            return 2
+        except (*DATASET_ERRORS, fmt.IncompleteDatasetError, FileNotFoundError) as err:
+            log.error("data error (data.path=%s): %s", cfg.data.path, err)
+            return 2
+        return trainer.train()
+    except DataFingerprintError as err:  # found on resume, before any step
+        log.error("data error: %s", err)
+        return 2
+    except DATASET_ERRORS as err:  # a shard damaged or changed since the start, found when it is first read
+        log.error(
+            "data error at step %d (data.path=%s): %s; nothing of this step was saved, the last checkpoint is intact",
+            trainer.step + 1,
+            cfg.data.path,
+            err,
+        )
+        return 1
+    except EvalError as err:
+        log.error("%s", err)
+        return 1
+    except KeyboardInterrupt:
+        log.error(
+            "stopped at once by Ctrl-C (a second one, or one before training began): nothing saved since the "
+            "last committed checkpoint in %s (an interrupted save is removed at the next start)",
+            Path(cfg.run_dir) / "checkpoints",
+        )
+        return EXIT_INTERRUPTED
+    finally:
+        dist.destroy()
