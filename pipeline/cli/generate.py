@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 from data_prep.redaction import redact
-from pipeline.evaluation.generate import check_sampling, generate
-from pipeline.evaluation.runtime import check_device, load_checkpoint
+from pipeline.evaluation.generate import Sampling, check_sampling, generate
+from pipeline.evaluation.runtime import StreamBudget, check_device, load_checkpoint
 
 
 def check_args(args: argparse.Namespace) -> str:
@@ -68,9 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     tok = ckpt.tokenizer
     stop = (tok.eos_id,) if tok.eos_id is not None else ()
     out: list[int] = []
-    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    budget = StreamBudget(offload_mb=args.offload_mb)
     for token in generate(
-        ckpt.model, tok.encode(prompt), args.max_new_tokens, stop_ids=stop, offload_mb=args.offload_mb, **sampling
+        ckpt.model, tok.encode(prompt), args.max_new_tokens, sampling=sampling, stop_ids=stop, budget=budget
     ):
         text = tok.decode(out + [token])[len(tok.decode(out)) :]  # decode in context: pieces merge spaces
         out.append(token)

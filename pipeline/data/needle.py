@@ -7,7 +7,9 @@ loss over everything, so the model learns to fetch the key from far back through
 The layout follows the model's chunks, as the paper's data does: the needle never
 straddles two chunks, and the question's last token is the first token of a chunk, so the first answer token
 is predicted by a chunk whose retrieval was triggered by the landmark of the chunk holding the question. The
-evaluation (``pipeline/evaluation/passkey.py``) builds its samples the same way.
+evaluation (``pipeline/evaluation/passkey.py``) builds its samples with this module's texts, checks and layout
+(``NeedleSpec``, ``check_templates``, ``needle_parts``, ``lay_out_needle``, ``lay_out_multihop``), so what is
+trained and what is evaluated cannot drift.
 
 Two-hop variant (``data.needle_variant=multihop``): chains ``name -> next name -> key`` -- a link needle "A leads
 to B" and a key needle for B -- plus a distractor chain, each needle alone in its chunk(s). The question names A
@@ -21,7 +23,8 @@ alone, which names neither A nor B.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+import string
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,8 +34,11 @@ NEEDLE = " The pass key is {key}. "
 QUESTION = " What is the pass key? The pass key is"
 ANSWER = " {key}"
 
-VARIANTS = ("single", "multihop")
-"""Needle mixes the trainer knows (``data.needle_variant``)."""
+VARIANTS = ("single", "multi", "multihop")
+"""Every needle variant: ``single`` (one pass-key needle), ``multi`` (key/value needles with distinct names, one
+asked for), ``multihop`` (chains ``name -> next name -> key``). ``--task passkey variant=...`` runs each."""
+TRAINER_VARIANTS = ("single", "multihop")
+"""The variants the trainer's needle mix inserts (``data.needle_variant``)."""
 HOP_TEMPLATES = {
     "needle": " {name} has pass key {key}. ",
     "link": " {name} leads to {next}. ",
@@ -45,6 +51,134 @@ tokenizer, so it lands in one chunk."""
 HOP_CHAINS = 2
 """Chains in a two-hop sample: the asked one and one distractor (4 needles, as in the paper's task)."""
 SYLLABLES = ("ka", "lo", "mi", "ru", "te", "zo", "ven", "dar", "qui", "sol", "mer", "tav", "xen", "bri", "gol")
+
+TEMPLATES = {
+    "single": {"needle": NEEDLE, "question": QUESTION, "answer": ANSWER, "link": ""},
+    "multi": {
+        "needle": " One of the special magic numbers for {name} is {key}. ",
+        "question": " What is the special magic number for {name}? The special magic number for {name} is",
+        "answer": " {key}",
+        "link": "",
+    },
+    "multihop": HOP_TEMPLATES,
+}
+"""Each variant's default texts (the trainer's mix uses the same ``single`` and ``multihop`` ones)."""
+PLACEHOLDERS = {
+    "single": {"needle": {"key"}, "question": set(), "answer": {"key"}},
+    "multi": {"needle": {"name", "key"}, "question": {"name"}, "answer": {"key"}},
+    "multihop": {"needle": {"name", "key"}, "question": {"name"}, "answer": {"key"}, "link": {"name", "next"}},
+}
+"""Per variant, the templates it uses and the placeholders each must hold (exactly these): a needle without
+``{key}`` hides nothing, an answer without it scores a constant, a question or link without ``{name}`` points
+nowhere -- each would give a meaningless score, so they are refused before any work."""
+
+
+@dataclass
+class NeedleSpec:
+    """What to hide and ask; ``None`` templates take the variant's default (``TEMPLATES``)."""
+
+    variant: str = "single"
+    """passkey: single | multi | multihop."""
+    needle: str | None = None
+    """passkey: needle template ({key}; multi/multihop also {name}); default per variant."""
+    question: str | None = None
+    """passkey: question template (multi/multihop: {name})."""
+    answer: str | None = None
+    """passkey: answer template ({key})."""
+    link: str | None = None
+    """passkey multihop: link template ({name}, {next})."""
+    needles: int = 4
+    """passkey multi: needles in the haystack; multihop: 2 x (needles // 2) in chains."""
+    key_digits: int = 5
+    """passkey: digits of the key."""
+
+    def template(self, part: str) -> str:
+        value = getattr(self, part)
+        return TEMPLATES[self.variant][part] if value is None else value
+
+
+def _fields(part: str, text: str) -> set[str]:
+    """The placeholder names of a ``str.format`` template (``{key}``, ``{key:>6}`` -> ``key``)."""
+    try:
+        parsed = list(string.Formatter().parse(text))
+    except ValueError as err:  # unbalanced braces
+        raise ValueError(f"{part}={text!r}: {err} (write a literal brace as {{{{ or }}}})") from None
+    names = set()
+    for _, name, _, _ in parsed:
+        if name is not None:
+            names.add(re.split(r"[.\[]", name, maxsplit=1)[0])
+    return names
+
+
+def check_templates(spec: NeedleSpec) -> None:
+    """Refuse templates that would score nothing: a missing or unknown placeholder, an empty text, or a template
+    the variant does not use.
+
+    Raises:
+        ValueError: naming the key, its text and the placeholders it needs.
+    """
+    if spec.variant not in PLACEHOLDERS:
+        raise ValueError(f"variant={spec.variant!r} is not one of {VARIANTS}")
+    used = PLACEHOLDERS[spec.variant]
+    if spec.link is not None and "link" not in used:
+        raise ValueError(f"link={spec.link!r}: only variant=multihop uses a link template (variant={spec.variant})")
+    for part, needed in used.items():
+        text = spec.template(part)
+        if not text.strip():
+            raise ValueError(
+                f"{part}={text!r} is empty; give it some text" + (f" with {_braced(needed)}" if needed else "")
+            )
+        found = _fields(part, text)
+        if found - needed:
+            raise ValueError(
+                f"{part}={text!r}: unknown placeholder(s) {_braced(found - needed)} for "
+                f"variant={spec.variant} (available: {_braced(needed) or 'none'})"
+            )
+        if needed - found:
+            raise ValueError(
+                f"{part}={text!r} lacks the placeholder(s) {_braced(needed - found)} that "
+                f"variant={spec.variant} needs: without it the passkey cannot be hidden, asked for or "
+                "checked, so the score would mean nothing; add it"
+            )
+    if spec.variant == "multihop":
+        split_question(spec.template("question"))  # the name must come before the words leading to the answer
+
+
+def _braced(names: set[str]) -> str:
+    return ", ".join("{" + n + "}" for n in sorted(names))
+
+
+def render(spec: NeedleSpec, part: str, **values: str) -> str:
+    """``spec``'s template for ``part`` filled with ``values``.
+
+    Raises:
+        ValueError: the template names a placeholder ``values`` lacks.
+    """
+    text = spec.template(part)
+    try:
+        return text.format(**values)
+    except (KeyError, IndexError) as err:
+        raise ValueError(
+            f"{part}={text!r}: unknown placeholder {err} for variant={spec.variant} "
+            f"(available: {', '.join('{' + k + '}' for k in values)})"
+        ) from None
+
+
+def needle_parts(
+    spec: NeedleSpec,
+    encode: Callable[[str], list[int]],
+    decode: Callable[[list[int]], str],
+    key: str,
+    name: str | None = None,
+) -> tuple[list[int], list[int], list[int]]:
+    """Token ids of the key-bearing needle, the question and the answer of a ``single`` or ``multi`` sample
+    (``name``: the asked needle's name, ``multi`` only), the answer's leading whitespace tokens moved into the
+    question (``move_answer_whitespace``)."""
+    names = {} if name is None else {"name": name}
+    needle = encode(render(spec, "needle", **names, key=key))
+    question = encode(render(spec, "question", **names))
+    question, answer = move_answer_whitespace(question, encode(render(spec, "answer", key=key)), decode)
+    return needle, question, answer
 
 
 def new_name(rng: np.random.Generator, taken: set[str], syllables: int = 3) -> str:
@@ -116,6 +250,46 @@ def place_needle(
         )
     start = _needle_start(depth, room, S, needle_len)
     return NeedlePlacement(needle_start=start, question_start=question_start, answer_start=answer_start)
+
+
+def lay_out_needle(
+    seq: np.ndarray,
+    needle: Sequence[int],
+    question: Sequence[int],
+    answer: Sequence[int],
+    depth: float,
+    chunk_size: int,
+    others: Sequence[Sequence[int]] = (),
+    rng: np.random.Generator | None = None,
+) -> tuple[np.ndarray, NeedlePlacement]:
+    """A copy of ``seq`` with a ``single``/``multi`` sample written over it: ``needle`` at ``depth``
+    (``place_needle``), ``others`` (distractor needles) at random spots from ``rng`` before the question, touching
+    neither each other nor the needle, then the question and the answer.
+
+    Raises:
+        ValueError: the sequence cannot hold them all.
+    """
+    length = len(seq)
+    where = place_needle(length, chunk_size, len(needle), len(question), len(answer), depth)
+    out = seq.copy()
+    taken = [(where.needle_start, where.needle_start + len(needle)), (where.question_start, length)]
+    for other in others:
+        assert rng is not None, "distractor needles need an rng for their spots"
+        for _ in range(1000):
+            at = int(rng.integers(0, max(where.question_start - len(other), 0) + 1))
+            if at + len(other) <= where.question_start and all(at + len(other) <= lo or at >= hi for lo, hi in taken):
+                break
+        else:
+            raise ValueError(
+                f"length={length} is too short to place {len(others) + 1} needles without overlap; use longer "
+                "lengths or fewer needles"
+            )
+        out[at : at + len(other)] = other
+        taken.append((at, at + len(other)))
+    out[where.needle_start : where.needle_start + len(needle)] = needle
+    out[where.question_start : where.answer_start] = question
+    out[where.answer_start : where.answer_start + len(answer)] = answer
+    return out, where
 
 
 def _needle_start(depth: float, room: int, chunk_size: int, needle_len: int) -> int:
@@ -367,8 +541,8 @@ class NeedleInserter:
             self.sp = spm.SentencePieceProcessor(model_file=str(tokenizer))
         else:
             raise FileNotFoundError(f"data.needle_mix > 0 needs the tokenizer at {tokenizer}")
-        if variant not in VARIANTS:
-            raise ValueError(f"data.needle_variant={variant!r} is not one of {VARIANTS}")
+        if variant not in TRAINER_VARIANTS:
+            raise ValueError(f"data.needle_variant={variant!r} is not one of {TRAINER_VARIANTS}")
         self.seq_len, self.chunk_size, self.variant, self.chains = seq_len, chunk_size, variant, chains
         try:
             for seed in range(64):  # names and keys vary in length: many layouts, not one
@@ -382,9 +556,7 @@ class NeedleInserter:
     def parts(self, key: str) -> tuple[list[int], list[int], list[int]]:
         """Token ids of the needle, the question and the answer for pass key ``key`` (the answer's leading
         whitespace tokens moved into the question, ``move_answer_whitespace``)."""
-        needle, question, answer = (self.sp.encode(t.format(key=key)) for t in (NEEDLE, QUESTION, ANSWER))
-        question, answer = move_answer_whitespace(question, answer, self.sp.decode)
-        return needle, question, answer
+        return needle_parts(_SINGLE, self.sp.encode, self.sp.decode, key)
 
     def insert(self, seq: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, slice]:
         """Return a copy of ``seq`` with a needle at a random depth and question + answer near the end, and the
@@ -393,13 +565,8 @@ class NeedleInserter:
         if self.variant == "multihop":
             return self._insert_multihop(seq, key, rng)
         needle, question, answer = self.parts(key)
-        where = place_needle(len(seq), self.chunk_size, len(needle), len(question), len(answer), rng.random())
-        out = seq.copy()
-        out[where.needle_start : where.needle_start + len(needle)] = needle
-        out[where.question_start : where.answer_start] = question
-        answer_span = slice(where.answer_start, where.answer_start + len(answer))
-        out[answer_span] = answer
-        return out, answer_span
+        out, where = lay_out_needle(seq, needle, question, answer, rng.random(), self.chunk_size)
+        return out, slice(where.answer_start, where.answer_start + len(answer))
 
     def _insert_multihop(self, seq: np.ndarray, key: str, rng: np.random.Generator) -> tuple[np.ndarray, slice]:
         """A two-hop sample; names, keys and the depth are drawn again (up to ``_HOP_DRAWS`` times) when they do
@@ -427,3 +594,4 @@ class NeedleInserter:
 
 
 _HOP_DRAWS = 32
+_SINGLE = NeedleSpec("single")

@@ -399,7 +399,9 @@ class PackedSequences:
         eos_id: token inserted between documents (``None``/negative: none).
     """
 
-    def __init__(self, reader: Any, seq_len: int, seed: int, shuffle: bool, window: int, eos_id: int | None) -> None:
+    def __init__(
+        self, reader: Any, *, seq_len: int, seed: int, shuffle: bool, window: int, eos_id: int | None
+    ) -> None:
         self.reader, self.seq_len, self.seed = reader, seq_len, seed
         self.shuffle, self.window = shuffle, window
         self.eos_id = eos_id if eos_id is not None and eos_id >= 0 else None
@@ -523,6 +525,7 @@ class RankBatches:
     def __init__(
         self,
         stream: PackedSequences,
+        *,
         global_batch: int,
         micro_batch: int,
         rank: int,

@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from data_prep.schema import ConfigError, load_schema
-from pipeline.evaluation.passkey import VARIANTS, NeedleSpec, check_templates
-from pipeline.evaluation.runtime import check_device
+from pipeline.data.needle import VARIANTS, NeedleSpec, check_templates
+from pipeline.evaluation.passkey import PasskeyGrid
+from pipeline.evaluation.runtime import StreamBudget, check_device
 
 TASKS = ("ppl", "passkey")
 PPL_DOCUMENTS = ("documents", "windows")
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(NeedleSpec):
+    """The eval keys. The passkey keys (``variant``, ``needle``, ``question``, ``answer``, ``link``, ``needles``,
+    ``key_digits``) are ``NeedleSpec``'s own fields, written once there."""
+
     lengths: list[int] = field(default_factory=lambda: [2048, 4096, 16384])
     """Sequence lengths in tokens (each at least one chunk); ppl: context lengths, each above ``score_len``."""
     data: str = "builtin"
@@ -42,22 +47,8 @@ class EvalConfig:
     """Where the memmap temp dir goes (default: the system temp dir)."""
     progress: bool = True
     """Show tqdm progress bars (tokens/s)."""
-    variant: str = "single"
-    """passkey: single | multi | multihop."""
     depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
     """passkey: needle depths, fractions of the haystack before the key-bearing needle."""
-    needle: str | None = None
-    """passkey: needle template ({key}; multi/multihop also {name}); default per variant."""
-    question: str | None = None
-    """passkey: question template (multi/multihop: {name})."""
-    answer: str | None = None
-    """passkey: answer template ({key})."""
-    link: str | None = None
-    """passkey multihop: link template ({name}, {next})."""
-    needles: int = 4
-    """passkey multi: needles in the haystack; multihop: 2 x (needles // 2) in chains."""
-    key_digits: int = 5
-    """passkey: digits of the key."""
     restart: bool = False
     """passkey: discard the samples an earlier run finished in ``--out`` (``passkey.samples.jsonl``) instead of
     resuming from them; a run whose settings differ from theirs is refused without it."""
@@ -132,4 +123,14 @@ def validate(cfg: EvalConfig, chunk_size: int | None = None, task: str | None = 
 
 def needle_spec(cfg: EvalConfig) -> NeedleSpec:
     """The passkey keys of ``cfg`` as the ``NeedleSpec`` the passkey task runs."""
-    return NeedleSpec(cfg.variant, cfg.needle, cfg.question, cfg.answer, cfg.link, cfg.needles, cfg.key_digits)
+    return NeedleSpec(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(NeedleSpec)})
+
+
+def passkey_grid(cfg: EvalConfig) -> PasskeyGrid:
+    """The samples ``--task passkey`` runs."""
+    return PasskeyGrid(needle_spec(cfg), cfg.lengths, cfg.depths, cfg.samples, cfg.seed)
+
+
+def stream_budget(cfg: EvalConfig) -> StreamBudget:
+    """How every task streams its inputs."""
+    return StreamBudget(cfg.segment, cfg.offload_mb, cfg.offload_dir)

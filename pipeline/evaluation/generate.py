@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
 from model import CausalLM, StreamState
-from pipeline.evaluation.runtime import stream_segments, stream_state
+from pipeline.evaluation.runtime import StreamBudget, stream_segments, stream_state
 
 
 def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
@@ -102,19 +103,32 @@ def decode(
             on_tokens(1)
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How ``generate`` picks each token: greedy at temperature 0, else temperature + top-k + top-p, seeded."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    """Keep the k most likely tokens (0: off)."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens reaching this probability (1: off)."""
+    seed: int = 0
+
+
+PLAIN_SAMPLING = Sampling()
+"""Temperature 1 over the whole vocabulary."""
+GENERATE_BUDGET = StreamBudget(offload_mb=1024)
+"""Generation keeps 1 GiB of chunk K/V in RAM per sequence before spilling, as ``launch/generate.py`` does."""
+
+
 def generate(
     model: CausalLM,
     prompt: list[int],
     max_new_tokens: int,
     *,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int = 0,
+    sampling: Sampling = PLAIN_SAMPLING,
     stop_ids: tuple[int, ...] = (),
-    segment: int = 4096,
-    offload_mb: int = 1024,
-    offload_dir: str | None = None,
+    budget: StreamBudget = GENERATE_BUDGET,
 ) -> Iterator[int]:
     """Yield sampled token ids one by one (stops after ``max_new_tokens`` or a token in ``stop_ids``).
 
@@ -123,13 +137,13 @@ def generate(
     """
     if not prompt:
         raise ValueError("the prompt must hold at least one token")
-    check_sampling(temperature, top_k, top_p)
+    check_sampling(sampling.temperature, sampling.top_k, sampling.top_p)
     device = next(model.parameters()).device
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(sampling.seed)
 
     def pick(logits: torch.Tensor) -> int:
-        return sample_token(logits, temperature, top_k, top_p, generator)
+        return sample_token(logits, sampling.temperature, sampling.top_k, sampling.top_p, generator)
 
-    with stream_state(model, offload_mb, offload_dir) as state:
-        last = prefill(model, state, torch.tensor([prompt], device=device), segment)
+    with stream_state(model, budget) as state:
+        last = prefill(model, state, torch.tensor([prompt], device=device), budget.segment)
         yield from decode(model, state, last, max_new_tokens, pick, stop_ids)

@@ -23,8 +23,8 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
-from pipeline.evaluation.generate import generate
-from pipeline.evaluation.runtime import load_checkpoint, stream_segments, stream_state
+from pipeline.evaluation.generate import Sampling, generate
+from pipeline.evaluation.runtime import StreamBudget, load_checkpoint, stream_segments, stream_state
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,8 @@ class GCALM(LM):
         self.ckpt = load_checkpoint(checkpoint, device, attn_backend)
         self.model, self.tok = self.ckpt.model, self.ckpt.tokenizer
         self._device = next(self.model.parameters()).device
-        self.segment, self.max_gen_toks, self.offload_mb = int(segment), int(max_gen_toks), int(offload_mb)
+        self.budget = StreamBudget(segment=int(segment), offload_mb=int(offload_mb))
+        self.max_gen_toks = int(max_gen_toks)
         self.start_id = self.tok.eos_id if self.tok.eos_id is not None else self.tok.encode("\n")[0]
 
     @property
@@ -73,8 +74,8 @@ class GCALM(LM):
         """Sum of log p(ids[t] | ids[:t]) for ``t >= first``, and whether each of those tokens is the argmax."""
         inputs = torch.tensor([ids[:-1]], device=self._device)
         total, greedy = 0.0, True
-        with stream_state(self.model, self.offload_mb, None) as state:
-            for start, logits in stream_segments(self.model, state, inputs, self.segment):
+        with stream_state(self.model, self.budget) as state:
+            for start, logits in stream_segments(self.model, state, inputs, self.budget.segment):
                 lo = max(first - 1 - start, 0)  # logits[:, j] predicts ids[start + j + 1]
                 if lo >= logits.shape[1]:
                     continue
@@ -113,13 +114,14 @@ class GCALM(LM):
                 self.model,
                 [self.start_id] + self.tok.encode(context),
                 int(kwargs.get("max_gen_toks", self.max_gen_toks)),
-                temperature=float(kwargs.get("temperature", 1.0)) if sampling else 0.0,
-                top_k=int(kwargs.get("top_k", 0) or 0),
-                top_p=float(kwargs.get("top_p", 1.0) or 1.0),
-                seed=int(kwargs.get("seed", 0) or 0),
+                sampling=Sampling(
+                    temperature=float(kwargs.get("temperature", 1.0)) if sampling else 0.0,
+                    top_k=int(kwargs.get("top_k", 0) or 0),
+                    top_p=float(kwargs.get("top_p", 1.0) or 1.0),
+                    seed=int(kwargs.get("seed", 0) or 0),
+                ),
                 stop_ids=(self.tok.eos_id,) if self.tok.eos_id is not None else (),
-                segment=self.segment,
-                offload_mb=self.offload_mb,
+                budget=self.budget,
             ):
                 if token == self.tok.eos_id:
                     break

@@ -1,7 +1,7 @@
 """Passkey / needle-in-a-haystack retrieval, laid out on the model's chunks (docs/evaluation.md).
 
 A sample of ``length`` tokens is a haystack window with the needle(s), the question and the answer written over
-it, laid out on the model's chunks exactly like the trainer's needle mix (``pipeline.data.needle.place_needle``): the
+it, laid out on the model's chunks by the trainer's own needle layout (``pipeline.data.needle``): the
 question's last token is the first token of a chunk near the end (so the answer is predicted by a chunk whose
 retrieval the question's landmark triggered), and the key-bearing needle starts at
 ``round(depth * room)`` (``room`` = latest start before the question), moved left by less than a chunk if it
@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import re
-import string
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,45 +34,22 @@ import torch
 
 from model import CausalLM
 from pipeline.data.needle import (
-    ANSWER,
-    HOP_TEMPLATES,
-    NEEDLE,
-    QUESTION,
     HopChunks,
+    NeedleSpec,
     hop_texts,
     lay_out_multihop,
-    move_answer_whitespace,
+    lay_out_needle,
+    needle_parts,
     new_name,
-    place_needle,
-    split_question,
+    render,
 )
 from pipeline.evaluation.generate import decode, prefill
 from pipeline.evaluation.haystack import TokenSource
 from pipeline.evaluation.resume import SampleLog
-from pipeline.evaluation.runtime import stream_state
+from pipeline.evaluation.runtime import IN_RAM, StreamBudget, stream_state
 from pipeline.evaluation.tokenizer import ByteTokenizer, SentencePieceTokenizer
 
 log = logging.getLogger(__name__)
-
-VARIANTS = ("single", "multi", "multihop")
-TEMPLATES = {
-    "single": {"needle": NEEDLE, "question": QUESTION, "answer": ANSWER, "link": ""},
-    "multi": {
-        "needle": " One of the special magic numbers for {name} is {key}. ",
-        "question": " What is the special magic number for {name}? The special magic number for {name} is",
-        "answer": " {key}",
-        "link": "",
-    },
-    "multihop": HOP_TEMPLATES,  # the trainer's two-hop needle mix uses the same texts
-}
-PLACEHOLDERS = {
-    "single": {"needle": {"key"}, "question": set(), "answer": {"key"}},
-    "multi": {"needle": {"name", "key"}, "question": {"name"}, "answer": {"key"}},
-    "multihop": {"needle": {"name", "key"}, "question": {"name"}, "answer": {"key"}, "link": {"name", "next"}},
-}
-"""Per variant, the templates it uses and the placeholders each must hold (exactly these): a needle without
-``{key}`` hides nothing, an answer without it scores a constant, a question or link without ``{name}`` points
-nowhere -- each would give a meaningless score, so they are refused before any work."""
 
 
 @dataclass
@@ -94,97 +69,30 @@ class PasskeySample:
     """multihop: the chunks of its parts, to check which ones each retrieval group fetched."""
 
 
-@dataclass
-class NeedleSpec:
-    """What to hide and ask; ``None`` templates take the variant's default."""
+@dataclass(frozen=True)
+class PasskeyGrid:
+    """What a passkey run asks: ``samples`` samples of ``spec`` per (length, depth), seeded per
+    (seed, length, depth, sample)."""
 
-    variant: str = "single"
-    needle: str | None = None
-    question: str | None = None
-    answer: str | None = None
-    link: str | None = None
-    needles: int = 4
-    """multi: needles in the haystack (one asked for); multihop: 2 x (needles // 2) needles in chains."""
-    key_digits: int = 5
-
-    def template(self, part: str) -> str:
-        value = getattr(self, part)
-        return TEMPLATES[self.variant][part] if value is None else value
-
-
-def _fields(part: str, text: str) -> set[str]:
-    """The placeholder names of a ``str.format`` template (``{key}``, ``{key:>6}`` -> ``key``)."""
-    try:
-        parsed = list(string.Formatter().parse(text))
-    except ValueError as err:  # unbalanced braces
-        raise ValueError(f"{part}={text!r}: {err} (write a literal brace as {{{{ or }}}})") from None
-    names = set()
-    for _, name, _, _ in parsed:
-        if name is not None:
-            names.add(re.split(r"[.\[]", name, maxsplit=1)[0])
-    return names
-
-
-def check_templates(spec: NeedleSpec) -> None:
-    """Refuse templates that would score nothing: a missing or unknown placeholder, an empty text, or a template
-    the variant does not use.
-
-    Raises:
-        ValueError: naming the key, its text and the placeholders it needs.
-    """
-    if spec.variant not in PLACEHOLDERS:
-        raise ValueError(f"variant={spec.variant!r} is not one of {VARIANTS}")
-    used = PLACEHOLDERS[spec.variant]
-    if spec.link is not None and "link" not in used:
-        raise ValueError(f"link={spec.link!r}: only variant=multihop uses a link template (variant={spec.variant})")
-    for part, needed in used.items():
-        text = spec.template(part)
-        if not text.strip():
-            raise ValueError(
-                f"{part}={text!r} is empty; give it some text" + (f" with {_braced(needed)}" if needed else "")
-            )
-        found = _fields(part, text)
-        if found - needed:
-            raise ValueError(
-                f"{part}={text!r}: unknown placeholder(s) {_braced(found - needed)} for "
-                f"variant={spec.variant} (available: {_braced(needed) or 'none'})"
-            )
-        if needed - found:
-            raise ValueError(
-                f"{part}={text!r} lacks the placeholder(s) {_braced(needed - found)} that "
-                f"variant={spec.variant} needs: without it the passkey cannot be hidden, asked for or "
-                "checked, so the score would mean nothing; add it"
-            )
-    if spec.variant == "multihop":
-        split_question(spec.template("question"))  # the name must come before the words leading to the answer
-
-
-def _braced(names: set[str]) -> str:
-    return ", ".join("{" + n + "}" for n in sorted(names))
-
-
-def _render(spec: NeedleSpec, part: str, **values: str) -> str:
-    text = spec.template(part)
-    try:
-        return text.format(**values)
-    except (KeyError, IndexError) as err:
-        raise ValueError(
-            f"{part}={text!r}: unknown placeholder {err} for variant={spec.variant} "
-            f"(available: {', '.join('{' + k + '}' for k in values)})"
-        ) from None
+    spec: NeedleSpec
+    lengths: list[int]
+    depths: list[float]
+    samples: int
+    seed: int
 
 
 def build_sample(
     source: TokenSource,
     tokenizer: SentencePieceTokenizer | ByteTokenizer,
     spec: NeedleSpec,
+    *,
     length: int,
     depth: float,
     rng: np.random.Generator,
     chunk_size: int,
 ) -> PasskeySample:
-    """One passkey sequence of ``length`` tokens, laid out on the model's chunks
-    (``pipeline.data.needle.place_needle``).
+    """One passkey sequence of ``length`` tokens, laid out on the model's chunks by the trainer's needle layout
+    (``pipeline.data.needle.lay_out_needle`` / ``lay_out_multihop``).
 
     Raises:
         ValueError: ``length`` cannot hold the needles, question and answer; a template is malformed.
@@ -198,37 +106,17 @@ def build_sample(
     if spec.variant == "multihop":
         return _build_multihop(source, tokenizer, spec, length, depth, rng, chunk_size, key, new_key)
     names: set[str] = set()
-    target_name = new_name(rng, names)
+    target_name = new_name(rng, names)  # drawn for single too, so a seed gives the samples it always gave
     if spec.variant == "single":
-        target = enc(_render(spec, "needle", key=key))
+        target, question, answer = needle_parts(spec, enc, tokenizer.decode, key)
         others: list[list[int]] = []
-        question = enc(_render(spec, "question"))
     else:
-        target = enc(_render(spec, "needle", name=target_name, key=key))
+        target, question, answer = needle_parts(spec, enc, tokenizer.decode, key, name=target_name)
         others = [
-            enc(_render(spec, "needle", name=new_name(rng, names), key=new_key())) for _ in range(spec.needles - 1)
+            enc(render(spec, "needle", name=new_name(rng, names), key=new_key())) for _ in range(spec.needles - 1)
         ]
-        question = enc(_render(spec, "question", name=target_name))
-    question, answer = move_answer_whitespace(question, enc(_render(spec, "answer", key=key)), tokenizer.decode)
-
-    where = place_needle(length, chunk_size, len(target), len(question), len(answer), depth)
-    ids = source.window(length, rng).astype(np.int64)  # overwritten by needles, question and answer
-    taken = [(where.needle_start, where.needle_start + len(target)), (where.question_start, length)]
-    for needle in others:  # distractors and links: random free spots before the question
-        for _ in range(1000):
-            at = int(rng.integers(0, max(where.question_start - len(needle), 0) + 1))
-            if at + len(needle) <= where.question_start and all(at + len(needle) <= lo or at >= hi for lo, hi in taken):
-                break
-        else:
-            raise ValueError(
-                f"length={length} is too short to place {len(others) + 1} {spec.variant} needles "
-                "without overlap; use longer lengths or fewer needles"
-            )
-        ids[at : at + len(needle)] = needle
-        taken.append((at, at + len(needle)))
-    ids[where.needle_start : where.needle_start + len(target)] = target
-    ids[where.question_start : where.answer_start] = question
-    ids[where.answer_start : where.answer_start + len(answer)] = answer
+    window = source.window(length, rng).astype(np.int64)  # overwritten by needles, question and answer
+    ids, where = lay_out_needle(window, target, question, answer, depth, chunk_size, others, rng)
     return PasskeySample(
         ids, where.answer_start, len(answer), where.needle_start, len(target), where.question_start - len(target), key
     )
@@ -266,9 +154,8 @@ def _build_multihop(
 def predict_answer(
     model: CausalLM,
     sample: PasskeySample,
-    segment: int,
-    offload_mb: int = -1,
-    offload_dir: str | None = None,
+    *,
+    budget: StreamBudget = IN_RAM,
     on_tokens: Callable[[int], None] | None = None,
     picks: dict[tuple[int, int], list[list[int]]] | None = None,
 ) -> list[int]:
@@ -280,9 +167,9 @@ def predict_answer(
     """
     device = next(model.parameters()).device
     prefix = torch.from_numpy(sample.ids[: sample.answer_start])[None].to(device)
-    with stream_state(model, offload_mb, offload_dir) as state:
+    with stream_state(model, budget) as state:
         state.picks = picks
-        last = prefill(model, state, prefix, segment, on_tokens, skip_far_layers=True)
+        last = prefill(model, state, prefix, budget.segment, on_tokens, skip_far_layers=True)
         return list(decode(model, state, last, sample.answer_len, on_tokens=on_tokens))
 
 
@@ -290,28 +177,24 @@ def evaluate_passkey(
     model: CausalLM,
     tokenizer: SentencePieceTokenizer | ByteTokenizer,
     source: TokenSource,
-    spec: NeedleSpec,
-    lengths: list[int],
-    depths: list[float],
-    samples: int,
-    seed: int,
-    segment: int,
-    chunk_size: int,
-    offload_mb: int = -1,
-    offload_dir: str | None = None,
+    grid: PasskeyGrid,
+    *,
+    budget: StreamBudget = IN_RAM,
     progress: Callable[[int, int], Callable[[int], None]] | None = None,
     finished: SampleLog | None = None,
 ) -> list[dict]:
     """Rows ``{"length", "depth", "accuracy", "exact_match", "n", "seconds", "seconds_per_sample",
-    "tokens_per_s", "tokens_per_s_at"}`` per (length, depth) (``tokens_per_s_at``: ``SpeedByPosition``).
+    "tokens_per_s", "tokens_per_s_at"}`` per (length, depth) (``tokens_per_s_at``: ``SpeedByPosition``). Samples
+    are laid out on the chunks of ``model`` (``model.cfg.chunk_size``).
 
     ``finished``: samples it holds are taken from it instead of being run, and every sample run is added to it as
     it finishes (a killed run continues from there). ``progress(length, tokens)`` gets the tokens still to stream
     at that length (its samples' ``length`` tokens each, the finished ones left out).
     """
     rows = []
-    for length in lengths:
-        keys = [(length, d, depth, s) for d, depth in enumerate(depths) for s in range(samples)]
+    samples = grid.samples
+    for length in grid.lengths:
+        keys = [(length, d, depth, s) for d, depth in enumerate(grid.depths) for s in range(samples)]
         todo = sum(finished is None or finished.get(key) is None for key in keys)
         if finished is not None and todo < len(keys):
             log.info(
@@ -322,27 +205,13 @@ def evaluate_passkey(
                 finished.path,
             )
         on_tokens = progress(length, todo * length) if progress and todo else None
-        for d, depth in enumerate(depths):
+        for d, depth in enumerate(grid.depths):
             records = []
             for s in range(samples):
                 record = finished.get((length, d, depth, s)) if finished else None
                 if record is None:
-                    record = _run_sample(
-                        model,
-                        tokenizer,
-                        source,
-                        spec,
-                        length,
-                        d,
-                        depth,
-                        s,
-                        seed,
-                        segment,
-                        chunk_size,
-                        offload_mb,
-                        offload_dir,
-                        on_tokens,
-                    )
+                    where = _SampleAt(length=length, depth_index=d, depth=depth, sample=s)
+                    record = _run_sample(model, tokenizer, source, grid, where, budget=budget, on_tokens=on_tokens)
                     if finished is not None:
                         finished.add(record)
                 records.append(record)
@@ -393,28 +262,33 @@ def _count_retrievals(records: list[dict]) -> dict[str, dict[str, dict[str, int]
     return counts
 
 
+@dataclass(frozen=True)
+class _SampleAt:
+    """Which sample of a ``PasskeyGrid``: its length, depth (and the depth's index) and number."""
+
+    length: int
+    depth_index: int
+    depth: float
+    sample: int
+
+
 def _run_sample(
     model: CausalLM,
     tokenizer: SentencePieceTokenizer | ByteTokenizer,
     source: TokenSource,
-    spec: NeedleSpec,
-    length: int,
-    d: int,
-    depth: float,
-    s: int,
-    seed: int,
-    segment: int,
-    chunk_size: int,
-    offload_mb: int,
-    offload_dir: str | None,
+    grid: PasskeyGrid,
+    at: _SampleAt,
+    *,
+    budget: StreamBudget,
     on_tokens: Callable[[int], None] | None,
 ) -> dict:
-    """Build sample ``s`` of (``length``, depth number ``d``) and predict its answer; the record ``SampleLog`` keeps
+    """Build sample ``at`` of ``grid`` on ``model``'s chunks and predict its answer; the record ``SampleLog`` keeps
     (``seconds``: building, streaming and decoding)."""
     t0 = time.perf_counter()
     streamed = 0
+    rng = np.random.default_rng([grid.seed, at.length, at.depth_index, at.sample])
     sample = build_sample(
-        source, tokenizer, spec, length, depth, np.random.default_rng([seed, length, d, s]), chunk_size
+        source, tokenizer, grid.spec, length=at.length, depth=at.depth, rng=rng, chunk_size=model.cfg.chunk_size
     )
     speed = SpeedByPosition()
 
@@ -427,27 +301,27 @@ def _run_sample(
             on_tokens(tokens)
 
     picks: dict[tuple[int, int], list[list[int]]] | None = {} if sample.hop is not None else None
-    predicted = predict_answer(model, sample, segment, offload_mb, offload_dir, count, picks)
+    predicted = predict_answer(model, sample, budget=budget, on_tokens=count, picks=picks)
     if on_tokens is not None:  # the haystack after the answer is never streamed: the progress counts length
-        on_tokens(length - streamed)
+        on_tokens(at.length - streamed)
     answer = sample.ids[sample.answer_start : sample.answer_start + sample.answer_len].tolist()
     seconds = time.perf_counter() - t0
     log.info(
         "passkey length=%d depth=%.2f sample %d: %s (key %s, predicted %r) in %.1f s, %.0f tokens/s",
-        length,
-        depth,
-        s,
+        at.length,
+        at.depth,
+        at.sample,
         "right" if predicted == answer else "wrong",
         sample.key,
         tokenizer.decode(predicted),
         seconds,
-        length / seconds,
+        at.length / seconds,
     )
     return {
-        "length": length,
-        "depth_index": d,
-        "depth": depth,
-        "sample": s,
+        "length": at.length,
+        "depth_index": at.depth_index,
+        "depth": at.depth,
+        "sample": at.sample,
         "key": sample.key,
         "answer": answer,
         "predicted": predicted,

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from model import CausalLM
-from pipeline.evaluation.runtime import stream_segments, stream_state
+from pipeline.evaluation.runtime import IN_RAM, StreamBudget, stream_segments, stream_state
 
 log = logging.getLogger(__name__)
 
@@ -38,16 +38,15 @@ def at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
 def window_nll(
     model: CausalLM,
     ids: torch.Tensor,
-    segment: int,
-    offload_mb: int = -1,
-    offload_dir: str | None = None,
+    *,
+    budget: StreamBudget = IN_RAM,
     on_tokens: Callable[[int], None] | None = None,
 ) -> tuple[float, int]:
     """Summed next-token NLL (fp64) and the number of predictions over ``ids [B, T]``, streamed by segments."""
     total, count = 0.0, 0
-    with stream_state(model, offload_mb, offload_dir) as state:
+    with stream_state(model, budget) as state:
         device_ids = ids.to(model.embed.weight.device)
-        for start, logits in stream_segments(model, state, device_ids, segment, on_tokens):
+        for start, logits in stream_segments(model, state, device_ids, budget.segment, on_tokens):
             # logits[:, j] predicts token start + j + 1, which may sit in the next segment: ids holds it already.
             target = device_ids[:, start + 1 : start + 1 + logits.shape[1]]
             pred = at_least_fp32(logits[:, : target.shape[1]])
@@ -59,11 +58,10 @@ def window_nll(
 def scored_tail_nll(
     model: CausalLM,
     document: np.ndarray,
+    *,
     length: int,
     score_len: int,
-    segment: int,
-    offload_mb: int = -1,
-    offload_dir: str | None = None,
+    budget: StreamBudget = IN_RAM,
     on_tokens: Callable[[int], None] | None = None,
 ) -> tuple[float, range]:
     """Summed NLL (fp64) of the last ``score_len`` tokens of ``document`` with ``length - score_len`` tokens of
@@ -82,9 +80,9 @@ def scored_tail_nll(
     reach = getattr(model, "window_reach", None)
     skip = 0 if reach is None else max(0, first - reach + 1)
     total, lo, hi = 0.0, None, None
-    with stream_state(model, offload_mb, offload_dir) as state:
-        for start in range(0, inputs.shape[1], segment):
-            piece = inputs[:, start : start + segment]
+    with stream_state(model, budget) as state:
+        for start in range(0, inputs.shape[1], budget.segment):
+            piece = inputs[:, start : start + budget.segment]
             end = start + piece.shape[1]
             with torch.inference_mode():
                 if end <= skip:
@@ -114,11 +112,10 @@ def too_short(length: int, longest: int) -> ValueError:
 def context_ppl(
     model: CausalLM,
     documents: Sequence[np.ndarray],
+    *,
     lengths: list[int],
     score_len: int,
-    segment: int,
-    offload_mb: int = -1,
-    offload_dir: str | None = None,
+    budget: StreamBudget = IN_RAM,
     progress: Progress | None = None,
     same_documents: bool = True,
     samples: int | None = None,
@@ -156,7 +153,7 @@ def context_ppl(
         total = 0.0
         for i in chosen:
             nll, positions = scored_tail_nll(
-                model, documents[i], length, score_len, segment, offload_mb, offload_dir, on_tokens
+                model, documents[i], length=length, score_len=score_len, budget=budget, on_tokens=on_tokens
             )
             total += nll
             # What the streaming loop scored, against what every length must score: the same final tokens.
@@ -187,9 +184,8 @@ def context_ppl(
 def document_ppl(
     model: CausalLM,
     documents: Sequence[np.ndarray],
-    segment: int,
-    offload_mb: int = -1,
-    offload_dir: str | None = None,
+    *,
+    budget: StreamBudget = IN_RAM,
     progress: Progress | None = None,
 ) -> dict:
     """Every predicted position of each whole document, streamed from its start: ``{"kind": "document", "ppl",
@@ -207,7 +203,7 @@ def document_ppl(
     total, count = 0.0, 0
     for d in chosen:
         ids = torch.tensor(d, dtype=torch.long)[None]
-        nll, m = window_nll(model, ids, segment, offload_mb, offload_dir, on_tokens)
+        nll, m = window_nll(model, ids, budget=budget, on_tokens=on_tokens)
         total, count = total + nll, count + m
     seconds = time.perf_counter() - t0
     log.info("document ppl: %.3f (%d documents, %.1fs)", math.exp(total / count), len(chosen), seconds)

@@ -22,7 +22,7 @@ from data_prep.redaction import redact_tree, restore_env_interpolations
 from data_prep.safe_files import is_within
 from data_prep.schema import ConfigError
 from kernels.cpu_math import flush_denormals
-from pipeline.evaluation.config import TASKS, EvalConfig, load_eval_config, needle_spec, validate
+from pipeline.evaluation.config import TASKS, EvalConfig, load_eval_config, passkey_grid, stream_budget, validate
 from pipeline.evaluation.haystack import TokenSource
 from pipeline.evaluation.passkey import evaluate_passkey
 from pipeline.evaluation.plots import plot_passkey, plot_ppl
@@ -121,25 +121,19 @@ def _evaluate(checkpoint: str, task: str, cfg: EvalConfig, out: Path) -> dict:
     if task == "ppl":
         documents = ppl_documents(source, cfg)
         run = (ckpt.model, documents)
-        rows = context_ppl(*run, cfg.lengths, cfg.score_len, cfg.segment, cfg.offload_mb, cfg.offload_dir, progress)
+        budget = stream_budget(cfg)
+        rows = context_ppl(*run, lengths=cfg.lengths, score_len=cfg.score_len, budget=budget, progress=progress)
         if cfg.document_ppl:
-            rows.append(document_ppl(*run, cfg.segment, cfg.offload_mb, cfg.offload_dir, progress))
+            rows.append(document_ppl(*run, budget=budget, progress=progress))
     else:
         rows = evaluate_passkey(
             ckpt.model,
             ckpt.tokenizer,
             source,
-            needle_spec(cfg),
-            cfg.lengths,
-            cfg.depths,
-            cfg.samples,
-            cfg.seed,
-            cfg.segment,
-            ckpt.model.cfg.chunk_size,
-            cfg.offload_mb,
-            cfg.offload_dir,
-            progress,
-            finished,
+            passkey_grid(cfg),
+            budget=stream_budget(cfg),
+            progress=progress,
+            finished=finished,
         )
     if progress:
         progress.close()

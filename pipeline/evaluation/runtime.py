@@ -87,13 +87,31 @@ def check_device(device: str, key: str = "device") -> None:
         raise ValueError(f"{key}={device!r} but only {torch.cuda.device_count()} CUDA device(s) are visible")
 
 
+@dataclass(frozen=True)
+class StreamBudget:
+    """How a long input goes through the model: in segments (bounding activation memory) with the chunk memory
+    spilling to disk past a size (bounding RAM). No setting changes a logit."""
+
+    segment: int = 4096
+    """Tokens per ``forward_stream`` call."""
+    offload_mb: int = -1
+    """MiB of chunk K/V kept in RAM per sequence before the rest goes to an on-disk memmap; -1 keeps all in RAM."""
+    offload_dir: str | None = None
+    """Where the memmap's temp dir goes (None: the system temp dir)."""
+
+
+IN_RAM = StreamBudget()
+"""4096-token segments, the chunk memory all in RAM: the library's default."""
+
+
 @contextlib.contextmanager
-def stream_state(model: CausalLM, offload_mb: int, offload_dir: str | None) -> Iterator[StreamState]:
-    """A fresh stream state whose chunk K/V move to disk beyond ``offload_mb`` MiB (-1: never); cleaned up after."""
-    if offload_mb < 0:
+def stream_state(model: CausalLM, budget: StreamBudget) -> Iterator[StreamState]:
+    """A fresh stream state whose chunk K/V move to disk beyond ``budget.offload_mb`` MiB (-1: never); cleaned up
+    after."""
+    if budget.offload_mb < 0:
         yield model.new_stream_state()
         return
-    memory = MemmapChunkMemory(ram_bytes=offload_mb << 20, directory=offload_dir)
+    memory = MemmapChunkMemory(ram_bytes=budget.offload_mb << 20, directory=budget.offload_dir)
     try:
         yield model.new_stream_state(memory=memory)
     finally:

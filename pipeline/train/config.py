@@ -22,7 +22,7 @@ from data_prep.safe_files import is_within
 from data_prep.schema import load_schema
 from model.config import GCAConfig
 from model.context_parallel import check_cp_spans
-from pipeline.data.needle import VARIANTS as NEEDLE_VARIANTS
+from pipeline.data.needle import TRAINER_VARIANTS as NEEDLE_VARIANTS
 from pipeline.train.dist import TIMEOUT_ENV, collective_timeout_s
 
 _ENV_PATHS = "_env_interpolations"

@@ -140,7 +140,12 @@ class Trainer:
         cache = cfg.data.cache_dir or str(self.run_dir / "data_cache")
         reader = MDSReader(cfg.data.path, cfg.data.train_split, cache, cfg.data.validate_hash)
         stream = PackedSequences(
-            reader, cfg.train.seq_len, cfg.seed, cfg.data.shuffle, cfg.data.shuffle_window, self.eos_id
+            reader,
+            seq_len=cfg.train.seq_len,
+            seed=cfg.seed,
+            shuffle=cfg.data.shuffle,
+            window=cfg.data.shuffle_window,
+            eos_id=self.eos_id,
         )
         needles = None
         if cfg.data.needle_mix > 0:
@@ -153,14 +158,14 @@ class Trainer:
             )
         batches = RankBatches(
             stream,
-            cfg.train.global_batch,
-            cfg.train.micro_batch,
-            info.dp_rank,  # the ranks of a context-parallel group train on the same sequences
-            info.dp_size,
-            needles,
-            cfg.data.needle_mix,
-            cfg.seed,
-            cfg.data.needle_answer_weight,
+            global_batch=cfg.train.global_batch,
+            micro_batch=cfg.train.micro_batch,
+            rank=info.dp_rank,  # the ranks of a context-parallel group train on the same sequences
+            world_size=info.dp_size,
+            needles=needles,
+            needle_mix=cfg.data.needle_mix,
+            seed=cfg.seed,
+            answer_weight=cfg.data.needle_answer_weight,
         )
         return batches, dataset_fingerprint(reader, cfg.data.path)
 

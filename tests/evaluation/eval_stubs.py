@@ -8,6 +8,7 @@ import torch.nn as nn
 
 class _Stub(nn.Module):
     vocab = 256
+    cfg = SimpleNamespace(chunk_size=16)  # the chunk grid the passkey samples are laid out on
 
     def __init__(self) -> None:
         super().__init__()

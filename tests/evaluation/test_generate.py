@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from pipeline.evaluation.generate import generate, sample_token
+from pipeline.evaluation.generate import Sampling, generate, sample_token
+from pipeline.evaluation.runtime import StreamBudget
 
 
 def test_greedy_top_k_top_p():
@@ -20,7 +21,9 @@ def test_greedy_top_k_top_p():
 
 def test_greedy_generation_equals_full_forward_argmax(tiny_model):
     prompt = torch.randint(0, 256, (40,)).tolist()
-    out = list(generate(tiny_model, prompt, 4, temperature=0.0, segment=24, offload_mb=0))
+    out = list(
+        generate(tiny_model, prompt, 4, sampling=Sampling(temperature=0.0), budget=StreamBudget(24, offload_mb=0))
+    )
     ids = prompt[:]
     for _ in range(4):
         with torch.no_grad():

@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 from eval_stubs import InductionOracle, RandomDigits, Recorder
 
-from pipeline.data.needle import NEEDLE
+from pipeline.data.needle import NEEDLE, NeedleSpec
 from pipeline.evaluation.haystack import TokenSource
-from pipeline.evaluation.passkey import NeedleSpec, build_sample, evaluate_passkey, predict_answer
+from pipeline.evaluation.passkey import PasskeyGrid, build_sample, evaluate_passkey, predict_answer
+from pipeline.evaluation.runtime import StreamBudget
 from pipeline.evaluation.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -19,7 +20,9 @@ def source():
 
 @pytest.mark.parametrize("depth", [0.0, 0.3, 0.5, 1.0])
 def test_single_needle_at_requested_depth(source, depth):
-    sample = build_sample(source, TOK, NeedleSpec("single"), 2000, depth, np.random.default_rng(1), 16)
+    sample = build_sample(
+        source, TOK, NeedleSpec("single"), length=2000, depth=depth, rng=np.random.default_rng(1), chunk_size=16
+    )
     assert len(sample.ids) == 2000
     assert (sample.answer_start - 1) % 16 == 0  # the question's last token opens a chunk, as in training
     assert 0 <= round(depth * sample.room) - sample.needle_start < 16
@@ -38,7 +41,9 @@ def test_multi_variants_layout(source, variant):
     spec = NeedleSpec(variant, needles=4)
     # bytes: the two-hop question's words after the name (29 bytes) must fit a chunk plus one token
     chunk_size = 16 if variant == "multi" else 32
-    sample = build_sample(source, TOK, spec, 3000, 0.5, np.random.default_rng(2), chunk_size)
+    sample = build_sample(
+        source, TOK, spec, length=3000, depth=0.5, rng=np.random.default_rng(2), chunk_size=chunk_size
+    )
     text = TOK.decode(sample.ids.tolist())
     assert len(sample.ids) == 3000
     assert text.count(sample.key) == 2  # once in its needle, once as the answer
@@ -53,8 +58,10 @@ def test_multi_variants_layout(source, variant):
 
 def test_answer_never_in_the_input(source):
     model = Recorder()
-    sample = build_sample(source, TOK, NeedleSpec("single"), 1500, 0.5, np.random.default_rng(3), 16)
-    predicted = predict_answer(model, sample, segment=256)
+    sample = build_sample(
+        source, TOK, NeedleSpec("single"), length=1500, depth=0.5, rng=np.random.default_rng(3), chunk_size=16
+    )
+    predicted = predict_answer(model, sample, budget=StreamBudget(segment=256))
     fed = model.last_state.seen
     assert fed[: sample.answer_start] == sample.ids[: sample.answer_start].tolist()
     # after the prefix, only the model's own predictions were fed back (all but the last one)
@@ -68,13 +75,8 @@ def test_copying_oracle_scores_100(source, variant):
         InductionOracle(),
         TOK,
         source,
-        NeedleSpec(variant),
-        lengths=[512, 2048],
-        depths=[0.0, 0.5, 1.0],
-        samples=3,
-        seed=0,
-        segment=300,
-        chunk_size=16,
+        PasskeyGrid(NeedleSpec(variant), lengths=[512, 2048], depths=[0.0, 0.5, 1.0], samples=3, seed=0),
+        budget=StreamBudget(segment=300),
     )
     assert [(r["length"], r["depth"]) for r in rows] == [(L, d) for L in (512, 2048) for d in (0.0, 0.5, 1.0)]
     assert all(r["accuracy"] == 1.0 and r["exact_match"] == 1.0 and r["n"] == 3 for r in rows)
@@ -85,13 +87,7 @@ def test_random_model_scores_chance(source):
         RandomDigits(),
         TOK,
         source,
-        NeedleSpec("single"),
-        lengths=[160],
-        depths=[0.5],
-        samples=300,
-        seed=0,
-        segment=4096,
-        chunk_size=16,
+        PasskeyGrid(NeedleSpec("single"), lengths=[160], depths=[0.5], samples=300, seed=0),
     )
     # first key digit is uniform over 1..9, the guess over 0..9: expected accuracy 0.1, 300 draws
     assert 0.04 < rows[0]["accuracy"] < 0.17
@@ -100,7 +96,9 @@ def test_random_model_scores_chance(source):
 
 def test_length_too_short_for_needle(source):
     with pytest.raises(ValueError, match="a sequence of 64 tokens cannot hold a passkey needle"):
-        build_sample(source, TOK, NeedleSpec("single"), 64, 0.5, np.random.default_rng(0), 16)
+        build_sample(
+            source, TOK, NeedleSpec("single"), length=64, depth=0.5, rng=np.random.default_rng(0), chunk_size=16
+        )
 
 
 def test_short_corpus_is_an_error(tmp_path):
@@ -108,13 +106,25 @@ def test_short_corpus_is_an_error(tmp_path):
     corpus.write_text("A short book. " * 50)
     src = TokenSource(str(corpus), TOK)
     with pytest.raises(ValueError, match="fewer than the .* haystack tokens"):
-        build_sample(src, TOK, NeedleSpec("single"), 4096, 0.5, np.random.default_rng(0), 16)
-    build_sample(src, TOK, NeedleSpec("single"), 600, 0.5, np.random.default_rng(0), 16)  # fits
+        build_sample(
+            src, TOK, NeedleSpec("single"), length=4096, depth=0.5, rng=np.random.default_rng(0), chunk_size=16
+        )
+    build_sample(
+        src, TOK, NeedleSpec("single"), length=600, depth=0.5, rng=np.random.default_rng(0), chunk_size=16
+    )  # fits
 
 
 def test_bad_template_names_the_key(source):
     with pytest.raises(ValueError, match="needle=.*unknown placeholder"):
-        build_sample(source, TOK, NeedleSpec("single", needle="key {kye}"), 512, 0.5, np.random.default_rng(0), 16)
+        build_sample(
+            source,
+            TOK,
+            NeedleSpec("single", needle="key {kye}"),
+            length=512,
+            depth=0.5,
+            rng=np.random.default_rng(0),
+            chunk_size=16,
+        )
 
 
 def test_real_model_prediction_is_the_greedy_full_forward_continuation(source, tiny_model):
@@ -122,8 +132,10 @@ def test_real_model_prediction_is_the_greedy_full_forward_continuation(source, t
     what repeated full forwards predict."""
     import torch
 
-    sample = build_sample(source, TOK, NeedleSpec("single"), 400, 0.3, np.random.default_rng(4), 16)
-    predicted = predict_answer(tiny_model, sample, segment=64)
+    sample = build_sample(
+        source, TOK, NeedleSpec("single"), length=400, depth=0.3, rng=np.random.default_rng(4), chunk_size=16
+    )
+    predicted = predict_answer(tiny_model, sample, budget=StreamBudget(segment=64))
     ids = sample.ids[: sample.answer_start].tolist()
     for _ in range(sample.answer_len):
         with torch.no_grad():

@@ -14,9 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.data.needle import HOP_TEMPLATES, HopChunks, NeedleInserter
+from pipeline.data.needle import HOP_TEMPLATES, TEMPLATES, HopChunks, NeedleInserter, NeedleSpec, check_templates
 from pipeline.evaluation.haystack import TokenSource
-from pipeline.evaluation.passkey import TEMPLATES, NeedleSpec, build_sample, check_templates
+from pipeline.evaluation.passkey import PasskeyGrid, build_sample
+from pipeline.evaluation.runtime import StreamBudget
 from pipeline.evaluation.tokenizer import ByteTokenizer, SentencePieceTokenizer
 
 _spec = importlib.util.spec_from_file_location(
@@ -56,7 +57,9 @@ def test_samples_follow_the_definition(source, length, S, needles):
     link_before = link_after = 0
     for seed in range(12):
         for depth in (0.0, 0.25, 0.5, 0.75, 1.0):
-            sample = build_sample(source, TOK, spec, length, depth, np.random.default_rng([seed, length]), S)
+            sample = build_sample(
+                source, TOK, spec, length=length, depth=depth, rng=np.random.default_rng([seed, length]), chunk_size=S
+            )
             assert len(sample.ids) == length
             got = checks.check_two_hop(
                 sample.ids, TOK.encode, TOK.decode, S, sample.answer_start, sample.answer_len, chains=needles // 2
@@ -140,7 +143,9 @@ def test_trainer_and_eval_lay_out_the_same_structure(hop_model):
         rng = np.random.default_rng(seed)
         ids, answer = trainer.insert(np.asarray(source.window(L, rng), dtype=np.int64), rng)
         train = checks.check_two_hop(ids, tok.encode, tok.decode, S, answer.start, answer.stop - answer.start, 2)
-        sample = build_sample(source, tok, NeedleSpec("multihop"), L, float(rng.random()), rng, S)
+        sample = build_sample(
+            source, tok, NeedleSpec("multihop"), length=L, depth=float(rng.random()), rng=rng, chunk_size=S
+        )
         ev = checks.check_two_hop(sample.ids, tok.encode, tok.decode, S, sample.answer_start, sample.answer_len, 2)
         assert (train.answer_start, train.tail_start, train.head_end) == (ev.answer_start, ev.tail_start, ev.head_end)
         assert (
@@ -157,11 +162,11 @@ def test_trainer_and_eval_lay_out_the_same_structure(hop_model):
 def test_byte_tail_needs_a_chunk_of_28(source):
     """The default question's words after the name are 29 bytes (with the answer's space): a chunk plus one."""
     spec = NeedleSpec("multihop")
-    sample = build_sample(source, TOK, spec, 1500, 0.5, np.random.default_rng(0), 28)
+    sample = build_sample(source, TOK, spec, length=1500, depth=0.5, rng=np.random.default_rng(0), chunk_size=28)
     got = checks.check_two_hop(sample.ids, TOK.encode, TOK.decode, 28, sample.answer_start, sample.answer_len, 2)
     assert got.answer_start - got.tail_start == 29 and got.tail_start == got.head_end  # head, then tail at once
     with pytest.raises(ValueError, match="take 29 tokens; with chunk_size=27 at most 28 fit"):
-        build_sample(source, TOK, spec, 1500, 0.5, np.random.default_rng(0), 27)
+        build_sample(source, TOK, spec, length=1500, depth=0.5, rng=np.random.default_rng(0), chunk_size=27)
 
 
 def test_question_too_long_after_the_name(source):
@@ -170,12 +175,14 @@ def test_question_too_long_after_the_name(source):
         ValueError,
         match="with chunk_size=32 at most 33 fit between the name's chunk and the answer: shorten the question",
     ):
-        build_sample(source, TOK, spec, 3000, 0.5, np.random.default_rng(0), 32)
+        build_sample(source, TOK, spec, length=3000, depth=0.5, rng=np.random.default_rng(0), chunk_size=32)
 
 
 def test_too_short_length(source):
     with pytest.raises(ValueError, match="a sequence of 150 tokens with chunk_size=32 has too few free chunks"):
-        build_sample(source, TOK, NeedleSpec("multihop"), 150, 0.5, np.random.default_rng(0), 32)
+        build_sample(
+            source, TOK, NeedleSpec("multihop"), length=150, depth=0.5, rng=np.random.default_rng(0), chunk_size=32
+        )
 
 
 @pytest.mark.parametrize(
@@ -196,7 +203,7 @@ def test_question_naming_the_chain_twice(source):
     spec = NeedleSpec("multihop", question=" Where does {name} lead? The key {name} leads to is")
     check_templates(spec)
     try:
-        build_sample(source, TOK, spec, 4000, 0.5, np.random.default_rng(1), 64)
+        build_sample(source, TOK, spec, length=4000, depth=0.5, rng=np.random.default_rng(1), chunk_size=64)
     except ValueError:
         pass
 
@@ -236,12 +243,21 @@ def test_eval_counts_the_hops_each_group_followed(source, monkeypatch):
     torch.manual_seed(0)
     model = GCAForCausalLM(tiny_config(vocab_size=256, groups=[1, 1], chunk_size=32, top_k=2)).eval()
     spec, length, depths, samples = NeedleSpec("multihop", needles=6), 1200, [0.2, 0.9], 3
-    rows = evaluate_passkey(model, TOK, source, spec, [length], depths, samples, 5, 100, 32)
+    grid = PasskeyGrid(spec, [length], depths, samples, seed=5)
+    rows = evaluate_passkey(model, TOK, source, grid, budget=StreamBudget(segment=100))
 
     for d, (depth, row) in enumerate(zip(depths, rows, strict=True)):
         want: dict[str, dict[str, dict[str, int]]] = {}
         for s in range(samples):
-            sample = build_sample(source, TOK, spec, length, depth, np.random.default_rng([5, length, d, s]), 32)
+            sample = build_sample(
+                source,
+                TOK,
+                spec,
+                length=length,
+                depth=depth,
+                rng=np.random.default_rng([5, length, d, s]),
+                chunk_size=32,
+            )
             picks = _batch_forward_picks(model, sample.ids[: sample.answer_start], monkeypatch)
             assert len({g for g, _ in picks}) == 2
             for group, hops in sample.hop.followed(picks).items():

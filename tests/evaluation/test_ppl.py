@@ -14,6 +14,7 @@ from helpers import tiny_config
 from model import build_model
 from pipeline.evaluation import ppl
 from pipeline.evaluation.ppl import context_ppl, document_ppl, window_nll
+from pipeline.evaluation.runtime import StreamBudget
 
 SPAN = 10_000
 """Token ``k * SPAN + i`` is position ``i`` of stub document ``k``: a token id names its document position."""
@@ -71,7 +72,9 @@ def _closed_form_nll(length, score_len, vocab):
 @pytest.mark.parametrize("segment", [1, 3, 8, 1000])
 def test_stub_nll_is_the_closed_form_of_the_context(segment):
     stub, score_len = ContextCounter(), 6
-    rows = context_ppl(stub, _documents(90, 40, 120), [10, 40, 90], score_len, segment)
+    rows = context_ppl(
+        stub, _documents(90, 40, 120), lengths=[10, 40, 90], score_len=score_len, budget=StreamBudget(segment)
+    )
     for row in rows:
         want = _closed_form_nll(row["length"], score_len, stub.vocab)
         assert row["kind"] == "context" and row["nll"] == pytest.approx(want, rel=1e-12)
@@ -82,7 +85,14 @@ def test_stub_nll_is_the_closed_form_of_the_context(segment):
 @pytest.mark.parametrize("same_documents", [True, False])
 def test_every_length_scores_the_final_tokens_of_each_document(same_documents):
     stub, score_len, sizes, lengths = ContextCounter(), 6, (90, 40, 120), [10, 40, 90]
-    context_ppl(stub, _documents(*sizes), lengths, score_len, segment=4, same_documents=same_documents)
+    context_ppl(
+        stub,
+        _documents(*sizes),
+        lengths=lengths,
+        score_len=score_len,
+        budget=StreamBudget(4),
+        same_documents=same_documents,
+    )
     expected = {k: {(k, i) for i in range(n - score_len, n)} for k, n in enumerate(sizes)}
     scored_docs = [k for length in lengths for k, n in enumerate(sizes) if n >= (90 if same_documents else length)]
     assert stub.streams == [expected[k] for k in scored_docs]
@@ -90,9 +100,19 @@ def test_every_length_scores_the_final_tokens_of_each_document(same_documents):
 
 def test_document_counts_per_length():
     docs = _documents(90, 40, 120)
-    same = context_ppl(ContextCounter(), docs, [10, 40, 90], 6, segment=16)
-    each = context_ppl(ContextCounter(), docs, [10, 40, 90], 6, segment=16, same_documents=False)
-    first = context_ppl(ContextCounter(), docs, [10, 40, 90], 6, segment=16, same_documents=False, samples=1)
+    same = context_ppl(ContextCounter(), docs, lengths=[10, 40, 90], score_len=6, budget=StreamBudget(16))
+    each = context_ppl(
+        ContextCounter(), docs, lengths=[10, 40, 90], score_len=6, budget=StreamBudget(16), same_documents=False
+    )
+    first = context_ppl(
+        ContextCounter(),
+        docs,
+        lengths=[10, 40, 90],
+        score_len=6,
+        budget=StreamBudget(16),
+        same_documents=False,
+        samples=1,
+    )
     assert [r["documents"] for r in same] == [2, 2, 2]
     assert [r["documents"] for r in each] == [3, 3, 2]
     assert [r["documents"] for r in first] == [1, 1, 1]
@@ -101,24 +121,26 @@ def test_document_counts_per_length():
 def test_different_positions_across_lengths_fail_loudly(monkeypatch):
     real = ppl.scored_tail_nll
 
-    def shifted_at_40(model, document, length, *args):
-        nll, positions = real(model, document, length, *args)
+    def shifted_at_40(model, document, *, length, **kwargs):
+        nll, positions = real(model, document, length=length, **kwargs)
         return nll, range(positions.start - 1, positions.stop - 1) if length == 40 else positions
 
     monkeypatch.setattr(ppl, "scored_tail_nll", shifted_at_40)
     with pytest.raises(AssertionError, match="document 0: length=40 scored positions range"):
-        context_ppl(ContextCounter(), _documents(90), [10, 40], 6, segment=16)
+        context_ppl(ContextCounter(), _documents(90), lengths=[10, 40], score_len=6, budget=StreamBudget(16))
 
 
 def test_lengths_no_document_holds_are_an_error_before_any_work():
     stub = ContextCounter()
     with pytest.raises(ValueError, match=r"length=500: no document holds 500 tokens \(the longest holds 120\)"):
-        context_ppl(stub, _documents(90, 120), [10, 500], 6, segment=16, same_documents=False)
+        context_ppl(
+            stub, _documents(90, 120), lengths=[10, 500], score_len=6, budget=StreamBudget(16), same_documents=False
+        )
     with pytest.raises(ValueError, match="ppl_documents=windows"):
-        context_ppl(stub, _documents(90, 120), [10, 500], 6, segment=16)
+        context_ppl(stub, _documents(90, 120), lengths=[10, 500], score_len=6, budget=StreamBudget(16))
     assert stub.streams == []
     with pytest.raises(ValueError, match=r"lengths=\[6, 40\]: each must be > score_len=6"):
-        context_ppl(stub, _documents(90), [6, 40], 6, segment=16)
+        context_ppl(stub, _documents(90), lengths=[6, 40], score_len=6, budget=StreamBudget(16))
 
 
 def _reference_nll(model, document, length, score_len):
@@ -136,7 +158,14 @@ def test_context_ppl_equals_one_full_forward(arch, segment, offload_mb):
     model = build_model(tiny_config(arch=arch)).eval()  # window 32, reach 33 (gca): skips memory for L=300
     docs = [np.random.default_rng(k).integers(0, 256, size=n) for k, n in enumerate((300, 150, 400))]
     score_len, lengths = 24, [40, 100, 300]
-    rows = context_ppl(model, docs, lengths, score_len, segment, offload_mb, same_documents=False)
+    rows = context_ppl(
+        model,
+        docs,
+        lengths=lengths,
+        score_len=score_len,
+        budget=StreamBudget(segment, offload_mb),
+        same_documents=False,
+    )
     for row in rows:
         long_enough = [d for d in docs if len(d) >= row["length"]]
         want = sum(_reference_nll(model, d, row["length"], score_len) for d in long_enough)
@@ -146,7 +175,7 @@ def test_context_ppl_equals_one_full_forward(arch, segment, offload_mb):
 
 def test_document_ppl_scores_every_position_of_each_document(tiny_model):
     docs = [np.random.default_rng(k).integers(0, 256, size=n) for k, n in enumerate((70, 1, 130))]
-    row = document_ppl(tiny_model, docs, segment=50)
+    row = document_ppl(tiny_model, docs, budget=StreamBudget(50))
     with torch.no_grad():
         nlls = [
             F.cross_entropy(tiny_model(torch.from_numpy(d)[None]).logits[0, :-1].double(), torch.from_numpy(d)[1:])
@@ -160,7 +189,7 @@ def test_document_ppl_scores_every_position_of_each_document(tiny_model):
 @pytest.mark.parametrize(("segment", "length"), [(1, 40), (17, 200), (70, 200), (200, 200)])
 def test_segment_wise_equals_full_forward(tiny_model, segment, length):
     ids = torch.randint(0, 256, (2, length))
-    total, count = window_nll(tiny_model, ids, segment=segment, offload_mb=0 if segment == 70 else -1)
+    total, count = window_nll(tiny_model, ids, budget=StreamBudget(segment, offload_mb=0 if segment == 70 else -1))
     with torch.no_grad():
         logits = tiny_model(ids).logits
     reference = F.cross_entropy(logits[:, :-1].flatten(0, 1).double(), ids[:, 1:].flatten(), reduction="sum")

@@ -7,8 +7,9 @@ import pytest
 import sentencepiece as spm
 
 from model import save_pretrained
+from pipeline.data.needle import NeedleSpec
 from pipeline.evaluation.haystack import TokenSource
-from pipeline.evaluation.passkey import NeedleSpec, build_sample
+from pipeline.evaluation.passkey import build_sample
 from pipeline.evaluation.runtime import load_checkpoint
 from pipeline.evaluation.tokenizer import ByteTokenizer, SentencePieceTokenizer
 
@@ -41,7 +42,9 @@ def test_sentencepiece_needle(sp_export):
     ckpt = load_checkpoint(sp_export)
     assert isinstance(ckpt.tokenizer, SentencePieceTokenizer)
     source = TokenSource("builtin", ckpt.tokenizer)
-    sample = build_sample(source, ckpt.tokenizer, NeedleSpec("single"), 600, 0.5, np.random.default_rng(0), 16)
+    sample = build_sample(
+        source, ckpt.tokenizer, NeedleSpec("single"), length=600, depth=0.5, rng=np.random.default_rng(0), chunk_size=16
+    )
     answer = sample.ids[sample.answer_start : sample.answer_start + sample.answer_len].tolist()
     assert ckpt.tokenizer.decode(answer).strip() == sample.key
     assert ckpt.tokenizer.decode(answer[:1]).strip()  # a whitespace-only first piece moved into the question

@@ -78,7 +78,7 @@ def test_folder_loads_without_the_repository(hf_export, tmp_path):
     with torch.no_grad():
         expected = native(ids).logits[0]
     assert (torch.tensor(result["logits"]) - expected).abs().max() <= 1e-5
-    from pipeline.evaluation.generate import generate
+    from pipeline.evaluation.generate import Sampling, generate
 
-    assert result["generated"] == list(generate(native, result["ids"], 12, temperature=0.0))
+    assert result["generated"] == list(generate(native, result["ids"], 12, sampling=Sampling(temperature=0.0)))
     assert Path(tmp_path / "hf_home" / "modules" / "transformers_modules" / "copy" / "model_gca.py").is_file()

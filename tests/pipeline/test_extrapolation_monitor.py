@@ -8,9 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pipeline.data.needle import NeedleSpec
 from pipeline.evaluation.haystack import TokenSource
-from pipeline.evaluation.passkey import NeedleSpec, evaluate_passkey
-from pipeline.evaluation.runtime import load_checkpoint
+from pipeline.evaluation.passkey import PasskeyGrid, evaluate_passkey
+from pipeline.evaluation.runtime import StreamBudget, load_checkpoint
 from pipeline.train import dist
 from pipeline.train.callbacks import extrapolation
 from pipeline.train.callbacks.extrapolation import ExtrapolationMonitor, make_plan
@@ -43,9 +44,8 @@ def reference_ppl(model, val_stream: np.ndarray, length: int, score_len: int, wi
 
 def reference_passkey(model, tokenizer, length: int) -> float:
     """The exact-match rate of one passkey sample at each of the depths 0.25 and 0.75 (seed 7, the runs' seed)."""
-    rows = evaluate_passkey(
-        model, tokenizer, TokenSource("builtin", tokenizer, 7), NeedleSpec(), [length], [0.25, 0.75], 1, 7, SEQ, 8
-    )
+    grid = PasskeyGrid(NeedleSpec(), [length], [0.25, 0.75], samples=1, seed=7)
+    rows = evaluate_passkey(model, tokenizer, TokenSource("builtin", tokenizer, 7), grid, budget=StreamBudget(SEQ))
     return sum(r["exact_match"] for r in rows) / 2
 
 

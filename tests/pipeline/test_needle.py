@@ -3,7 +3,14 @@
 import numpy as np
 import pytest
 
-from pipeline.data.needle import NeedleInserter, move_answer_whitespace, place_needle
+from pipeline.data.needle import (
+    TRAINER_VARIANTS,
+    VARIANTS,
+    NeedleInserter,
+    lay_out_needle,
+    move_answer_whitespace,
+    place_needle,
+)
 
 
 @pytest.mark.parametrize("length,S", [(256, 16), (1000, 16), (4096, 64), (300, 7)])
@@ -52,3 +59,24 @@ def test_answer_whitespace_moves_to_the_question_keeping_one_answer_token():
     question, answer = [1], [2, 4]
     move_answer_whitespace(question, answer, decode)
     assert (question, answer) == ([1], [2, 4])  # the inputs are left as they were
+
+
+def test_lay_out_needle_writes_every_part_where_place_needle_says_and_keeps_distractors_apart():
+    seq = np.full(400, 7, dtype=np.int64)
+    needle, question, answer = [1] * 6, [2] * 9, [3] * 4
+    others = [[4] * 5, [5] * 5, [6] * 5]
+    out, where = lay_out_needle(seq, needle, question, answer, 0.4, 16, others, np.random.default_rng(0))
+    assert where == place_needle(400, 16, 6, 9, 4, 0.4)  # the layout is place_needle's, nothing added
+    assert (seq == 7).all()  # a copy
+    assert out[where.needle_start : where.needle_start + 6].tolist() == needle
+    assert out[where.question_start : where.answer_start].tolist() == question
+    assert out[where.answer_start : where.answer_start + 4].tolist() == answer
+    for token in (4, 5, 6):  # each distractor whole, before the question, overwriting neither needle nor another
+        at = np.flatnonzero(out == token)
+        assert len(at) == 5 and at[-1] - at[0] == 4 and at[-1] < where.question_start
+
+
+def test_the_trainer_mixes_a_subset_of_the_eval_variants(tiny_data):
+    assert set(TRAINER_VARIANTS) < set(VARIANTS)
+    with pytest.raises(ValueError, match="data.needle_variant='multi' is not one of"):
+        NeedleInserter(tiny_data / "tokenizer.model", 256, chunk_size=16, variant="multi")

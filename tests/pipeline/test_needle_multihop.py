@@ -407,10 +407,20 @@ def test_rank_batches_weigh_exactly_the_two_hop_answers(tiny_data, hop_model, sp
     needles = NeedleInserter(hop_model, L, S, variant="multihop")
 
     def loader(with_needles: bool) -> RankBatches:
-        stream = PackedSequences(reader, L, seed=0, shuffle=True, window=8, eos_id=None)
+        stream = PackedSequences(reader, seq_len=L, seed=0, shuffle=True, window=8, eos_id=None)
         if not with_needles:
-            return RankBatches(stream, batch, 4, 0, 1)
-        return RankBatches(stream, batch, 4, 0, 1, needles, needle_mix=0.5, seed=9, answer_weight=5.0)
+            return RankBatches(stream, global_batch=batch, micro_batch=4, rank=0, world_size=1)
+        return RankBatches(
+            stream,
+            global_batch=batch,
+            micro_batch=4,
+            rank=0,
+            world_size=1,
+            needles=needles,
+            needle_mix=0.5,
+            seed=9,
+            answer_weight=5.0,
+        )
 
     marked = 0
     plain_loader, mixed_loader = loader(False), loader(True)

@@ -16,8 +16,8 @@ def reader(tiny_data):
 
 
 def batches(reader, rank=0, world=1, seed=3, window=8, eos=None):
-    stream = PackedSequences(reader, SEQ, seed=seed, shuffle=True, window=window, eos_id=eos)
-    return RankBatches(stream, GLOBAL, MICRO, rank, world)
+    stream = PackedSequences(reader, seq_len=SEQ, seed=seed, shuffle=True, window=window, eos_id=eos)
+    return RankBatches(stream, global_batch=GLOBAL, micro_batch=MICRO, rank=rank, world_size=world)
 
 
 def global_batch(rank_batches):
@@ -45,7 +45,7 @@ def test_ranks_get_disjoint_sequences(reader):
 def test_seed_changes_order_and_stream_is_contiguous_text(reader):
     a, b = torch.cat(batches(reader, seed=1).next_step()), torch.cat(batches(reader, seed=2).next_step())
     assert not torch.equal(a, b)
-    unshuffled = PackedSequences(reader, SEQ, seed=0, shuffle=False, window=4, eos_id=None)
+    unshuffled = PackedSequences(reader, seq_len=SEQ, seed=0, shuffle=False, window=4, eos_id=None)
     seqs, ids = unshuffled.next(3)
     first_tokens = np.concatenate([reader.sample(0, i)[0] for i in range(8)]).astype(np.int64)
     assert np.array_equal(seqs.reshape(-1), first_tokens[: 3 * SEQ]) and ids.tolist() == [0, 1, 2]
@@ -76,7 +76,7 @@ def test_epochs_cover_every_token_and_continue(reader):
     total = int(
         sum(len(reader.sample(s, i)[0]) for s in range(reader.num_shards) for i in range(reader.samples_per_shard[s]))
     )
-    stream = PackedSequences(reader, SEQ, seed=0, shuffle=True, window=4, eos_id=None)
+    stream = PackedSequences(reader, seq_len=SEQ, seed=0, shuffle=True, window=4, eos_id=None)
     n_seq = total // SEQ
     seqs, _ = stream.next(n_seq + 5)  # crosses into epoch 1 without error
     epoch0 = np.sort(seqs[: total // SEQ].reshape(-1))
@@ -90,7 +90,7 @@ def test_epochs_cover_every_token_and_continue(reader):
 
 
 def test_eos_between_documents_only(reader):
-    stream = PackedSequences(reader, SEQ, seed=0, shuffle=False, window=2, eos_id=63)
+    stream = PackedSequences(reader, seq_len=SEQ, seed=0, shuffle=False, window=2, eos_id=63)
     flat = stream.next(20)[0].reshape(-1)
     docs = [d for d in _docs_in_shard_order(reader)]
     n_boundaries = np.searchsorted(np.cumsum([len(d) + 1 for d in docs]), len(flat), side="right")
@@ -116,8 +116,10 @@ def _docs_in_shard_order(reader):
 
 def test_needles_are_deterministic_and_well_formed(reader, tiny_data):
     needles = NeedleInserter(tiny_data / "tokenizer.model", SEQ * 2, chunk_size=16)
-    stream = PackedSequences(reader, SEQ * 2, seed=0, shuffle=True, window=8, eos_id=None)
-    rb = RankBatches(stream, GLOBAL, MICRO, 0, 1, needles, needle_mix=0.5, seed=9)
+    stream = PackedSequences(reader, seq_len=SEQ * 2, seed=0, shuffle=True, window=8, eos_id=None)
+    rb = RankBatches(
+        stream, global_batch=GLOBAL, micro_batch=MICRO, rank=0, world_size=1, needles=needles, needle_mix=0.5, seed=9
+    )
     batch = torch.cat(rb.next_step())
     assert batch.shape == (GLOBAL, SEQ * 2)
     marked = 0
@@ -128,6 +130,8 @@ def test_needles_are_deterministic_and_well_formed(reader, tiny_data):
             key = text.split("The pass key is")[1].split(".")[0].strip()
             assert f"What is the pass key? The pass key is {key}" in text
     assert 0 < marked < GLOBAL
-    stream2 = PackedSequences(reader, SEQ * 2, seed=0, shuffle=True, window=8, eos_id=None)
-    rank1 = RankBatches(stream2, GLOBAL, MICRO, 1, 2, needles, needle_mix=0.5, seed=9)
+    stream2 = PackedSequences(reader, seq_len=SEQ * 2, seed=0, shuffle=True, window=8, eos_id=None)
+    rank1 = RankBatches(
+        stream2, global_batch=GLOBAL, micro_batch=MICRO, rank=1, world_size=2, needles=needles, needle_mix=0.5, seed=9
+    )
     assert torch.equal(torch.cat(rank1.next_step()), batch[GLOBAL // 2 :])

@@ -61,7 +61,13 @@ def test_t08_resume_at_every_step_including_the_exact_epoch_end():
     reader = FakeReader(lengths)
 
     def fresh() -> RankBatches:
-        return RankBatches(PackedSequences(reader, 8, seed=3, shuffle=True, window=4, eos_id=None), 2, 1, 0, 1)
+        return RankBatches(
+            PackedSequences(reader, seq_len=8, seed=3, shuffle=True, window=4, eos_id=None),
+            global_batch=2,
+            micro_batch=1,
+            rank=0,
+            world_size=1,
+        )
 
     straight = _steps(fresh(), 60)
     epochs = [np.sort(np.concatenate(straight[e * 20 : (e + 1) * 20]).ravel()) for e in range(3)]
@@ -92,7 +98,13 @@ def test_t08_real_dataset_resume_mid_epoch_and_across_the_epoch_boundary(data):
     for shuffle in (False, True):
 
         def fresh(shuffle: bool = shuffle) -> RankBatches:
-            return RankBatches(PackedSequences(reader, 64, seed=7, shuffle=shuffle, window=8, eos_id=1), 4, 2, 0, 1)
+            return RankBatches(
+                PackedSequences(reader, seq_len=64, seed=7, shuffle=shuffle, window=8, eos_id=1),
+                global_batch=4,
+                micro_batch=2,
+                rank=0,
+                world_size=1,
+            )
 
         straight = _steps(fresh(), steps)
         for k in (1, 5, steps // 2, steps - 3, steps - 2):
@@ -114,7 +126,13 @@ def test_t09_elastic_partition(resume_at):
 
     def ranks(world: int) -> list[RankBatches]:
         return [
-            RankBatches(PackedSequences(reader, 5, seed=11, shuffle=True, window=10, eos_id=None), 12, 1, r, world)
+            RankBatches(
+                PackedSequences(reader, seq_len=5, seed=11, shuffle=True, window=10, eos_id=None),
+                global_batch=12,
+                micro_batch=1,
+                rank=r,
+                world_size=world,
+            )
             for r in range(world)
         ]
 
@@ -145,7 +163,7 @@ def test_t09_elastic_partition(resume_at):
 
 def _first_shard(data_dir: Path) -> int:
     reader = MDSReader(str(data_dir), "train", None)
-    return int(PackedSequences(reader, 64, 7, True, 8, 1)._shard_order(0)[0])
+    return int(PackedSequences(reader, seq_len=64, seed=7, shuffle=True, window=8, eos_id=1)._shard_order(0)[0])
 
 
 def test_t10_corrupt_compressed_shard_is_caught_before_use(data_copy):

@@ -42,9 +42,11 @@ import torch
 
 from data_prep import format as fmt
 from model import CausalLM, build_model
+from pipeline.data.needle import NeedleSpec
 from pipeline.evaluation import ppl
 from pipeline.evaluation.haystack import TokenSource
-from pipeline.evaluation.passkey import NeedleSpec, evaluate_passkey
+from pipeline.evaluation.passkey import PasskeyGrid, evaluate_passkey
+from pipeline.evaluation.runtime import StreamBudget
 from pipeline.evaluation.tokenizer import ByteTokenizer, SentencePieceTokenizer
 from pipeline.train import dist
 from pipeline.train.callbacks.base import Callback
@@ -285,21 +287,19 @@ def _run_probe(
     if probe.kind == "passkey":
         assert plan.tokenizer is not None and plan.haystack is not None, "planned only with a tokenizer"
         depths = spread_depths(cfg.eval.extrapolation_samples)
+        grid = PasskeyGrid(NeedleSpec(), [probe.length], depths, samples=1, seed=cfg.seed)
         rows = evaluate_passkey(
-            model,
-            plan.tokenizer,
-            plan.haystack,
-            NeedleSpec(),
-            [probe.length],
-            depths,
-            1,
-            cfg.seed,
-            segment,
-            cfg.model.chunk_size,
-            progress=progress,
+            model, plan.tokenizer, plan.haystack, grid, budget=StreamBudget(segment=segment), progress=progress
         )
         return sum(row["exact_match"] for row in rows) / len(rows)
-    rows = ppl.context_ppl(model, plan.windows, [probe.length], cfg.extrapolation_score_len, segment, progress=progress)
+    rows = ppl.context_ppl(
+        model,
+        plan.windows,
+        lengths=[probe.length],
+        score_len=cfg.extrapolation_score_len,
+        budget=StreamBudget(segment=segment),
+        progress=progress,
+    )
     return float(rows[0]["ppl"])
 
 

@@ -77,9 +77,20 @@ class PeriodicEval(Callback):
                 cache = cfg.data.cache_dir or str(trainer.run_dir / "data_cache")
                 self._reader = MDSReader(cfg.data.path, cfg.data.val_split, cache, cfg.data.validate_hash)
             stream = PackedSequences(
-                self._reader, cfg.train.seq_len, cfg.seed, False, cfg.train.global_batch, trainer.eos_id
+                self._reader,
+                seq_len=cfg.train.seq_len,
+                seed=cfg.seed,
+                shuffle=False,
+                window=cfg.train.global_batch,
+                eos_id=trainer.eos_id,
             )
-            batches = RankBatches(stream, cfg.train.global_batch, cfg.train.micro_batch, info.rank, info.world_size)
+            batches = RankBatches(
+                stream,
+                global_batch=cfg.train.global_batch,
+                micro_batch=cfg.train.micro_batch,
+                rank=info.rank,
+                world_size=info.world_size,
+            )
             return [x for _ in range(cfg.train.eval_batches) for x in batches.next_step()], None
         except Exception as err:  # whatever the reader raises (missing, corrupt, empty split): reported collectively
             return [], err
