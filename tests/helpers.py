@@ -121,6 +121,33 @@ def write_mds_split(
             writer.write({fmt.TOKENS: np.asarray(tokens, dtype=np.uint16), fmt.DOC_ID: doc_id, fmt.PIECE: piece})
 
 
+# ---------------------------------------------------------------- tokenizers
+
+
+def train_test_tokenizer(lines: Iterable[str], vocab_size: int, **options: object) -> bytes:
+    """A SentencePiece BPE model trained in memory on ``lines`` (one thread, quiet), with the special ids data prep
+    gives its tokenizers (unk 0, EOS 1, no BOS or pad) and ``vocab_size`` as an upper bound; ``options`` add or
+    override trainer flags (``byte_fallback``, ``character_coverage``, ...)."""
+    import io
+
+    import sentencepiece as spm
+
+    out = io.BytesIO()
+    settings: dict[str, object] = {
+        "model_type": "bpe",
+        "eos_id": 1,
+        "bos_id": -1,
+        "pad_id": -1,
+        "unk_id": 0,
+        "num_threads": 1,
+        "minloglevel": 2,
+        "hard_vocab_limit": False,
+        **options,
+    }
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=out, vocab_size=vocab_size, **settings)
+    return out.getvalue()
+
+
 # ---------------------------------------------------------------- tolerances
 
 EXACT: Mapping[str, float] = {"rtol": 0.0, "atol": 0.0}

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import glob
-import io
 import json
 import os
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import MARKOV_VOCAB, markov_pieces, train_overrides, write_mds_split
+from helpers import MARKOV_VOCAB, markov_pieces, train_overrides, train_test_tokenizer, write_mds_split
 
 from data_prep import format as fmt
 
@@ -24,8 +23,6 @@ def write_mds(root: Path, split: str, n_docs: int, seed: int, size_limit: int = 
 
 
 def _tokenizer_bytes() -> bytes:
-    import sentencepiece as spm
-
     from pipeline.data.needle import NEEDLE, QUESTION
 
     words = "the grass is green the sky is blue here we go again".split()
@@ -33,22 +30,7 @@ def _tokenizer_bytes() -> bytes:
     lines = [
         " ".join(rng.choice(words, 12)) + NEEDLE.format(key=rng.integers(10000, 99999)) + QUESTION for _ in range(400)
     ]
-    out = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines),
-        model_writer=out,
-        vocab_size=VOCAB,
-        model_type="bpe",
-        byte_fallback=False,
-        eos_id=EOS,
-        bos_id=-1,
-        pad_id=-1,
-        unk_id=0,
-        num_threads=1,
-        minloglevel=2,
-        hard_vocab_limit=False,
-    )
-    return out.getvalue()
+    return train_test_tokenizer(lines, VOCAB, byte_fallback=False, eos_id=EOS)
 
 
 @pytest.fixture(autouse=True)

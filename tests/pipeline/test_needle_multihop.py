@@ -13,7 +13,6 @@ part of the question touches, and a needle that fits in a chunk never straddles 
 
 from __future__ import annotations
 
-import io
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import train_test_tokenizer
 
 from pipeline.data.needle import (
     HOP_TEMPLATES,
@@ -46,8 +46,6 @@ NAME = r"([A-Z][a-z]+)"
 def hop_tokenizer_bytes() -> bytes:
     """A 200-piece SentencePiece model covering every character of the two-hop texts, the names and the eval's
     filler words, so that decoding is lossless (up to whitespace) and distinct names get distinct ids."""
-    import sentencepiece as spm
-
     rng = np.random.default_rng(0)
 
     def name() -> str:
@@ -64,23 +62,7 @@ def hop_tokenizer_bytes() -> bytes:
             + HOP_TEMPLATES["question"].format(name=first)
             + HOP_TEMPLATES["answer"].format(key=key)
         )
-    out = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines),
-        model_writer=out,
-        vocab_size=200,
-        model_type="bpe",
-        character_coverage=1.0,
-        byte_fallback=False,
-        eos_id=1,
-        bos_id=-1,
-        pad_id=-1,
-        unk_id=0,
-        num_threads=1,
-        minloglevel=2,
-        hard_vocab_limit=False,
-    )
-    return out.getvalue()
+    return train_test_tokenizer(lines, 200, character_coverage=1.0, byte_fallback=False)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import io
 import json
 import os
 import re
@@ -24,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import markov_pieces, train_overrides, write_mds_split
+from helpers import markov_pieces, train_overrides, train_test_tokenizer, write_mds_split
 
 from data_prep import format as fmt
 
@@ -47,25 +46,9 @@ def write_split(root: Path, split: str, n_docs: int, seed: int, size_limit: int 
 
 
 def tokenizer_bytes() -> bytes:
-    import sentencepiece as spm
-
     words = "the grass is green the sky is blue here we go again".split()
     rng = np.random.default_rng(0)
-    out = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(" ".join(rng.choice(words, 12)) for _ in range(300)),
-        model_writer=out,
-        vocab_size=VOCAB,
-        model_type="bpe",
-        eos_id=EOS,
-        bos_id=-1,
-        pad_id=-1,
-        unk_id=0,
-        num_threads=1,
-        minloglevel=2,
-        hard_vocab_limit=False,
-    )
-    return out.getvalue()
+    return train_test_tokenizer((" ".join(rng.choice(words, 12)) for _ in range(300)), VOCAB, eos_id=EOS)
 
 
 def write_dataset(root: Path, n_train: int = 200, n_val: int = 20) -> Path:

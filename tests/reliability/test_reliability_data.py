@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import train_test_tokenizer
 from reliability_harness import committed, flip_byte, overrides
 
 from data_prep.streaming_compat import ensure_streaming_importable
@@ -200,26 +201,7 @@ def test_t10_corrupt_extracted_shard_is_caught_by_the_trainer(data_copy, tmp_pat
 
 def _other_tokenizer() -> bytes:
     """A SentencePiece model as valid as the dataset's (same size and EOS id) but trained on other text."""
-    import io
-
-    import sentencepiece as spm
-
-    out = io.BytesIO()
-    lines = [f"other words for model {i} and more text {i * 7}" for i in range(300)]
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines),
-        model_writer=out,
-        vocab_size=64,
-        model_type="bpe",
-        eos_id=1,
-        bos_id=-1,
-        pad_id=-1,
-        unk_id=0,
-        num_threads=1,
-        minloglevel=2,
-        hard_vocab_limit=False,
-    )
-    return out.getvalue()
+    return train_test_tokenizer([f"other words for model {i} and more text {i * 7}" for i in range(300)], 64)
 
 
 @pytest.mark.parametrize("change", ["tokenizer", "more_documents"])
