@@ -257,6 +257,7 @@ def lay_out_needle(
     needle: Sequence[int],
     question: Sequence[int],
     answer: Sequence[int],
+    *,
     depth: float,
     chunk_size: int,
     others: Sequence[Sequence[int]] = (),
@@ -565,7 +566,7 @@ class NeedleInserter:
         if self.variant == "multihop":
             return self._insert_multihop(seq, key, rng)
         needle, question, answer = self.parts(key)
-        out, where = lay_out_needle(seq, needle, question, answer, rng.random(), self.chunk_size)
+        out, where = lay_out_needle(seq, needle, question, answer, depth=rng.random(), chunk_size=self.chunk_size)
         return out, slice(where.answer_start, where.answer_start + len(answer))
 
     def _insert_multihop(self, seq: np.ndarray, key: str, rng: np.random.Generator) -> tuple[np.ndarray, slice]:

@@ -85,6 +85,7 @@ def decode(
     state: StreamState,
     last: torch.Tensor,
     max_new_tokens: int,
+    *,
     pick: Callable[[torch.Tensor], int] = greedy_token,
     stop_ids: tuple[int, ...] = (),
     on_tokens: Callable[[int], None] | None = None,
@@ -146,4 +147,4 @@ def generate(
 
     with stream_state(model, budget) as state:
         last = prefill(model, state, torch.tensor([prompt], device=device), budget.segment)
-        yield from decode(model, state, last, max_new_tokens, pick, stop_ids)
+        yield from decode(model, state, last, max_new_tokens, pick=pick, stop_ids=stop_ids)

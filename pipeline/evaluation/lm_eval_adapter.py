@@ -37,6 +37,7 @@ class GCALM(LM):
     def __init__(
         self,
         checkpoint: str,
+        *,
         device: str | None = "cpu",
         segment: int = 4096,
         max_gen_toks: int = 256,

@@ -103,8 +103,21 @@ def build_sample(
         return str(int(rng.integers(10 ** (spec.key_digits - 1), 10**spec.key_digits)))
 
     key = new_key()
-    if spec.variant == "multihop":
-        return _build_multihop(source, tokenizer, spec, length, depth, rng, chunk_size, key, new_key)
+    if spec.variant == "multihop":  # the key needle at depth, the link and needles // 2 - 1 distractor chains
+        templates = {part: spec.template(part) for part in ("needle", "link", "question", "answer")}
+        texts = hop_texts(enc, tokenizer.decode, templates, key, new_key, rng, spec.needles // 2)
+        window = source.window(length, rng).astype(np.int64)
+        ids, hop = lay_out_multihop(window, texts, chunk_size, depth, rng)
+        return PasskeySample(
+            ids,
+            hop.answer_start,
+            len(texts.answer),
+            hop.needle_start,
+            len(texts.needle),
+            hop.room,
+            key,
+            HopChunks.of(hop, texts, chunk_size),
+        )
     names: set[str] = set()
     target_name = new_name(rng, names)  # drawn for single too, so a seed gives the samples it always gave
     if spec.variant == "single":
@@ -116,38 +129,11 @@ def build_sample(
             enc(render(spec, "needle", name=new_name(rng, names), key=new_key())) for _ in range(spec.needles - 1)
         ]
     window = source.window(length, rng).astype(np.int64)  # overwritten by needles, question and answer
-    ids, where = lay_out_needle(window, target, question, answer, depth, chunk_size, others, rng)
+    ids, where = lay_out_needle(
+        window, target, question, answer, depth=depth, chunk_size=chunk_size, others=others, rng=rng
+    )
     return PasskeySample(
         ids, where.answer_start, len(answer), where.needle_start, len(target), where.question_start - len(target), key
-    )
-
-
-def _build_multihop(
-    source: TokenSource,
-    tokenizer: SentencePieceTokenizer | ByteTokenizer,
-    spec: NeedleSpec,
-    length: int,
-    depth: float,
-    rng: np.random.Generator,
-    chunk_size: int,
-    key: str,
-    new_key: Callable[[], str],
-) -> PasskeySample:
-    """A two-hop sample, laid out by the trainer's ``pipeline.data.needle.lay_out_multihop``: the key needle at
-    ``depth``, the link and ``needles // 2 - 1`` distractor chains in chunks of their own."""
-    templates = {part: spec.template(part) for part in ("needle", "link", "question", "answer")}
-    texts = hop_texts(tokenizer.encode, tokenizer.decode, templates, key, new_key, rng, spec.needles // 2)
-    window = source.window(length, rng).astype(np.int64)
-    ids, where = lay_out_multihop(window, texts, chunk_size, depth, rng)
-    return PasskeySample(
-        ids,
-        where.answer_start,
-        len(texts.answer),
-        where.needle_start,
-        len(texts.needle),
-        where.room,
-        key,
-        HopChunks.of(where, texts, chunk_size),
     )
 
 

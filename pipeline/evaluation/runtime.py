@@ -124,6 +124,7 @@ def stream_segments(
     ids: torch.Tensor,
     segment: int,
     on_tokens: Callable[[int], None] | None = None,
+    *,
     last_only: bool = False,
     memory_only: bool = False,
 ) -> Iterator[tuple[int, torch.Tensor]]:

@@ -65,7 +65,9 @@ def test_lay_out_needle_writes_every_part_where_place_needle_says_and_keeps_dist
     seq = np.full(400, 7, dtype=np.int64)
     needle, question, answer = [1] * 6, [2] * 9, [3] * 4
     others = [[4] * 5, [5] * 5, [6] * 5]
-    out, where = lay_out_needle(seq, needle, question, answer, 0.4, 16, others, np.random.default_rng(0))
+    out, where = lay_out_needle(
+        seq, needle, question, answer, depth=0.4, chunk_size=16, others=others, rng=np.random.default_rng(0)
+    )
     assert where == place_needle(400, 16, 6, 9, 4, 0.4)  # the layout is place_needle's, nothing added
     assert (seq == 7).all()  # a copy
     assert out[where.needle_start : where.needle_start + 6].tolist() == needle
