@@ -17,12 +17,13 @@ import argparse
 import logging
 import sys
 
-from data_prep.config import load_config
+from data_prep.config import PrepConfig, load_config
 from data_prep.errors import PrepError
 from data_prep.format import IncompleteDatasetError
 from data_prep.merge import merge_slices, prepare_tokenizer, slice_dir, slices_root
 from data_prep.redaction import install_log_redaction, redact
 from data_prep.safe_files import UnsafeDatasetError
+from data_prep.schema import add_keys_argument
 from data_prep.shard import main as prep
 
 
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     """Prep: parse ``argv`` (default: ``sys.argv[1:]``), prepare the dataset; 0 done, 2 bad input, 130 interrupted."""
     parser = argparse.ArgumentParser(description="Prepare a tokenized MDS dataset.")
     parser.add_argument("--config", help="YAML file with prep settings (see configs/data/)")
+    add_keys_argument(parser, PrepConfig)
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. tokenizer.vocab_size=8192")
     args = parser.parse_args(argv)
     _setup_logging()

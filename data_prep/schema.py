@@ -15,9 +15,15 @@ load configs, and ``data_prep`` may not import the pipeline.
 
 from __future__ import annotations
 
+import argparse
+import ast
 import dataclasses
 import difflib
+import functools
+import inspect
+import json
 import re
+import textwrap
 import types
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,7 +35,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException, Vali
 
 from data_prep.redaction import raw_env_paths, redact, track_env_values
 
-__all__ = ["INTERNAL", "ONE_OR_LIST", "ConfigError", "load_schema"]
+__all__ = ["INTERNAL", "ONE_OR_LIST", "ConfigError", "add_keys_argument", "describe_keys", "load_schema"]
 
 T = TypeVar("T")
 
@@ -288,3 +294,127 @@ def _explain(err: OmegaConfBaseException, schema: type, source: str | None) -> C
     return ConfigError(
         f"config key '{key}' has a wrong value{where}: {reason}" + (f"; {quote_hint(key)}" if text_field else "")
     )
+
+
+# -- listing the keys (``--keys``) ----------------------------------------------------------------------------------
+
+
+def describe_keys(schema: type) -> str:
+    """Every key a config of ``schema`` may set, as text: ``key (type) = default``, then its docstring indented.
+
+    Nested sections are walked and their keys written dotted (``tokenizer.vocab_size``), each section introduced by
+    its own docstring; fields marked `INTERNAL` are left out. The docstrings are the attribute docstrings of the
+    schema's source (a string literal right after a field), found in the class that declares the field, so fields
+    inherited from a base dataclass keep theirs. A ``default_factory`` default is shown as the value it makes, a
+    field without a default as ``(required)``; values are written as they would be in a config (JSON, which YAML
+    reads alike: ``null``, ``true``, ``"text"``).
+    """
+    lines = [
+        f"Config keys of {schema.__name__} (set in the --config YAML file or as key=value overrides; "
+        "the keys of a [section] are dotted: section.key=value):",
+        "",
+    ]
+    _describe(schema, "", lines)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def add_keys_argument(parser: argparse.ArgumentParser, schema: type) -> None:
+    """Give ``parser`` a ``--keys`` option that prints `describe_keys` of ``schema`` and exits 0.
+
+    Like ``--help`` it acts while the command line is parsed, so no other work is done and the required options
+    (``--config``, ``--checkpoint``, ...) are not needed with it; without it they stay required.
+    """
+
+    class _KeysAction(argparse.Action):
+        def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+            print(describe_keys(schema), end="")
+            parser.exit(0)
+
+    parser.add_argument(
+        "--keys",
+        action=_KeysAction,
+        nargs=0,
+        help=f"print every config key ({schema.__name__}) with its meaning and default, then exit",
+    )
+
+
+def _describe(cls: type, prefix: str, lines: list[str]) -> None:
+    hints = get_type_hints(cls)
+    docs = _field_docs(cls)
+    leaves = [f for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
+    # The plain keys of a section first, then its subsections, so that a subsection's keys stay together.
+    sections = [f for f in leaves if _section(hints[f.name]) is not None]
+    for f in (f for f in leaves if _section(hints[f.name]) is None):
+        lines.append(f"{prefix}{f.name} ({_type_text(hints[f.name])}) = {_default_text(f)}")
+        lines += _indented(docs.get(f.name))
+        lines.append("")
+    for f in sections:
+        section = _section(hints[f.name])
+        assert section is not None
+        lines.append(
+            f"[{prefix}{f.name}]" + ("" if _default_text(f) != "null" else " (optional section, default null)")
+        )
+        lines += _indented(docs.get(f.name) or _class_doc(section))
+        lines.append("")
+        _describe(section, f"{prefix}{f.name}.", lines)
+
+
+def _indented(doc: str | None) -> list[str]:
+    return ["    " + line if line else "" for line in (doc or "").splitlines()]
+
+
+def _type_text(hint: Any) -> str:
+    """``int``, ``str | None``, ``list[int]``, ``Literal['bpe', 'unigram']``."""
+    if isinstance(hint, type) and not get_args(hint):
+        return hint.__name__
+    return re.sub(r"\b(typing|collections\.abc)\.", "", str(hint)).replace("NoneType", "None")
+
+
+def _default_text(f: dataclasses.Field[Any]) -> str:
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+    else:
+        return "(required)"
+    if isinstance(value, str) and value == "???":  # omegaconf's MISSING
+        return "(required)"
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+@functools.cache
+def _class_source(cls: type) -> ast.ClassDef | None:
+    """The class statement of ``cls`` as parsed from its source, or None when the source cannot be read."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return None
+    node = ast.parse(source).body[0]
+    return node if isinstance(node, ast.ClassDef) else None
+
+
+def _class_doc(cls: type) -> str | None:
+    node = _class_source(cls)
+    return ast.get_docstring(node) if node is not None else None  # not __doc__: dataclass makes one up
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Field name -> attribute docstring, from ``cls`` and its base classes (the class that declares a field wins)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        node = _class_source(klass) if dataclasses.is_dataclass(klass) else None
+        if node is None:
+            continue
+        for stmt, after in zip(node.body, node.body[1:]):
+            if (
+                isinstance(stmt, ast.AnnAssign)
+                and isinstance(stmt.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
+                docs[stmt.target.id] = inspect.cleandoc(after.value.value)
+    return docs

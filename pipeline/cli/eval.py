@@ -11,6 +11,8 @@ import logging
 import sys
 
 from data_prep.redaction import install_log_redaction, redact
+from data_prep.schema import add_keys_argument
+from pipeline.evaluation.config import EvalConfig
 from pipeline.evaluation.run import EvalOutputError, run_eval
 
 
@@ -22,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--config", help="optional YAML with eval keys (e.g. configs/eval/passkey_1m.yaml)")
     parser.add_argument("overrides", nargs="*", help="key=value, e.g. lengths=[1024,65536] samples=2")
+    add_keys_argument(parser, EvalConfig)  # acts while parsing, like --help: the required options are not needed
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_log_redaction()

@@ -9,13 +9,18 @@ from __future__ import annotations
 import argparse
 import sys
 
+from data_prep.schema import add_keys_argument
+from pipeline.train.config import TrainConfig
 from pipeline.train.trainer import main as train
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default: ``sys.argv[1:]``) and run the trainer; returns its exit code."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="YAML file (values for pipeline.train.config.TrainConfig)")
+    parser.add_argument(
+        "--config", required=True, help="YAML file (values for pipeline.train.config.TrainConfig); needed unless --keys"
+    )
+    add_keys_argument(parser, TrainConfig)  # acts while parsing, like --help: --config is not needed with it
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.max_steps=10")
     args = parser.parse_args(argv)
