@@ -119,7 +119,7 @@ def prep_stage(plan: Plan) -> Stage:
 
 def kernel_stage(plan: Plan) -> Stage:
     out = plan.work / "kernel_bench.json"
-    cmd = [plan.python, "-m", "pipeline.bench.gpu_kernels", "--out", str(out)] + ([] if plan.cuda else ["--tiny"])
+    cmd = [plan.python, "-m", "pipeline.bench.kernels", "--out", str(out)] + ([] if plan.cuda else ["--tiny"])
     what = (
         "fused GCA fwd and fwd+bwd vs naive vs FlashAttention on the flattened R*S keys "
         "(B=512 HQ=12 Q=64 S=64 R=8 D=64 bf16)"

@@ -14,7 +14,7 @@ import pytest
 
 from pipeline.gpucheck import wheels
 from pipeline.gpucheck.runner import Runner
-from pipeline.gpucheck.stages import Plan, Stage, StageError, gpu_test_files
+from pipeline.gpucheck.stages import Plan, Stage, StageError, gpu_test_files, kernel_stage
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -120,6 +120,29 @@ def test_gpu_tier_files_are_the_marked_ones():
     files = gpu_test_files()
     assert "tests/kernels/test_gca_triton_gpu.py" in files and "tests/gpu_check/test_model_gpu.py" in files
     assert all("pytest.mark.gpu" in (ROOT / f).read_text() for f in files)
+
+
+def test_kernel_stage_and_make_bench_kernels_run_one_benchmark(tmp_path, capsys):
+    """The ``kernel_bench`` stage's command writes the JSON the dry run reads; the same module without ``--out``
+    prints ``make bench-kernels``'s table (both at the tiny interpreter shapes here)."""
+    from pipeline.bench import kernels
+
+    stage = kernel_stage(Plan(cuda=False, work=tmp_path, python=sys.executable))
+    done = subprocess.run(stage.cmd, cwd=ROOT, env={**os.environ, **stage.env}, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    result = stage.parse()
+    assert set(result["impls"]) == {"triton_gca", "naive_gca", "sdpa_flash_flattened"}
+    assert result["max_abs_err_vs_naive"] < 1e-4 and result["targets"]["judged"] is False
+    assert set(result["speedup_vs_naive"]) == set(result["time_vs_flash"]) == {"fwd", "fwd_bwd"}
+
+    assert kernels.main(["--tiny"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("GCA benchmark on cpu") and lines[1].split()[0] == "implementation"
+    assert [line[:30].strip() for line in lines[2:]] == [
+        "triton (fused GCA)",
+        "naive_gca (fp32 einsum)",
+        "SDPA (flattened keys)",
+    ]
 
 
 @pytest.mark.parametrize(
