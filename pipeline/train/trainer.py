@@ -28,6 +28,7 @@ from data_prep import format as fmt
 from data_prep.redaction import redact
 from kernels.cpu_math import flush_denormals, retain_freed_memory
 from model import build_model, count_parameters, save_pretrained
+from model.flops import flops_per_token, matmul_params
 from pipeline.data.needle import NeedleInserter
 from pipeline.data.reader import (
     DataFingerprintError,
@@ -61,7 +62,7 @@ from pipeline.train.callbacks import (
 from pipeline.train.checkpoint import CheckpointManager
 from pipeline.train.config import ConfigError, TrainConfig, check_context_parallel, load_config, to_yaml
 from pipeline.train.inputs import check_inputs, check_no_secrets, init_weights_from
-from pipeline.train.metrics import flops_per_token, matmul_params, memory_gb, peak_flops, setup_logging
+from pipeline.train.metrics import memory_gb, peak_flops, setup_logging
 from pipeline.train.optim import lr_at, set_lr
 from pipeline.train.parallel import build_engine
 from pipeline.train.preflight import version_mismatches
