@@ -7,6 +7,8 @@ that could run code). Its weights come from the eval export inside it when the r
 ``dcp/`` (FSDP, read without a process group) or ``deepspeed/`` (consolidated to fp32 by DeepSpeed's own tool).
 The tokenizer then comes from the dataset named in the checkpoint's config, and must be the one the run was
 trained on (the data fingerprint's ``tokenizer_sha256``).
+
+``write_export`` writes every fresh export, this one's and the trainer's eval export alike.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 import yaml
 
 from data_prep.safe_files import open_regular
-from model import GCAConfig, build_model, read_export_config, save_pretrained
+from model import CausalLM, GCAConfig, build_model, read_export_config, save_pretrained
 from model.io import CONFIG_NAME, WEIGHTS_NAME, ExportError, check_safetensors
 from pipeline.data.reader import read_tokenizer
 from pipeline.hf.export import write_hf_files
@@ -88,10 +90,10 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
     with _removed_on_failure(target):
         if (source / EXPORT_DIR / WEIGHTS_NAME).is_file():
             _copy_export(source / EXPORT_DIR, target)
+            write_hf_files(target)
         else:
             scan_pickles(source)
             _export_engine_state(source, state, target)
-        write_hf_files(target)
     log.info("exported %s (step %s) to %s", source, state.get("step"), target)
     return target
 
@@ -126,18 +128,30 @@ def _trainer_state(source: Path) -> dict[str, Any]:
     return state
 
 
+def write_export(
+    model: CausalLM, directory: Path, *, step: int | None, seq_len: int | None, tokenizer: bytes | None
+) -> Path:
+    """Write the export of ``model`` into ``directory``: safetensors weights and ``config.json`` (``step`` and the
+    training ``seq_len`` under ``export``), the SentencePiece ``tokenizer`` (named in the config; None: no tokenizer,
+    the export then reads text as bytes) and the Hugging Face files (``write_hf_files``).
+
+    The one writer of a fresh export: the trainer's eval export and the export of a checkpoint's engine state."""
+    extra: dict[str, Any] = {"step": step, "seq_len": seq_len}
+    if tokenizer is not None:
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / TOKENIZER_MODEL).write_bytes(tokenizer)
+        extra["tokenizer"] = TOKENIZER_MODEL
+    save_pretrained(model, directory, extra=extra)
+    return write_hf_files(directory)
+
+
 def _export_engine_state(source: Path, state: dict[str, Any], target: Path) -> None:
-    """Rebuild the model from the checkpoint's own config and engine weights, and save it with its tokenizer."""
+    """Rebuild the model from the checkpoint's own config and engine weights, and export it with its tokenizer."""
     model = build_model(GCAConfig.from_dict(state["model_config"]))
     model.load_state_dict(_engine_weights(source, model))
     config = yaml.safe_load(state.get("config_yaml") or "{}") or {}
-    extra: dict[str, Any] = {"step": state.get("step"), "seq_len": config.get("train", {}).get("seq_len")}
-    tokenizer = _training_tokenizer(config, state)
-    if tokenizer is not None:
-        target.mkdir(parents=True, exist_ok=True)
-        (target / TOKENIZER_MODEL).write_bytes(tokenizer)
-        extra["tokenizer"] = TOKENIZER_MODEL
-    save_pretrained(model, target, extra=extra)
+    seq_len = config.get("train", {}).get("seq_len")
+    write_export(model, target, step=state.get("step"), seq_len=seq_len, tokenizer=_training_tokenizer(config, state))
 
 
 def _engine_weights(source: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:

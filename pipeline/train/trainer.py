@@ -27,7 +27,7 @@ import torch
 from data_prep import format as fmt
 from data_prep.redaction import redact
 from kernels.cpu_math import flush_denormals, retain_freed_memory
-from model import build_model, count_parameters, save_pretrained
+from model import build_model, count_parameters
 from model.flops import flops_per_token, matmul_params
 from pipeline.data.needle import NeedleInserter
 from pipeline.data.reader import (
@@ -43,7 +43,6 @@ from pipeline.data.reader import (
     eos_id_of,
     read_tokenizer,
 )
-from pipeline.hf import write_hf_files
 from pipeline.train import dist
 from pipeline.train.callbacks import (
     EXIT_INTERRUPTED,
@@ -61,6 +60,7 @@ from pipeline.train.callbacks import (
 )
 from pipeline.train.checkpoint import CheckpointManager
 from pipeline.train.config import ConfigError, TrainConfig, check_context_parallel, load_config, to_yaml
+from pipeline.train.export import write_export
 from pipeline.train.inputs import check_inputs, check_no_secrets, init_weights_from
 from pipeline.train.metrics import memory_gb, peak_flops, setup_logging
 from pipeline.train.optim import lr_at, set_lr
@@ -294,14 +294,9 @@ class Trainer:
         with dist.isolated_rng():  # the model's random init must not advance the training RNG
             model = build_model(self.cfg.model)
         model.load_state_dict(weights)
-        save_pretrained(
-            model, directory, extra={"step": self.step, "seq_len": self.cfg.train.seq_len, "tokenizer": TOKENIZER_FILE}
-        )
-        if self.tokenizer is not None:
-            (directory / TOKENIZER_FILE).write_bytes(self.tokenizer)
-        else:
+        if self.tokenizer is None:
             log.warning("no local %s next to data.path; the export in %s has no tokenizer", TOKENIZER_FILE, directory)
-        write_hf_files(directory)
+        write_export(model, directory, step=self.step, seq_len=self.cfg.train.seq_len, tokenizer=self.tokenizer)
 
     def _parallel(self) -> dict[str, Any]:
         return {"engine": self.cfg.parallel.engine, "zero_stage": self.cfg.parallel.zero_stage}
