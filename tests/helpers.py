@@ -11,31 +11,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from model import GCAConfig
+from model import GCAConfig, preset
 
 # ---------------------------------------------------------------- model config
 
-TINY_MODEL = dict(
-    vocab_size=256,
-    d_model=64,
-    n_heads=2,
-    n_kv_heads=2,
-    ffn_hidden=128,
-    n_lower_layers=1,
-    groups=[1],
-    n_encoder_layers=1,
-    chunk_size=16,
-    top_k=2,
-    window=32,
-    gca_backend="naive",
-    swa_backend="naive",
-)
-"""A GCA model that runs in milliseconds on CPU with the readable reference operators (byte-sized vocabulary)."""
-
 
 def tiny_config(**overrides: object) -> GCAConfig:
-    """``TINY_MODEL`` with ``overrides``; a test names the shapes its check depends on."""
-    return GCAConfig(**{**TINY_MODEL, **overrides})
+    """The ``tiny`` model preset (``model.presets``: milliseconds on CPU, the readable reference operators, a
+    byte-sized vocabulary) with ``overrides``; a test names the shapes its check depends on."""
+    return preset("tiny", **overrides)
 
 
 TINY_TRAIN_OVERRIDES: Mapping[str, object] = {

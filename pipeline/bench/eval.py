@@ -26,25 +26,13 @@ from pathlib import Path
 
 import torch
 
-from model import CausalLM, GCAConfig, GCAForCausalLM, build_model, save_pretrained
+from model import CausalLM, GCAForCausalLM, build_model, preset, save_pretrained
 from model.offload import MemmapChunkMemory
 from pipeline.evaluation.runtime import load_checkpoint, stream_segments
 
 log = logging.getLogger(__name__)
 
-TINY = GCAConfig(
-    vocab_size=512,
-    d_model=128,
-    n_heads=4,
-    n_kv_heads=4,
-    ffn_hidden=384,
-    n_lower_layers=2,
-    groups=[2],
-    chunk_size=16,
-    top_k=4,
-    window=64,
-    attn_backend="naive",
-)
+TINY = preset("bench-eval")
 EXPORT_EXTRA = {"train_seq_len": 1024}
 
 

@@ -19,27 +19,15 @@ import torch
 
 from kernels.cpu_math import flush_denormals
 from model.archs import build_model
-from model.config import GCAConfig
 from model.lm import CausalLM
+from model.presets import preset
 
-BENCH_CONFIG = GCAConfig(
-    vocab_size=8192,
-    d_model=256,
-    n_heads=4,
-    n_kv_heads=4,
-    ffn_hidden=768,
-    n_lower_layers=3,
-    groups=[3],
-    n_encoder_layers=1,
-    chunk_size=63,
-    top_k=8,
-    window=512,
-)
+BENCH_CONFIG = preset("bench")
 
 
 def bench_model(arch: str) -> CausalLM:
     """The benchmark's model of architecture ``arch`` (``model.arch``: ``gca``, ``swa`` or ``full``)."""
-    return build_model(GCAConfig(**{**BENCH_CONFIG.to_dict(), "arch": arch}))
+    return build_model(preset("bench", arch=arch))
 
 
 def _measure(kind: str, length: int, repeats: int) -> dict:

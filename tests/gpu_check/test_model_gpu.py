@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import tiny_config
 
-from model import GCAConfig, GCAForCausalLM
+from model import GCAConfig, GCAForCausalLM, preset
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -17,17 +16,14 @@ T = 2048
 
 
 def _config(backend: str) -> GCAConfig:
-    return tiny_config(
+    # The benchmarks' DRT-like size (d_model 256, chunk 63, top-8), smaller, with grouped-query attention.
+    return preset(
+        "bench",
         vocab_size=512,
-        d_model=256,
-        n_heads=4,
         n_kv_heads=2,
         ffn_hidden=512,
         n_lower_layers=2,
         groups=[2],
-        n_encoder_layers=1,
-        chunk_size=63,
-        top_k=8,
         window=256,
         attn_backend=backend,
         gumbel_topk=False,

@@ -14,7 +14,6 @@ def _config(**kw) -> GCAConfig:
         d_model=32,
         ffn_hidden=384,
         window=5,
-        chunk_size=16,
         top_k=4,
         gca_backend="auto",
         swa_backend="auto",
