@@ -175,3 +175,35 @@ def test_library_never_starts_launch_scripts(package):
         for hit in launch_references(path.read_text())
     ]
     assert not offenders, "\n".join(offenders)
+
+
+_ROOT_MODULES = [
+    ("pipeline.bench.cp", "ROOT"),
+    ("pipeline.bench.train", "ROOT"),
+    ("pipeline.demos.demo", "ROOT"),
+    ("pipeline.demos.demo_lm", "ROOT"),
+    ("pipeline.gpucheck.cli", "ROOT"),
+    ("pipeline.gpucheck.stages", "ROOT"),
+    ("pipeline.gpucheck.wheels", "ROOT"),
+    ("pipeline.hf.bundle", "REPO_ROOT"),
+]
+
+
+@pytest.mark.parametrize(("module", "name"), _ROOT_MODULES)
+def test_repository_root_constants_point_at_the_root(module, name):
+    """Modules that run commands or read configs from the repository root find it by climbing from their own file:
+    a module moved one package deeper must climb one level more."""
+    import importlib
+
+    root = getattr(importlib.import_module(module), name)
+    assert root == ROOT, f"{module}.{name} = {root}, not the repository root {ROOT}"
+
+
+def test_every_module_climbing_to_the_root_is_checked():
+    climbing = {
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "pipeline").rglob("*.py")
+        if re.search(r"^[A-Z_]*ROOT = Path\(__file__\)", path.read_text(), re.M)
+    }
+    checked = {f"{module.replace('.', '/')}.py" for module, _ in _ROOT_MODULES}
+    assert climbing == checked

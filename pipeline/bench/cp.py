@@ -38,7 +38,7 @@ from model.gca import GCAForCausalLM
 from model.lm import lm_loss
 from pipeline.bench.model import BENCH_CONFIG
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RANK_MODULE = "pipeline.cli.bench_cp"
 """The benchmark's command line; its hidden ``--rank`` mode is one rank of one measurement."""
 RANK_TIMEOUT_S = 1800

@@ -26,7 +26,7 @@ from model.lm import lm_loss
 from pipeline.bench.model import BENCH_CONFIG, bench_model
 from pipeline.demos.runner import TRAIN_MODULE
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KINDS = ("gca", "swa", "full")
 """The ``model.arch`` of each compared model."""
 STEP_MODULE = "pipeline.cli.bench_train"

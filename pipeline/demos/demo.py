@@ -19,7 +19,7 @@ from data_prep.redaction import restore_env_interpolations
 from data_prep.schema import load_schema
 from pipeline.demos.runner import StageError, StageRunner, eval_command, train_command
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MULTIHOP_DIR = "multihop"
 """Where the two-hop part's models and evaluations go, under the demo's run_dir."""
 # What distinguishes the demo's models; everything else comes from the same train config.

@@ -27,7 +27,7 @@ from pipeline.demos.runner import StageRunner, eval_command, train_command
 
 log = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PREP_MODULE = "data_prep.cli"
 ARCH_OVERRIDES = {"gca": [], "baseline": ["model.arch=swa"], "full": ["model.arch=full"]}
 """What distinguishes the demo's models; everything else comes from the one train config."""

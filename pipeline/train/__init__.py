@@ -1,8 +1,8 @@
 """Training: the typed config (``config``), process groups (``dist``), engines (``parallel``: DeepSpeed ZeRO,
 FSDP2, plain/DDP, context parallelism), optimizer and schedule (``optim``), checkpoints (``checkpoint``), what is
-checked before any work (``preflight``, ``inputs``), run metrics and FLOPs accounting (``metrics``), injected
-faults (``faults``), the loop (``trainer``) with everything around the step as ``callbacks``, and the export of a
-checkpoint into a model folder (``export``).
+checked before any work (``preflight``, ``inputs``), run metrics, MFU and the run log (``metrics``; the FLOPs per
+token are ``model.flops``), injected faults (``faults``), the loop (``trainer``) with everything around the step
+as ``callbacks``, and the export of a checkpoint into a model folder (``export``).
 
 May import ``pipeline.data``, ``pipeline.hf`` and ``pipeline.evaluation`` (the extrapolation callback runs a
 passkey probe), besides ``model``, ``kernels`` and ``data_prep``.

@@ -57,7 +57,7 @@ def setup_logging(rank: int, level: int = logging.INFO) -> None:
 
 def git_sha() -> str:
     try:
-        repo = Path(__file__).resolve().parents[1]
+        repo = Path(__file__).resolve().parents[2]
         out = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         dirty = subprocess.run(
             ["git", "-C", str(repo), "status", "--porcelain"], capture_output=True, text=True, timeout=10

@@ -167,3 +167,19 @@ def test_bad_arguments_stop_before_any_work(tmp_path, args, message):
     assert done.stderr.strip().splitlines() == [f"gpu-check: error: {done.stderr.split('error: ', 1)[1].strip()}"]
     assert message in done.stderr
     assert not out.exists()
+
+
+def test_the_gpu_checks_tiny_model_is_the_tiny_preset():
+    """stages.py imports only the standard library, so it spells the tiny shape as overrides: they must stay the
+    ``tiny`` preset's values."""
+    import yaml
+
+    from model import preset
+    from pipeline.gpucheck.stages import TINY_MODEL
+
+    tiny = preset("tiny")
+    model_keys = [item.removeprefix("model.").split("=", 1) for item in TINY_MODEL if item.startswith("model.")]
+    assert len(model_keys) >= 10
+    assert {key: yaml.safe_load(value) for key, value in model_keys} == {
+        key: getattr(tiny, key) for key, _ in model_keys
+    }

@@ -6,7 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from pipeline.evaluation.generate import Sampling
 from pipeline.evaluation.generate import generate as native_generate
+from pipeline.evaluation.runtime import StreamBudget
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +27,7 @@ def test_greedy_generate_equals_native_streamed_generation(hf_model, hf_export, 
     native, _ = hf_export
     prompt = _prompt(native.cfg.vocab_size, prompt_len, seed=prompt_len)
     new = 40
-    expected = list(native_generate(native, prompt, new, temperature=0.0, segment=7))
+    expected = list(native_generate(native, prompt, new, sampling=Sampling(temperature=0.0), budget=StreamBudget(7)))
     out = hf_model.generate(
         torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0
     )
@@ -76,4 +78,4 @@ def test_left_padded_batch_generates_each_row_as_alone(hf_model, hf_export):
         ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0
     )
     for b, p in enumerate(prompts):
-        assert out[b, 18:].tolist() == list(native_generate(native, p, 20, temperature=0.0))
+        assert out[b, 18:].tolist() == list(native_generate(native, p, 20, sampling=Sampling(temperature=0.0)))
