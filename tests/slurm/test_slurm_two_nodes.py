@@ -177,7 +177,7 @@ def test_node_lost_mid_run_fails_the_job_in_bounded_time(two_node_cluster, data,
     # The surviving node's rank (task 0's) saw its peer go and its task ended (gca-n0 hosts the rendezvous store, so
     # its torchrun does not fail first); srun ended the lost node's task NODE_EXIT_WAIT s later, not at the time
     # limit.
-    failure = r"^0: pipeline\.dist\.CollectiveError: rank [01]: .* failed: a peer rank died or did not answer"
+    failure = r"^0: pipeline\.train\.dist\.CollectiveError: rank [01]: .* failed: a peer rank died or did not answer"
     assert re.search(failure, log, re.MULTILINE), log
     assert "srun: error: gca-n0: task 0: Exited with exit code 1" in log, log
     assert f"First task exited {NODE_EXIT_WAIT_S}s ago" in log, log
