@@ -339,9 +339,9 @@ def add_keys_argument(parser: argparse.ArgumentParser, schema: type) -> None:
 
 
 def _describe(cls: type, prefix: str, lines: list[str]) -> None:
-    hints = get_type_hints(cls)
+    hints = _user_fields(cls)
     docs = _field_docs(cls)
-    leaves = [f for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
+    leaves = [f for f in dataclasses.fields(cls) if f.name in hints]
     # The plain keys of a section first, then its subsections, so that a subsection's keys stay together.
     sections = [f for f in leaves if _section(hints[f.name]) is not None]
     for f in (f for f in leaves if _section(hints[f.name]) is None):

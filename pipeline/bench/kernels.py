@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from kernels.gca.naive import naive_gca
 from kernels.gca.triton_gca import triton_gca
 
-log = logging.getLogger("kernel_bench")
+log = logging.getLogger(__name__)
 
 SHAPE_NAMES = ("B", "HQ", "H", "Q", "S", "R", "D")
 GPU_SHAPE = (512, 12, 12, 64, 64, 8, 64)
