@@ -147,3 +147,29 @@ def assert_close(
 ) -> None:
     """``torch.testing.assert_close`` with one of the named tolerances above."""
     torch.testing.assert_close(got, want, rtol=tol["rtol"], atol=tol["atol"], msg=msg)
+
+
+# ---------------------------------------------------------------- the retrieval mix
+
+
+def one_family_mix(
+    tokenizer: Path | bytes, seq_len: int, chunk_size: int, family: str = "single", *, chains: int = 2, fraction=1.0
+):
+    """A ``RetrievalMix`` of one family (what ``data.needle_mix`` + ``data.needle_variant`` build)."""
+    from pipeline.data.mix import RetrievalMix, sentencepiece_codec
+    from pipeline.data.retrieval_tasks import TaskShape
+
+    return RetrievalMix(
+        sentencepiece_codec(tokenizer),
+        seq_len=seq_len,
+        chunk_size=chunk_size,
+        fraction=fraction,
+        families={family: 1.0},
+        shape=TaskShape(chains=chains),
+    )
+
+
+def insert_task(mix, seq: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, slice]:
+    """The ids and the answer span of ``mix``'s first family's sample over ``seq``."""
+    sample = mix.insert(seq, rng, mix.families[0])
+    return sample.ids, sample.answer

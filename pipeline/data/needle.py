@@ -1,23 +1,20 @@
-"""Synthetic passkey retrieval mixed into pretraining (``data.needle_mix``), as in the paper's NIAH fine-tuning.
+"""Needle texts and their chunk-grid layout: the passkey needle, the key/value needles and the two-hop chains.
 
-A chosen sequence keeps its text as the haystack; a needle sentence holding a random 5-digit pass key overwrites
-it at a random depth, and the question followed by the answer is written near the end. The loss is the plain LM
-loss over everything, so the model learns to fetch the key from far back through retrieval.
+A needle sentence holding a random 5-digit pass key overwrites the haystack (real text) at a depth, and the
+question followed by the answer is written near the end. The loss is the plain LM loss over everything, so the
+model learns to fetch the key from far back through retrieval.
 
-The layout follows the model's chunks, as the paper's data does: the needle never
-straddles two chunks, and the question's last token is the first token of a chunk, so the first answer token
-is predicted by a chunk whose retrieval was triggered by the landmark of the chunk holding the question. The
-evaluation (``pipeline/evaluation/passkey.py``) builds its samples with this module's texts, checks and layout
-(``NeedleSpec``, ``check_templates``, ``needle_parts``, ``lay_out_needle``, ``lay_out_multihop``), so what is
-trained and what is evaluated cannot drift.
+The layout follows the model's chunks, as the paper's data does: the needle never straddles two chunks, and the
+question's last token is the first token of a chunk, so the first answer token is predicted by a chunk whose
+retrieval was triggered by the landmark of the chunk holding the question. ``pipeline.data.retrieval_tasks``
+builds every task family from these texts, checks and layouts, for the trainer's mix and for the eval alike.
 
-Two-hop variant (``data.needle_variant=multihop``): chains ``name -> next name -> key`` -- a link needle "A leads
-to B" and a key needle for B -- plus a distractor chain, each needle alone in its chunk(s). The question names A
-at the very end of a chunk and its remaining words fill the next chunk up to the answer's chunk
-(``place_hop_question``). That is the layout a second retrieval group needs: the landmark closing A's chunk
-retrieves the link for the next chunk, whose landmark, after the first group's layers have read B there, queries
-the key needle for the answer's chunk. A single group queries the answer's retrieval from the question's tail
-alone, which names neither A nor B.
+Two-hop chains (family ``multihop``): ``name -> next name -> key`` -- a link needle "A leads to B" and a key
+needle for B -- plus distractor chains, each needle alone in its chunk(s). The question names A at the very end
+of a chunk and its remaining words fill the next chunk up to the answer's chunk (``place_hop_question``). That is
+the layout a second retrieval group needs: the landmark closing A's chunk retrieves the link for the next chunk,
+whose landmark, after the first group's layers have read B there, queries the key needle for the answer's chunk.
+A single group queries the answer's retrieval from the question's tail alone, which names neither A nor B.
 """
 
 from __future__ import annotations
@@ -26,7 +23,6 @@ import re
 import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
@@ -34,11 +30,10 @@ NEEDLE = " The pass key is {key}. "
 QUESTION = " What is the pass key? The pass key is"
 ANSWER = " {key}"
 
-VARIANTS = ("single", "multi", "multihop")
-"""Every needle variant: ``single`` (one pass-key needle), ``multi`` (key/value needles with distinct names, one
-asked for), ``multihop`` (chains ``name -> next name -> key``). ``--task passkey variant=...`` runs each."""
-TRAINER_VARIANTS = ("single", "multihop")
-"""The variants the trainer's needle mix inserts (``data.needle_variant``)."""
+TEMPLATED_VARIANTS = ("single", "multikey", "multihop")
+"""The task families whose texts are templates a user may replace: ``single`` (one pass-key needle), ``multikey``
+(key/value needles with distinct names, one asked for), ``multihop`` (chains ``name -> next name -> key``). The
+other families of ``pipeline.data.retrieval_tasks`` have fixed texts."""
 HOP_TEMPLATES = {
     "needle": " {name} has pass key {key}. ",
     "link": " {name} leads to {next}. ",
@@ -54,7 +49,7 @@ SYLLABLES = ("ka", "lo", "mi", "ru", "te", "zo", "ven", "dar", "qui", "sol", "me
 
 TEMPLATES = {
     "single": {"needle": NEEDLE, "question": QUESTION, "answer": ANSWER, "link": ""},
-    "multi": {
+    "multikey": {
         "needle": " One of the special magic numbers for {name} is {key}. ",
         "question": " What is the special magic number for {name}? The special magic number for {name} is",
         "answer": " {key}",
@@ -65,7 +60,7 @@ TEMPLATES = {
 """Each variant's default texts (the trainer's mix uses the same ``single`` and ``multihop`` ones)."""
 PLACEHOLDERS = {
     "single": {"needle": {"key"}, "question": set(), "answer": {"key"}},
-    "multi": {"needle": {"name", "key"}, "question": {"name"}, "answer": {"key"}},
+    "multikey": {"needle": {"name", "key"}, "question": {"name"}, "answer": {"key"}},
     "multihop": {"needle": {"name", "key"}, "question": {"name"}, "answer": {"key"}, "link": {"name", "next"}},
 }
 """Per variant, the templates it uses and the placeholders each must hold (exactly these): a needle without
@@ -78,17 +73,25 @@ class NeedleSpec:
     """What to hide and ask; ``None`` templates take the variant's default (``TEMPLATES``)."""
 
     variant: str = "single"
-    """passkey: single | multi | multihop."""
+    """passkey: a retrieval task family: single | multikey | multivalue | multiquery | vt | multihop."""
     needle: str | None = None
-    """passkey: needle template ({key}; multi/multihop also {name}); default per variant."""
+    """passkey single/multikey/multihop: needle template ({key}; multikey/multihop also {name})."""
     question: str | None = None
-    """passkey: question template (multi/multihop: {name})."""
+    """passkey single/multikey/multihop: question template (multikey/multihop: {name})."""
     answer: str | None = None
     """passkey: answer template ({key})."""
     link: str | None = None
     """passkey multihop: link template ({name}, {next})."""
     needles: int = 4
-    """passkey multi: needles in the haystack; multihop: 2 x (needles // 2) in chains."""
+    """passkey multikey, multiquery: needles in the haystack; multihop: 2 x (needles // 2) in chains."""
+    values: int = 3
+    """passkey multivalue: values of the asked name, all asked for."""
+    queries: int = 2
+    """passkey multiquery: needles asked for."""
+    hops: int = 2
+    """passkey vt: copies after the value in each chain."""
+    chains: int = 2
+    """passkey vt: chains, the asked one included."""
     key_digits: int = 5
     """passkey: digits of the key."""
 
@@ -118,7 +121,13 @@ def check_templates(spec: NeedleSpec) -> None:
         ValueError: naming the key, its text and the placeholders it needs.
     """
     if spec.variant not in PLACEHOLDERS:
-        raise ValueError(f"variant={spec.variant!r} is not one of {VARIANTS}")
+        given = [part for part in ("needle", "question", "answer", "link") if getattr(spec, part) is not None]
+        if given:
+            raise ValueError(
+                f"{given[0]}={getattr(spec, given[0])!r}: variant={spec.variant} has fixed texts; the templates "
+                f"apply to {', '.join(TEMPLATED_VARIANTS)}"
+            )
+        return
     used = PLACEHOLDERS[spec.variant]
     if spec.link is not None and "link" not in used:
         raise ValueError(f"link={spec.link!r}: only variant=multihop uses a link template (variant={spec.variant})")
@@ -171,8 +180,8 @@ def needle_parts(
     key: str,
     name: str | None = None,
 ) -> tuple[list[int], list[int], list[int]]:
-    """Token ids of the key-bearing needle, the question and the answer of a ``single`` or ``multi`` sample
-    (``name``: the asked needle's name, ``multi`` only), the answer's leading whitespace tokens moved into the
+    """Token ids of the key-bearing needle, the question and the answer of a ``single`` or ``multikey`` sample
+    (``name``: the asked needle's name, ``multikey`` only), the answer's leading whitespace tokens moved into the
     question (``move_answer_whitespace``)."""
     names = {} if name is None else {"name": name}
     needle = encode(render(spec, "needle", **names, key=key))
@@ -263,7 +272,7 @@ def lay_out_needle(
     others: Sequence[Sequence[int]] = (),
     rng: np.random.Generator | None = None,
 ) -> tuple[np.ndarray, NeedlePlacement]:
-    """A copy of ``seq`` with a ``single``/``multi`` sample written over it: ``needle`` at ``depth``
+    """A copy of ``seq`` with a ``single``/``multikey`` sample written over it: ``needle`` at ``depth``
     (``place_needle``), ``others`` (distractor needles) at random spots from ``rng`` before the question, touching
     neither each other nor the needle, then the question and the answer.
 
@@ -387,10 +396,10 @@ class HopChunks:
         parts = list(zip(where.others[1:], texts.distractors))
         return HopChunks(
             answer=(where.answer_start - 1) // S,
-            link=frozenset(_chunks(where.others[0], len(texts.link), S)),
-            key=frozenset(_chunks(where.needle_start, len(texts.needle), S)),
-            distractor_links=frozenset(c for at, part in parts[0::2] for c in _chunks(at, len(part), S)),
-            distractor_keys=frozenset(c for at, part in parts[1::2] for c in _chunks(at, len(part), S)),
+            link=frozenset(chunks_of(where.others[0], len(texts.link), S)),
+            key=frozenset(chunks_of(where.needle_start, len(texts.needle), S)),
+            distractor_links=frozenset(c for at, part in parts[0::2] for c in chunks_of(at, len(part), S)),
+            distractor_keys=frozenset(c for at, part in parts[1::2] for c in chunks_of(at, len(part), S)),
         )
 
     def followed(self, picks: dict[tuple[int, int], list[list[int]]]) -> dict[str, dict[str, bool]]:
@@ -458,17 +467,17 @@ def lay_out_multihop(
             f"{len(texts.tail)} tokens), its key needle ({len(texts.needle)}) and answer ({len(texts.answer)}) "
             f"with chunk_size={S}"
         )
-    needle_start = _in_chunk_at(depth, room, S, len(texts.needle), rng)
-    busy = _chunks(needle_start, len(texts.needle), S) | set(range(question_start // S, -(-length // S)))
+    needle_start = in_chunk_at(depth, room, S, len(texts.needle), rng)
+    busy = chunks_of(needle_start, len(texts.needle), S) | set(range(question_start // S, -(-length // S)))
     others = []
     for part in [texts.link, *texts.distractors]:
-        at = _free_spot(len(part), question_start, busy, S, rng)
+        at = free_spot(len(part), question_start, busy, S, rng)
         if at is None:
             raise ValueError(
                 f"a sequence of {length} tokens with chunk_size={S} has too few free chunks before the question "
                 f"for {2 + len(texts.distractors)} two-hop needles, each in chunks of its own; use longer sequences"
             )
-        busy |= _chunks(at, len(part), S)
+        busy |= chunks_of(at, len(part), S)
         others.append(at)
     out = seq.copy()
     for at, part in zip([needle_start, *others], [texts.needle, texts.link, *texts.distractors]):
@@ -479,9 +488,9 @@ def lay_out_multihop(
     return out, HopPlacement(needle_start, room, question_start, tail_start, answer_start, tuple(others))
 
 
-def _in_chunk_at(depth: float, room: int, chunk_size: int, needle_len: int, rng: np.random.Generator) -> int:
+def in_chunk_at(depth: float, room: int, chunk_size: int, needle_len: int, rng: np.random.Generator) -> int:
     """A start in the chunk holding ``round(depth * room)``, at a random offset that keeps a needle that fits in
-    a chunk inside it (as ``_free_spot`` places the other needles). Shifting it to end with its chunk instead,
+    a chunk inside it (as ``free_spot`` places the other needles). Shifting it to end with its chunk instead,
     as ``place_needle`` does, made the asked needle end its chunk far more often than the distractors, and the
     retriever learned to pick the needle that ends its chunk instead of following the link."""
     S = chunk_size
@@ -492,11 +501,11 @@ def _in_chunk_at(depth: float, room: int, chunk_size: int, needle_len: int, rng:
     return lo + int(rng.integers(0, min(S - needle_len, room - lo) + 1))
 
 
-def _chunks(start: int, n: int, chunk_size: int) -> set[int]:
+def chunks_of(start: int, n: int, chunk_size: int) -> set[int]:
     return set(range(start // chunk_size, (start + n - 1) // chunk_size + 1))
 
 
-def _free_spot(n: int, limit: int, busy: set[int], chunk_size: int, rng: np.random.Generator) -> int | None:
+def free_spot(n: int, limit: int, busy: set[int], chunk_size: int, rng: np.random.Generator) -> int | None:
     """A random start for ``n`` tokens ending by ``limit`` in chunks not ``busy``, uniform over the free runs of
     chunks that hold it (a needle that fits in a chunk gets one chunk, never straddles two); ``None`` when the
     sequence has no such run."""
@@ -508,91 +517,3 @@ def _free_spot(n: int, limit: int, busy: set[int], chunk_size: int, rng: np.rand
         return None
     k = int(rng.choice(starts))
     return k * S + int(rng.integers(0, min(slack, limit - k * S - n) + 1))
-
-
-class NeedleInserter:
-    """Insert a passkey needle into token sequences.
-
-    Args:
-        tokenizer_path: the SentencePiece model the data was tokenized with.
-        seq_len: length of the sequences it receives (and returns).
-        chunk_size: the model's chunk size (tokens), which the layout aligns to.
-        variant: ``single`` (one pass-key needle) or ``multihop`` (``HOP_TEMPLATES``, ``chains`` chains).
-        chains: ``multihop``: the asked chain and ``chains - 1`` distractor chains.
-
-    Raises:
-        ValueError: an unknown variant, or ``seq_len`` cannot hold the variant's sample (checked at once, with a
-            dry run, so a training run stops before its first step).
-    """
-
-    def __init__(
-        self,
-        tokenizer: str | Path | bytes,
-        seq_len: int,
-        chunk_size: int,
-        variant: str = "single",
-        chains: int = HOP_CHAINS,
-    ) -> None:
-        """``tokenizer``: a SentencePiece model file, or its bytes (as the trainer reads it from a dataset)."""
-        import sentencepiece as spm
-
-        if isinstance(tokenizer, bytes):
-            self.sp = spm.SentencePieceProcessor(model_proto=tokenizer)
-        elif Path(tokenizer).is_file():
-            self.sp = spm.SentencePieceProcessor(model_file=str(tokenizer))
-        else:
-            raise FileNotFoundError(f"data.needle_mix > 0 needs the tokenizer at {tokenizer}")
-        if variant not in TRAINER_VARIANTS:
-            raise ValueError(f"data.needle_variant={variant!r} is not one of {TRAINER_VARIANTS}")
-        self.seq_len, self.chunk_size, self.variant, self.chains = seq_len, chunk_size, variant, chains
-        try:
-            for seed in range(64):  # names and keys vary in length: many layouts, not one
-                self.insert(np.zeros(seq_len, dtype=np.int64), np.random.default_rng(seed))
-        except ValueError as err:
-            what = f"data.needle_variant={variant}" + (
-                f" with data.hop_chains={chains}" if variant == "multihop" else ""
-            )
-            raise ValueError(f"train.seq_len={seq_len} is too short for {what}: {err}") from None
-
-    def parts(self, key: str) -> tuple[list[int], list[int], list[int]]:
-        """Token ids of the needle, the question and the answer for pass key ``key`` (the answer's leading
-        whitespace tokens moved into the question, ``move_answer_whitespace``)."""
-        return needle_parts(_SINGLE, self.sp.encode, self.sp.decode, key)
-
-    def insert(self, seq: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, slice]:
-        """Return a copy of ``seq`` with a needle at a random depth and question + answer near the end, and the
-        positions of the answer tokens."""
-        key = str(int(rng.integers(10_000, 100_000)))
-        if self.variant == "multihop":
-            return self._insert_multihop(seq, key, rng)
-        needle, question, answer = self.parts(key)
-        out, where = lay_out_needle(seq, needle, question, answer, depth=rng.random(), chunk_size=self.chunk_size)
-        return out, slice(where.answer_start, where.answer_start + len(answer))
-
-    def _insert_multihop(self, seq: np.ndarray, key: str, rng: np.random.Generator) -> tuple[np.ndarray, slice]:
-        """A two-hop sample; names, keys and the depth are drawn again (up to ``_HOP_DRAWS`` times) when they do
-        not fit, which only happens near the shortest length the dry run accepts (longer needles, a needle at a
-        depth that blocks an extra chunk)."""
-        for _ in range(_HOP_DRAWS - 1):
-            try:
-                return self._try_multihop(seq, key, rng)
-            except ValueError:
-                continue
-        return self._try_multihop(seq, key, rng)  # the last draw's error reaches the caller
-
-    def _try_multihop(self, seq: np.ndarray, key: str, rng: np.random.Generator) -> tuple[np.ndarray, slice]:
-        texts = hop_texts(
-            self.sp.encode,
-            self.sp.decode,
-            HOP_TEMPLATES,
-            key,
-            lambda: str(int(rng.integers(10_000, 100_000))),
-            rng,
-            self.chains,
-        )
-        out, hop = lay_out_multihop(seq, texts, self.chunk_size, rng.random(), rng)
-        return out, slice(hop.answer_start, hop.answer_start + len(texts.answer))
-
-
-_HOP_DRAWS = 32
-_SINGLE = NeedleSpec("single")

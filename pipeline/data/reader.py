@@ -21,6 +21,7 @@ shard's hash) and the tokenizer; the trainer stores it in each checkpoint and re
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
 import os
@@ -33,7 +34,7 @@ import weakref
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -54,6 +55,9 @@ from data_prep.safe_files import (
     stat_regular,
 )
 from data_prep.streaming_compat import ensure_streaming_importable
+
+if TYPE_CHECKING:
+    from pipeline.data.mix import RetrievalMix
 
 log = logging.getLogger(__name__)
 
@@ -516,10 +520,10 @@ class RankBatches:
         stream: the global ``PackedSequences``.
         global_batch, micro_batch: sequences per optimizer step (all ranks) and per forward pass (one rank).
         rank, world_size: this rank's contiguous slice of each global batch.
-        needles: optional ``NeedleInserter``; applied to a sequence with probability ``needle_mix``, decided by
-            a generator seeded with the sequence's global id (so the same sequence gets the same needle on any
+        mix: optional ``pipeline.data.mix.RetrievalMix``; whether a sequence gets a task, and which, is decided
+            by a generator seeded with the sequence's global id (so the same sequence gets the same task on any
             world size and after a resume).
-        answer_weight: loss weight of the needle answers' tokens (1: no weights are produced).
+        answer_weight: loss weight of the tasks' answer tokens (1: no weights are produced).
     """
 
     def __init__(
@@ -530,15 +534,16 @@ class RankBatches:
         micro_batch: int,
         rank: int,
         world_size: int,
-        needles: Any = None,
-        needle_mix: float = 0.0,
+        mix: RetrievalMix | None = None,
         seed: int = 0,
         answer_weight: float = 1.0,
     ) -> None:
         self.stream, self.global_batch, self.micro_batch = stream, global_batch, micro_batch
         self.rank, self.world_size = rank, world_size
-        self.needles, self.needle_mix, self.seed = needles, needle_mix, seed
+        self.mix, self.seed = mix, seed
         self.answer_weight = answer_weight
+        self.families: collections.Counter[str] = collections.Counter()
+        """Tasks written into this rank's sequences so far in this process, per family."""
 
     def next_step(self) -> list[torch.Tensor]:
         """The micro-batches ``[micro_batch, seq_len]`` (int64) of this rank for the next optimizer step."""
@@ -552,23 +557,36 @@ class RankBatches:
         lo = self.rank * per_rank
         mine, mine_ids = seqs[lo : lo + per_rank].copy(), ids[lo : lo + per_rank]
         weights = np.ones(mine.shape, dtype=np.float32) if self.answer_weight != 1.0 else None
-        if self.needles is not None and self.needle_mix > 0:
+        if self.mix is not None and self.mix.fraction > 0:
             for row, gid in enumerate(mine_ids):
-                rng = np.random.default_rng([self.seed, 2, int(gid)])
-                if rng.random() < self.needle_mix:
-                    mine[row], answer = self.needles.insert(mine[row], rng)
+                sample = self.mix.sample_for(mine[row], np.random.default_rng([self.seed, 2, int(gid)]))
+                if sample is not None:
+                    mine[row] = sample.ids
+                    self.families[sample.family] += 1
                     if weights is not None:
-                        weights[row, answer] = self.answer_weight
+                        weights[row, sample.answer] = self.answer_weight
         tokens = torch.from_numpy(mine).split(self.micro_batch)
         if weights is None:
             return [(t, None) for t in tokens]
         return list(zip(tokens, torch.from_numpy(weights).split(self.micro_batch)))
 
     def state_dict(self) -> dict[str, Any]:
-        return self.stream.state_dict()
+        state = self.stream.state_dict()
+        if self.mix is not None:
+            state[MIX_STATE_KEY] = self.mix.describe()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.stream.load_state_dict(state)
+        before = state.get(MIX_STATE_KEY)
+        now = self.mix.describe() if self.mix is not None else None
+        if before != now:
+            # The order of the sequences is unchanged; only what the mix writes into them differs from here on.
+            log.warning("data.retrieval_mix changed since the checkpoint: %s -> %s, from this step on", before, now)
+
+
+MIX_STATE_KEY = "retrieval_mix"
+"""Where a data state records the retrieval mix's settings (``RetrievalMix.describe``)."""
 
 
 def eos_id_of(data_path: str) -> int | None:

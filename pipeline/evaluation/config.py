@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from data_prep.schema import ConfigError, load_schema
-from pipeline.data.needle import VARIANTS, NeedleSpec, check_templates
+from pipeline.data.needle import NeedleSpec, check_templates
+from pipeline.data.retrieval_tasks import FAMILIES
 from pipeline.evaluation.passkey import PasskeyGrid
 from pipeline.evaluation.runtime import StreamBudget, check_device
 
@@ -19,7 +20,8 @@ PPL_DOCUMENTS = ("documents", "windows")
 @dataclass
 class EvalConfig(NeedleSpec):
     """The eval keys. The passkey keys (``variant``, ``needle``, ``question``, ``answer``, ``link``, ``needles``,
-    ``key_digits``) are ``NeedleSpec``'s own fields, written once there."""
+    ``values``, ``queries``, ``hops``, ``chains``, ``key_digits``) are ``NeedleSpec``'s own fields, written once
+    there."""
 
     lengths: list[int] = field(default_factory=lambda: [2048, 4096, 16384])
     """Sequence lengths in tokens (each at least one chunk); ppl: context lengths, each above ``score_len``."""
@@ -84,7 +86,7 @@ def validate(cfg: EvalConfig, chunk_size: int | None = None, task: str | None = 
             f"lengths={cfg.lengths}: {min(cfg.lengths)} is below one chunk of the model "
             f"(chunk_size={chunk_size}); retrieval needs whole chunks"
         )
-    for key in ("samples", "segment", "key_digits", "needles", "score_len"):
+    for key in ("samples", "segment", "key_digits", "needles", "values", "queries", "hops", "chains", "score_len"):
         if getattr(cfg, key) < 1:
             raise ConfigError(f"{key}={getattr(cfg, key)} must be >= 1")
     if task == "ppl" and cfg.score_len >= min(cfg.lengths):
@@ -107,8 +109,10 @@ def validate(cfg: EvalConfig, chunk_size: int | None = None, task: str | None = 
             f"offload_dir={cfg.offload_dir!r} is not an existing directory; create it or leave "
             "it unset (the system temp dir)"
         )
-    if cfg.variant not in VARIANTS:
-        raise ConfigError(f"variant={cfg.variant!r} is not one of {VARIANTS}")
+    if cfg.variant not in FAMILIES:
+        raise ConfigError(f"variant={cfg.variant!r} is not one of {FAMILIES}")
+    if cfg.variant == "multiquery" and cfg.queries > cfg.needles:
+        raise ConfigError(f"queries={cfg.queries} cannot exceed needles={cfg.needles} (multiquery asks some of them)")
     if cfg.variant == "multihop" and cfg.needles < 2:
         raise ConfigError(f"needles={cfg.needles}: multihop needs >= 2 (a link and a key needle)")
     # NaN fails both comparisons, so it is refused here too.

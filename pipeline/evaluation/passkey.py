@@ -14,11 +14,11 @@ token is right; ``exact_match`` = all answer tokens are. Leading answer tokens t
 space before the digits) are moved into the question: they are the same for every key and would make the first
 token trivially predictable.
 
-Variants (templates overridable with ``needle``, ``question``, ``answer``, ``link``):
-- ``single``: one pass-key needle (the trainer's needle-mix texts, ``pipeline/data/needle.py``);
-- ``multi``: ``needles`` key/value needles with distinct names; the question asks for one of them;
-- ``multihop``: chains ``name -> next name -> key`` (a link needle plus a key needle); the question names the
-  chain's start, so the key needle is found only by following the link (needs >= 2 retrieval groups in GCA).
+Variants: every family of ``pipeline.data.retrieval_tasks`` (``single``, ``multikey``, ``multivalue``,
+``multiquery``, ``vt``, ``multihop``), built by the function that builds the trainer's retrieval mix, so what is
+trained and what is evaluated cannot drift. ``single``, ``multikey`` and ``multihop`` take templates
+(``needle``, ``question``, ``answer``, ``link``); ``multihop`` needs >= 2 retrieval groups in GCA, as its
+question names only the chain's start.
 """
 
 from __future__ import annotations
@@ -33,16 +33,8 @@ import numpy as np
 import torch
 
 from model import CausalLM
-from pipeline.data.needle import (
-    HopChunks,
-    NeedleSpec,
-    hop_texts,
-    lay_out_multihop,
-    lay_out_needle,
-    needle_parts,
-    new_name,
-    render,
-)
+from pipeline.data.needle import NeedleSpec
+from pipeline.data.retrieval_tasks import Codec, TaskSample, TaskShape, build_task
 from pipeline.evaluation.generate import decode, prefill
 from pipeline.evaluation.haystack import TokenSource
 from pipeline.evaluation.resume import SampleLog
@@ -50,23 +42,6 @@ from pipeline.evaluation.runtime import IN_RAM, StreamBudget, stream_state
 from pipeline.evaluation.tokenizer import ByteTokenizer, SentencePieceTokenizer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class PasskeySample:
-    ids: np.ndarray
-    """``[length]`` token ids: haystack with needles, question and answer written over it (haystack after)."""
-    answer_start: int
-    """Index of the first answer token; the model's input is ``ids[:answer_start]``."""
-    answer_len: int
-    needle_start: int
-    """Index of the key-bearing needle's first token."""
-    needle_len: int
-    room: int
-    """Latest possible start of the key-bearing needle; depth d puts it at ``round(d * room)``."""
-    key: str
-    hop: HopChunks | None = None
-    """multihop: the chunks of its parts, to check which ones each retrieval group fetched."""
 
 
 @dataclass(frozen=True)
@@ -90,56 +65,42 @@ def build_sample(
     depth: float,
     rng: np.random.Generator,
     chunk_size: int,
-) -> PasskeySample:
-    """One passkey sequence of ``length`` tokens, laid out on the model's chunks by the trainer's needle layout
-    (``pipeline.data.needle.lay_out_needle`` / ``lay_out_multihop``).
+) -> TaskSample:
+    """One sample of family ``spec.variant`` over a haystack window of ``length`` tokens drawn from ``source``,
+    built by the trainer's own builder (``pipeline.data.retrieval_tasks.build_task``).
 
     Raises:
         ValueError: ``length`` cannot hold the needles, question and answer; a template is malformed.
     """
-    enc = tokenizer.encode
-
-    def new_key() -> str:
-        return str(int(rng.integers(10 ** (spec.key_digits - 1), 10**spec.key_digits)))
-
-    key = new_key()
-    if spec.variant == "multihop":  # the key needle at depth, the link and needles // 2 - 1 distractor chains
-        templates = {part: spec.template(part) for part in ("needle", "link", "question", "answer")}
-        texts = hop_texts(enc, tokenizer.decode, templates, key, new_key, rng, spec.needles // 2)
-        window = source.window(length, rng).astype(np.int64)
-        ids, hop = lay_out_multihop(window, texts, chunk_size, depth, rng)
-        return PasskeySample(
-            ids,
-            hop.answer_start,
-            len(texts.answer),
-            hop.needle_start,
-            len(texts.needle),
-            hop.room,
-            key,
-            HopChunks.of(hop, texts, chunk_size),
-        )
-    names: set[str] = set()
-    target_name = new_name(rng, names)  # drawn for single too, so a seed gives the samples it always gave
-    if spec.variant == "single":
-        target, question, answer = needle_parts(spec, enc, tokenizer.decode, key)
-        others: list[list[int]] = []
-    else:
-        target, question, answer = needle_parts(spec, enc, tokenizer.decode, key, name=target_name)
-        others = [
-            enc(render(spec, "needle", name=new_name(rng, names), key=new_key())) for _ in range(spec.needles - 1)
-        ]
     window = source.window(length, rng).astype(np.int64)  # overwritten by needles, question and answer
-    ids, where = lay_out_needle(
-        window, target, question, answer, depth=depth, chunk_size=chunk_size, others=others, rng=rng
+    return build_task(
+        spec.variant,
+        window,
+        Codec(tokenizer.encode, tokenizer.decode),
+        rng,
+        chunk_size=chunk_size,
+        shape=task_shape(spec),
+        spec=spec,
+        depth=depth,
     )
-    return PasskeySample(
-        ids, where.answer_start, len(answer), where.needle_start, len(target), where.question_start - len(target), key
+
+
+def task_shape(spec: NeedleSpec) -> TaskShape:
+    """The counts of ``spec`` as the builder takes them (multihop: ``needles // 2`` chains of two needles)."""
+    chains = spec.needles // 2 if spec.variant == "multihop" else spec.chains
+    return TaskShape(
+        needles=spec.needles,
+        values=spec.values,
+        queries=spec.queries,
+        hops=spec.hops,
+        chains=chains,
+        key_digits=spec.key_digits,
     )
 
 
 def predict_answer(
     model: CausalLM,
-    sample: PasskeySample,
+    sample: TaskSample,
     *,
     budget: StreamBudget = IN_RAM,
     on_tokens: Callable[[int], None] | None = None,

@@ -8,6 +8,7 @@ accumulation, tokens per step) are properties, never stored twice.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from data_prep.safe_files import is_within
 from data_prep.schema import load_schema
 from model.config import GCAConfig
 from model.context_parallel import check_cp_spans
-from pipeline.data.needle import TRAINER_VARIANTS as NEEDLE_VARIANTS
+from pipeline.data.retrieval_tasks import FAMILIES, TaskShape
 from pipeline.train.dist import TIMEOUT_ENV, collective_timeout_s
 
 _ENV_PATHS = "_env_interpolations"
@@ -57,6 +58,62 @@ class TrainLoopConfig:
     ~15% more resident memory (``kernels.cpu_math.retain_freed_memory``)."""
 
 
+DEFAULT_MIX_FAMILIES = {"single": 1.0, "multikey": 1.0, "multivalue": 1.0, "multiquery": 1.0, "vt": 1.0}
+"""The families of a mix that names none: HiLS-Attention's set, equal weights. ``multihop`` is left out because
+it needs two retrieval groups (``model.groups=[n, m]``) to be solvable."""
+
+
+@dataclass
+class RetrievalMixConfig:
+    fraction: float = 0.0
+    """Share of the training sequences that get a retrieval task written over their own text (0.05: 5%)."""
+    families: dict[str, float] = field(default_factory=dict)
+    """Weight per family (``single``, ``multikey``, ``multivalue``, ``multiquery``, ``vt``, ``multihop``); the
+    families named are the only ones drawn. Empty: ``DEFAULT_MIX_FAMILIES`` (the first five, equal weights)."""
+    answer_weight: float = 1.0
+    """Loss weight of a task's answer tokens relative to every other token (the loss is the weighted mean). 1 is
+    the plain LM loss; a larger weight strengthens the retrieval signal of short runs."""
+    needles: int = 4
+    """multikey, multiquery: needles per sample (distinct names)."""
+    values: int = 3
+    """multivalue: values of the asked name, all asked for."""
+    queries: int = 2
+    """multiquery: needles asked for."""
+    hops: int = 2
+    """vt: copies after the value in each chain."""
+    chains: int = 2
+    """vt, multihop: chains per sample, the asked one included. multihop: with top-k retrieval and ``chains <=
+    top_k``, fetching every key needle always brings the asked one; more chains make that shortcut fail."""
+
+
+@dataclass(frozen=True)
+class MixSettings:
+    """The retrieval mix a config asks for, from ``data.retrieval_mix`` or its older ``data.needle_*`` spelling."""
+
+    fraction: float
+    families: dict[str, float]
+    shape: TaskShape
+    answer_weight: float
+
+
+def mix_settings(data: DataConfig) -> MixSettings:
+    """The one reading of the mix keys (the older ``needle_*`` keys take effect when ``needle_mix > 0``)."""
+    if data.needle_mix > 0:
+        return MixSettings(
+            fraction=data.needle_mix,
+            families={data.needle_variant: 1.0},
+            shape=TaskShape(chains=data.hop_chains),
+            answer_weight=data.needle_answer_weight,
+        )
+    m = data.retrieval_mix
+    return MixSettings(
+        fraction=m.fraction,
+        families=dict(m.families) or dict(DEFAULT_MIX_FAMILIES),
+        shape=TaskShape(needles=m.needles, values=m.values, queries=m.queries, hops=m.hops, chains=m.chains),
+        answer_weight=m.answer_weight,
+    )
+
+
 @dataclass
 class DataConfig:
     path: str = MISSING
@@ -72,19 +129,16 @@ class DataConfig:
     """Shuffle the shard order each epoch and the sequence order within a window."""
     shuffle_window: int = 64
     """Packed sequences shuffled together; larger mixes more, costs memory on every rank."""
+    retrieval_mix: RetrievalMixConfig = field(default_factory=RetrievalMixConfig)
+    """Synthetic retrieval tasks written over a share of the training sequences (``pipeline/data/mix.py``)."""
     needle_mix: float = 0.0
-    """Fraction of training sequences that get a passkey needle and the question + answer at the end."""
+    """Older spelling of ``retrieval_mix`` with one family: the fraction (``retrieval_mix.fraction``)."""
     needle_variant: str = "single"
-    """``single``: one pass-key needle; ``multihop``: a two-hop chain (a link "A leads to B", a key needle for B,
-    a distractor chain) whose question asks for A's key -- the layout a second retrieval group can follow
-    (``pipeline/data/needle.py``; evaluated with ``--task passkey variant=multihop``)."""
+    """With ``needle_mix``: its one family (``retrieval_mix.families={<family>: 1}``)."""
     hop_chains: int = 2
-    """``multihop``: chains per sample, the asked one and ``hop_chains - 1`` distractors (the eval's
-    ``needles=2*hop_chains``). With top-k retrieval and ``hop_chains <= top_k``, fetching every key needle
-    always brings the asked one; more chains make that shortcut fail, so only following the link pays."""
+    """With ``needle_mix``: ``retrieval_mix.chains``."""
     needle_answer_weight: float = 1.0
-    """Loss weight of a needle's answer tokens relative to every other token (the loss is the weighted mean).
-    1 is the plain LM loss of the paper; a larger weight strengthens the retrieval signal of short runs."""
+    """With ``needle_mix``: ``retrieval_mix.answer_weight``."""
     validate_hash: str | None = None
     """Shard hash checked on read (e.g. ``xxh64``), if data prep wrote one."""
 
@@ -437,16 +491,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"optim.betas must be two values in [0, 1); got {o.betas}")
     if cfg.schedule.warmup_steps >= t.max_steps:
         raise ConfigError(f"schedule.warmup_steps={cfg.schedule.warmup_steps} must be < train.max_steps={t.max_steps}")
-    if not 0.0 <= cfg.data.needle_mix <= 1.0:
-        raise ConfigError(f"data.needle_mix must be in [0, 1]; got {cfg.data.needle_mix}")
-    if cfg.data.needle_variant not in NEEDLE_VARIANTS:
-        raise ConfigError(
-            f"data.needle_variant must be one of {list(NEEDLE_VARIANTS)}; got {cfg.data.needle_variant!r}"
-        )
-    if cfg.data.hop_chains < 2:
-        raise ConfigError(f"data.hop_chains must be >= 2 (the asked chain and a distractor); got {cfg.data.hop_chains}")
-    if not cfg.data.needle_answer_weight > 0:
-        raise ConfigError(f"data.needle_answer_weight must be > 0; got {cfg.data.needle_answer_weight}")
+    _check_mix(cfg.data)
     if not 0 <= p.zero_stage <= 3:
         raise ConfigError(f"parallel.zero_stage must be 0, 1, 2 or 3; got {p.zero_stage}")
     if p.engine != "deepspeed" and (p.zero_stage or p.offload_optimizer or p.offload_params):
@@ -467,6 +512,60 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError(
             f"checkpoint.resume must be 'auto', 'none' or an existing checkpoint directory; got {c.resume!r}"
         )
+
+
+def _check_mix(data: DataConfig) -> None:
+    """The mix keys' values and that only one spelling is used; whether ``train.seq_len`` holds each family's
+    sample needs the tokenizer and is checked with the inputs (``pipeline.train.inputs``)."""
+    m = data.retrieval_mix
+    for key, value in (("data.needle_mix", data.needle_mix), ("data.retrieval_mix.fraction", m.fraction)):
+        if not 0.0 <= value <= 1.0:
+            raise ConfigError(f"{key} must be in [0, 1]; got {value}")
+    for key, value in (
+        ("data.needle_answer_weight", data.needle_answer_weight),
+        ("data.retrieval_mix.answer_weight", m.answer_weight),
+    ):
+        if not value > 0:
+            raise ConfigError(f"{key} must be > 0; got {value}")
+    if data.needle_variant not in FAMILIES:
+        raise ConfigError(f"data.needle_variant must be one of {list(FAMILIES)}; got {data.needle_variant!r}")
+    if data.needle_mix > 0:
+        changed = [
+            f"data.retrieval_mix.{f.name}"
+            for f in dataclasses.fields(RetrievalMixConfig)
+            if getattr(m, f.name) != getattr(RetrievalMixConfig(), f.name)
+        ]
+        if changed:
+            raise ConfigError(
+                f"data.needle_mix={data.needle_mix} and {changed[0]} are two spellings of one mix: set "
+                "data.retrieval_mix.* only (data.needle_mix=0)"
+            )
+    elif data.needle_answer_weight != 1.0 or data.hop_chains != 2:
+        key = "needle_answer_weight" if data.needle_answer_weight != 1.0 else "hop_chains"
+        new = "answer_weight" if key == "needle_answer_weight" else "chains"
+        raise ConfigError(
+            f"data.{key} applies only with data.needle_mix > 0; with data.retrieval_mix set data.retrieval_mix.{new}"
+        )
+    unknown = sorted(set(m.families) - set(FAMILIES))
+    if unknown:
+        raise ConfigError(f"data.retrieval_mix.families: unknown {unknown}; the families are {list(FAMILIES)}")
+    for name, weight in m.families.items():
+        if not 0 <= weight < float("inf"):
+            raise ConfigError(f"data.retrieval_mix.families.{name} must be a finite weight >= 0; got {weight}")
+    if m.families and not any(w > 0 for w in m.families.values()):
+        raise ConfigError(f"data.retrieval_mix.families={dict(m.families)} gives no family a weight above 0")
+    settings = mix_settings(data)
+    if data.needle_mix > 0 and data.hop_chains < 2:
+        raise ConfigError(f"data.hop_chains must be >= 2 (the asked chain and a distractor); got {data.hop_chains}")
+    if settings.families.get("multihop", 0) > 0 and settings.shape.chains < 2:
+        raise ConfigError(
+            f"data.retrieval_mix.chains must be >= 2 for multihop (the asked chain and a distractor); got "
+            f"{settings.shape.chains}"
+        )
+    try:
+        settings.shape.check()
+    except ValueError as err:
+        raise ConfigError(f"data.retrieval_mix.{err}") from None
 
 
 def to_plain(cfg: TrainConfig) -> dict[str, Any]:

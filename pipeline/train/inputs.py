@@ -17,10 +17,10 @@ from data_prep import format as fmt
 from data_prep.redaction import find_secret, is_secret_name
 from model import CausalLM, read_export_config
 from model.io import ExportError, check_safetensors
-from pipeline.data.needle import NeedleInserter
+from pipeline.data.mix import RetrievalMix, sentencepiece_codec
 from pipeline.data.reader import UnsafeDatasetError, is_remote, read_tokenizer
 from pipeline.train.checkpoint import OWNER_FILE, foreign_leftovers
-from pipeline.train.config import ConfigError, TrainConfig
+from pipeline.train.config import ConfigError, TrainConfig, mix_settings
 from pipeline.train.metrics import resolve_wandb_mode
 
 log = logging.getLogger(__name__)
@@ -73,10 +73,12 @@ def _check_tokenizer(cfg: TrainConfig) -> None:
     except UnsafeDatasetError as err:
         raise ConfigError(str(err)) from None
     if model is None:
-        if cfg.data.needle_mix > 0:
+        fraction = mix_settings(cfg.data).fraction
+        if fraction > 0:
+            key = "data.needle_mix" if cfg.data.needle_mix > 0 else "data.retrieval_mix.fraction"
             raise ConfigError(
-                f"data.needle_mix={cfg.data.needle_mix} needs the tokenizer {path}, which does not "
-                "exist; set data.needle_mix=0 or point data.path at a prepared dataset"
+                f"{key}={fraction} needs the tokenizer {path}, which does not exist; set {key}=0 or "
+                "point data.path at a prepared dataset"
             )
         return  # a hand-written MDS dataset without one; the export says so
     import sentencepiece as spm
@@ -93,11 +95,29 @@ def _check_tokenizer(cfg: TrainConfig) -> None:
             f"the tokenizer {path} has {pieces} pieces but model.vocab_size={cfg.model.vocab_size}: "
             f"token ids would fall outside the embedding; set model.vocab_size={pieces} (or larger)"
         )
-    if cfg.data.needle_mix > 0:
-        try:
-            NeedleInserter(model, cfg.train.seq_len, cfg.model.chunk_size, cfg.data.needle_variant, cfg.data.hop_chains)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
+    build_mix(cfg, model)
+
+
+def build_mix(cfg: TrainConfig, tokenizer: bytes | Path) -> RetrievalMix | None:
+    """The retrieval mix ``cfg`` asks for (``None`` when its fraction is 0), dry-run on ``train.seq_len``.
+
+    Raises:
+        ConfigError: ``train.seq_len`` cannot hold one of its families' samples (named, with the reason).
+    """
+    settings = mix_settings(cfg.data)
+    if settings.fraction == 0:
+        return None
+    try:
+        return RetrievalMix(
+            sentencepiece_codec(tokenizer),
+            seq_len=cfg.train.seq_len,
+            chunk_size=cfg.model.chunk_size,
+            fraction=settings.fraction,
+            families=settings.families,
+            shape=settings.shape,
+        )
+    except (ValueError, FileNotFoundError) as err:
+        raise ConfigError(str(err)) from None
 
 
 def _split_size(root: Path, split: str) -> int | None:

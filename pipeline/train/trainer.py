@@ -29,7 +29,6 @@ from data_prep.redaction import redact
 from kernels.cpu_math import flush_denormals, retain_freed_memory
 from model import build_model, count_parameters
 from model.flops import flops_per_token, matmul_params
-from pipeline.data.needle import NeedleInserter
 from pipeline.data.reader import (
     DataFingerprintError,
     EmptySplitError,
@@ -59,9 +58,16 @@ from pipeline.train.callbacks import (
     fault_injection,
 )
 from pipeline.train.checkpoint import CheckpointManager
-from pipeline.train.config import ConfigError, TrainConfig, check_context_parallel, load_config, to_yaml
+from pipeline.train.config import (
+    ConfigError,
+    TrainConfig,
+    check_context_parallel,
+    load_config,
+    mix_settings,
+    to_yaml,
+)
 from pipeline.train.export import write_export
-from pipeline.train.inputs import check_inputs, check_no_secrets, init_weights_from
+from pipeline.train.inputs import build_mix, check_inputs, check_no_secrets, init_weights_from
 from pipeline.train.metrics import memory_gb, peak_flops, setup_logging
 from pipeline.train.optim import lr_at, set_lr
 from pipeline.train.parallel import build_engine
@@ -135,7 +141,7 @@ class Trainer:
         self._phase = "setup"
 
     def _train_batches(self) -> tuple[RankBatches, dict[str, Any]]:
-        """This rank's share of the packed, shuffled training stream (with the needle mix), and the dataset's
+        """This rank's share of the packed, shuffled training stream (with the retrieval mix), and the dataset's
         fingerprint, which a resume compares."""
         cfg, info = self.cfg, self.info
         cache = cfg.data.cache_dir or str(self.run_dir / "data_cache")
@@ -148,25 +154,16 @@ class Trainer:
             window=cfg.data.shuffle_window,
             eos_id=self.eos_id,
         )
-        needles = None
-        if cfg.data.needle_mix > 0:
-            needles = NeedleInserter(
-                self.tokenizer or Path(cfg.data.path) / TOKENIZER_FILE,
-                cfg.train.seq_len,
-                cfg.model.chunk_size,
-                cfg.data.needle_variant,
-                cfg.data.hop_chains,
-            )
+        mix = build_mix(cfg, self.tokenizer or Path(cfg.data.path) / TOKENIZER_FILE)
         batches = RankBatches(
             stream,
             global_batch=cfg.train.global_batch,
             micro_batch=cfg.train.micro_batch,
             rank=info.dp_rank,  # the ranks of a context-parallel group train on the same sequences
             world_size=info.dp_size,
-            needles=needles,
-            needle_mix=cfg.data.needle_mix,
+            mix=mix,
             seed=cfg.seed,
-            answer_weight=cfg.data.needle_answer_weight,
+            answer_weight=mix_settings(cfg.data).answer_weight,
         )
         return batches, dataset_fingerprint(reader, cfg.data.path)
 

@@ -23,7 +23,7 @@ def _launch(name):
 @pytest.mark.parametrize("task", ["ppl", "passkey"])
 def test_eval_writes_json_and_plot(tiny_export, tmp_path, task):
     lengths = "lengths=[400,800]" if task == "passkey" else "lengths=[256,512]"
-    extra = ["depths=[0,1]", "variant=multi", "samples=1", "needles=2"] if task == "passkey" else ["score_len=64"]
+    extra = ["depths=[0,1]", "variant=multikey", "samples=1", "needles=2"] if task == "passkey" else ["score_len=64"]
     rc = _launch("eval")(
         [
             "--checkpoint",

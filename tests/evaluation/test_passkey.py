@@ -36,18 +36,18 @@ def test_single_needle_at_requested_depth(source, depth):
     assert TOK.decode(sample.ids[sample.answer_start : answer_end].tolist()) == sample.key
 
 
-@pytest.mark.parametrize("variant", ["multi", "multihop"])
+@pytest.mark.parametrize("variant", ["multikey", "multihop"])
 def test_multi_variants_layout(source, variant):
     spec = NeedleSpec(variant, needles=4)
     # bytes: the two-hop question's words after the name (29 bytes) must fit a chunk plus one token
-    chunk_size = 16 if variant == "multi" else 32
+    chunk_size = 16 if variant == "multikey" else 32
     sample = build_sample(
         source, TOK, spec, length=3000, depth=0.5, rng=np.random.default_rng(2), chunk_size=chunk_size
     )
     text = TOK.decode(sample.ids.tolist())
     assert len(sample.ids) == 3000
     assert text.count(sample.key) == 2  # once in its needle, once as the answer
-    if variant == "multi":
+    if variant == "multikey":
         assert text.count("special magic number") == 4 + 2  # needles + question
     else:
         assert text.count(" has pass key ") == 2 and text.count("The pass key there is") == 1
@@ -69,7 +69,7 @@ def test_answer_never_in_the_input(source):
     assert len(fed) == sample.answer_start + sample.answer_len - 1
 
 
-@pytest.mark.parametrize("variant", ["single", "multi"])
+@pytest.mark.parametrize("variant", ["single", "multikey"])
 def test_copying_oracle_scores_100(source, variant):
     rows = evaluate_passkey(
         InductionOracle(),

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import insert_task, one_family_mix
 
-from pipeline.data.needle import HOP_TEMPLATES, TEMPLATES, HopChunks, NeedleInserter, NeedleSpec, check_templates
+from pipeline.data.needle import HOP_TEMPLATES, TEMPLATES, HopChunks, NeedleSpec, check_templates
 from pipeline.evaluation.haystack import TokenSource
 from pipeline.evaluation.passkey import PasskeyGrid, build_sample
 from pipeline.evaluation.runtime import StreamBudget
@@ -136,12 +137,12 @@ def test_trainer_and_eval_lay_out_the_same_structure(hop_model):
     """The same tokenizer and chunk size: a trainer needle sequence and an eval sample pass the same checker, with
     the question and answer at the same places and the same question tokens."""
     L, S = 1024, 16
-    trainer = NeedleInserter(hop_model, L, S, variant="multihop")
+    trainer = one_family_mix(hop_model, L, S, "multihop")
     tok = SentencePieceTokenizer(hop_model)
     source = TokenSource("builtin", tok, seed=0)
     for seed in range(20):
         rng = np.random.default_rng(seed)
-        ids, answer = trainer.insert(np.asarray(source.window(L, rng), dtype=np.int64), rng)
+        ids, answer = insert_task(trainer, np.asarray(source.window(L, rng), dtype=np.int64), rng)
         train = checks.check_two_hop(ids, tok.encode, tok.decode, S, answer.start, answer.stop - answer.start, 2)
         sample = build_sample(
             source, tok, NeedleSpec("multihop"), length=L, depth=float(rng.random()), rng=rng, chunk_size=S

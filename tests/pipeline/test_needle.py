@@ -2,15 +2,10 @@
 
 import numpy as np
 import pytest
+from helpers import insert_task, one_family_mix
 
-from pipeline.data.needle import (
-    TRAINER_VARIANTS,
-    VARIANTS,
-    NeedleInserter,
-    lay_out_needle,
-    move_answer_whitespace,
-    place_needle,
-)
+from pipeline.data.mix import sentencepiece_codec
+from pipeline.data.needle import NeedleSpec, lay_out_needle, move_answer_whitespace, needle_parts, place_needle
 
 
 @pytest.mark.parametrize("length,S", [(256, 16), (1000, 16), (4096, 64), (300, 7)])
@@ -34,16 +29,17 @@ def test_too_short_raises():
 
 
 def test_inserter_writes_key_at_both_places(tiny_data):
-    ins = NeedleInserter(tiny_data / "tokenizer.model", 256, chunk_size=16)
+    ins = one_family_mix(tiny_data / "tokenizer.model", 256, chunk_size=16)
+    codec = sentencepiece_codec(tiny_data / "tokenizer.model")
     seq = np.zeros(256, dtype=np.int64) + 5
-    out, answer_span = ins.insert(seq, np.random.default_rng(0))
+    out, answer_span = insert_task(ins, seq, np.random.default_rng(0))
     assert out.shape == seq.shape and (seq == 5).all()  # a copy; the input is untouched
-    text = ins.sp.decode(out.tolist())
+    text = codec.decode(out.tolist())
     key = text.split("The pass key is")[1].split(".")[0].strip()
     assert len(key) == 5 and key.isdigit()
     assert f"The pass key is {key}" in text.split("What is")[1]
-    needle, question, answer = ins.parts(key)
-    assert ins.sp.decode(answer[:1]).strip() == key[0]  # the first answer token is a digit, not a space
+    needle, question, answer = needle_parts(NeedleSpec(), codec.encode, codec.decode, key)
+    assert codec.decode(answer[:1]).strip() == key[0]  # the first answer token is a digit, not a space
     assert out[answer_span].tolist() == answer
 
 
@@ -76,9 +72,3 @@ def test_lay_out_needle_writes_every_part_where_place_needle_says_and_keeps_dist
     for token in (4, 5, 6):  # each distractor whole, before the question, overwriting neither needle nor another
         at = np.flatnonzero(out == token)
         assert len(at) == 5 and at[-1] - at[0] == 4 and at[-1] < where.question_start
-
-
-def test_the_trainer_mixes_a_subset_of_the_eval_variants(tiny_data):
-    assert set(TRAINER_VARIANTS) < set(VARIANTS)
-    with pytest.raises(ValueError, match="data.needle_variant='multi' is not one of"):
-        NeedleInserter(tiny_data / "tokenizer.model", 256, chunk_size=16, variant="multi")

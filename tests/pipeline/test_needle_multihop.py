@@ -21,12 +21,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import train_test_tokenizer
+from helpers import insert_task, one_family_mix, train_test_tokenizer
 
 from pipeline.data.needle import (
     HOP_TEMPLATES,
     SYLLABLES,
-    NeedleInserter,
     hop_texts,
     lay_out_multihop,
     place_hop_question,
@@ -270,11 +269,11 @@ def test_lay_out_multihop_follows_the_definition(sp, L, S):
 
 @pytest.mark.parametrize("L,S,chains", [(256, 8, 2), (512, 16, 2), (1024, 32, 2), (256, 16, 3), (512, 16, 4)])
 def test_inserter_sequences_follow_the_definition(hop_model, sp, L, S, chains):
-    ins = NeedleInserter(hop_model, L, S, variant="multihop", chains=chains)
+    ins = one_family_mix(hop_model, L, S, "multihop", chains=chains)
     depths = []
     for seed in range(60):
         seq = filler(sp, L)
-        out, answer = ins.insert(seq, np.random.default_rng(seed))
+        out, answer = insert_task(ins, seq, np.random.default_rng(seed))
         assert (seq == filler(sp, L)).all()
         got = check_two_hop(out, sp.encode, sp.decode, S, answer.start, answer.stop - answer.start, chains=chains)
         assert len(got.distractors) == chains - 1
@@ -289,11 +288,11 @@ def test_inserter_that_accepts_a_length_never_fails_on_it(hop_model):
     S = 8
     L = next(n for n in range(40, 400) if _accepts(hop_model, n, S))
     for n in (L, L + S):
-        ins = NeedleInserter(hop_model, n, S, variant="multihop")
+        ins = one_family_mix(hop_model, n, S, "multihop")
         failing = []
         for seed in range(400):
             try:
-                ins.insert(np.zeros(n, dtype=np.int64), np.random.default_rng([9, 2, seed]))
+                insert_task(ins, np.zeros(n, dtype=np.int64), np.random.default_rng([9, 2, seed]))
             except ValueError:
                 failing.append(seed)
         assert not failing, f"seq_len={n}, chunk_size={S}: accepted, yet {len(failing)}/400 samples fail"
@@ -301,7 +300,7 @@ def test_inserter_that_accepts_a_length_never_fails_on_it(hop_model):
 
 def _accepts(model: Path, L: int, S: int) -> bool:
     try:
-        NeedleInserter(model, L, S, variant="multihop")
+        one_family_mix(model, L, S, "multihop")
     except ValueError:
         return False
     return True
@@ -311,17 +310,17 @@ def _accepts(model: Path, L: int, S: int) -> bool:
 
 
 def test_too_short_names_the_settings(hop_model):
-    with pytest.raises(ValueError, match=r"train\.seq_len=96 is too short for data\.needle_variant=multihop"):
-        NeedleInserter(hop_model, 96, 16, variant="multihop")
-    NeedleInserter(hop_model, 192, 16, variant="multihop")
-    with pytest.raises(ValueError, match=r"seq_len=192 is too short for .*multihop with data\.hop_chains=5"):
-        NeedleInserter(hop_model, 192, 16, variant="multihop", chains=5)
-    NeedleInserter(hop_model, 96, 16, variant="single")  # the one-needle mix fits
+    with pytest.raises(ValueError, match=r"train\.seq_len=96 is too short for the retrieval family multihop"):
+        one_family_mix(hop_model, 96, 16, "multihop")
+    one_family_mix(hop_model, 192, 16, "multihop")
+    with pytest.raises(ValueError, match=r"seq_len=192 is too short for the retrieval family multihop .*chains=5"):
+        one_family_mix(hop_model, 192, 16, "multihop", chains=5)
+    one_family_mix(hop_model, 96, 16, "single")  # the one-needle mix fits
 
 
 def test_unknown_variant(hop_model):
-    with pytest.raises(ValueError, match=r"data\.needle_variant='bogus' is not one of \('single', 'multihop'\)"):
-        NeedleInserter(hop_model, 1024, 16, variant="bogus")
+    with pytest.raises(ValueError, match=r"data\.retrieval_mix\.families: unknown \['bogus'\]"):
+        one_family_mix(hop_model, 1024, 16, "bogus")
 
 
 @pytest.mark.parametrize("S", [8, 16, 33])
@@ -362,21 +361,23 @@ def test_split_question_cuts_after_the_first_name():
 
 def test_config_rejects_an_unknown_variant():
     base = ["run_dir=/tmp/unused/run", "data.path=/tmp/unused/data"]
-    with pytest.raises(ConfigError, match=r"data\.needle_variant must be one of \['single', 'multihop'\]; got 'bogus'"):
+    with pytest.raises(ConfigError, match=r"data\.needle_variant must be one of \['single', .*\]; got 'bogus'"):
         load_config(None, [*base, "data.needle_variant=bogus"])
     assert load_config(None, [*base, "data.needle_variant=multihop"]).data.needle_variant == "multihop"
     with pytest.raises(ConfigError, match=r"data\.hop_chains must be >= 2 .*; got 1"):
-        load_config(None, [*base, "data.hop_chains=1"])
+        load_config(None, [*base, "data.needle_mix=0.5", "data.hop_chains=1"])
+    with pytest.raises(ConfigError, match=r"data\.hop_chains applies only with data\.needle_mix > 0"):
+        load_config(None, [*base, "data.hop_chains=3"])
 
 
 def test_too_short_for_the_variant_stops_before_training(tmp_path, tiny_data, overrides):
     extra = {"data.needle_mix": 0.5, "data.needle_variant": "multihop", "model.chunk_size": 16}
     cfg = load_config(None, overrides(tmp_path / "short", tiny_data, **extra, **{"train.seq_len": 96}))
-    with pytest.raises(ConfigError, match=r"train\.seq_len=96 is too short for data\.needle_variant=multihop"):
+    with pytest.raises(ConfigError, match=r"train\.seq_len=96 is too short for the retrieval family multihop"):
         check_inputs(cfg)
     check_inputs(load_config(None, overrides(tmp_path / "long", tiny_data, **extra, **{"train.seq_len": 512})))
     many = {**extra, "train.seq_len": 512, "data.hop_chains": 20}  # 40 needles in 32 chunks
-    with pytest.raises(ConfigError, match=r"seq_len=512 is too short for .*data\.hop_chains=20"):
+    with pytest.raises(ConfigError, match=r"seq_len=512 is too short for the retrieval family multihop .*chains=20"):
         check_inputs(load_config(None, overrides(tmp_path / "many", tiny_data, **many)))
 
 
@@ -386,7 +387,7 @@ def test_too_short_for_the_variant_stops_before_training(tmp_path, tiny_data, ov
 def test_rank_batches_weigh_exactly_the_two_hop_answers(tiny_data, hop_model, sp):
     L, S, batch = 256, 16, 8
     reader = MDSReader(str(tiny_data), "train", cache_dir=None)
-    needles = NeedleInserter(hop_model, L, S, variant="multihop")
+    needles = one_family_mix(hop_model, L, S, "multihop", fraction=0.5)
 
     def loader(with_needles: bool) -> RankBatches:
         stream = PackedSequences(reader, seq_len=L, seed=0, shuffle=True, window=8, eos_id=None)
@@ -398,8 +399,7 @@ def test_rank_batches_weigh_exactly_the_two_hop_answers(tiny_data, hop_model, sp
             micro_batch=4,
             rank=0,
             world_size=1,
-            needles=needles,
-            needle_mix=0.5,
+            mix=needles,
             seed=9,
             answer_weight=5.0,
         )

@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 import torch
+from helpers import one_family_mix
 
-from pipeline.data.needle import NeedleInserter
+from pipeline.data.mix import sentencepiece_codec
 from pipeline.data.reader import MDSReader, PackedSequences, RankBatches
 
 SEQ, GLOBAL, MICRO = 64, 8, 2
@@ -115,23 +116,20 @@ def _docs_in_shard_order(reader):
 
 
 def test_needles_are_deterministic_and_well_formed(reader, tiny_data):
-    needles = NeedleInserter(tiny_data / "tokenizer.model", SEQ * 2, chunk_size=16)
+    needles = one_family_mix(tiny_data / "tokenizer.model", SEQ * 2, 16, fraction=0.5)
+    decode = sentencepiece_codec(tiny_data / "tokenizer.model").decode
     stream = PackedSequences(reader, seq_len=SEQ * 2, seed=0, shuffle=True, window=8, eos_id=None)
-    rb = RankBatches(
-        stream, global_batch=GLOBAL, micro_batch=MICRO, rank=0, world_size=1, needles=needles, needle_mix=0.5, seed=9
-    )
+    rb = RankBatches(stream, global_batch=GLOBAL, micro_batch=MICRO, rank=0, world_size=1, mix=needles, seed=9)
     batch = torch.cat(rb.next_step())
     assert batch.shape == (GLOBAL, SEQ * 2)
     marked = 0
     for row in batch.numpy():
-        text = needles.sp.decode(row.tolist())
+        text = decode(row.tolist())
         if "pass key is" in text:
             marked += 1
             key = text.split("The pass key is")[1].split(".")[0].strip()
             assert f"What is the pass key? The pass key is {key}" in text
     assert 0 < marked < GLOBAL
     stream2 = PackedSequences(reader, seq_len=SEQ * 2, seed=0, shuffle=True, window=8, eos_id=None)
-    rank1 = RankBatches(
-        stream2, global_batch=GLOBAL, micro_batch=MICRO, rank=1, world_size=2, needles=needles, needle_mix=0.5, seed=9
-    )
+    rank1 = RankBatches(stream2, global_batch=GLOBAL, micro_batch=MICRO, rank=1, world_size=2, mix=needles, seed=9)
     assert torch.equal(torch.cat(rank1.next_step()), batch[GLOBAL // 2 :])

@@ -183,7 +183,7 @@ def test_a_finished_result_survives_an_output_directory_that_vanished(export, tm
     [
         (["needle= The pass key is 12345. "], ["needle=", "lacks the placeholder(s) {key}"]),
         (["answer= 12345"], ["answer=", "lacks the placeholder(s) {key}"]),
-        (["variant=multi", "question= What is the special magic number?"], ["question=", "{name}"]),
+        (["variant=multikey", "question= What is the special magic number?"], ["question=", "{name}"]),
         (["variant=multihop", 'link=" {name} leads somewhere. "'], ["link=", "{next}"]),
         (["needle= The pass key is {key. "], ["needle=", "expected '}'"]),
         (["question= What is the pass key {key}?"], ["question=", "unknown placeholder(s) {key}"]),
