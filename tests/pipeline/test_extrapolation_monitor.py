@@ -210,3 +210,31 @@ def test_two_ranks_gather_for_the_monitor_and_train_as_without_it(tmp_path, tiny
     assert [s for s, m in monitored.items() if "extrap/skipped" in m] == [2, 4]
     assert all(monitored[s]["extrap/skipped"] == 0 and monitored[s]["extrap/ppl@256"] > 1 for s in (2, 4))
     assert [m["loss"].hex() for m in monitored.values()] == [m["loss"].hex() for m in plain.values()]
+
+
+def test_a_run_with_a_retrieval_mix_probes_each_of_its_families(trainer, monkeypatch):
+    """The passkey probes read the mix's families with the mix's counts; each value is that of an independent
+    evaluation of the family's samples."""
+    tr = trainer(**{"eval.extrapolation_lengths": "[4]", "eval.extrapolation_budget_s": 1e6})
+    mix = tr.cfg.data.retrieval_mix  # set after construction: the tiny runs' 64 tokens hold no multivalue sample
+    mix.fraction, mix.families, mix.values = 0.05, {"single": 1.0, "multivalue": 2.0}, 2
+    plan = make_plan(tr)
+    assert [p.name for p in plan.probes] == ["passkey@256", "multivalue@256", "ppl@256"]
+    asked = []
+
+    def recording(model, tokenizer, source, grid, **kwargs):
+        asked.append(grid.spec)
+        return evaluate_passkey(model, tokenizer, source, grid, **kwargs)
+
+    monkeypatch.setattr(extrapolation, "evaluate_passkey", recording)
+    got = ExtrapolationMonitor().probe(tr, tr.engine.full_state_dict(), 2)
+    assert got["extrap/skipped"] == 0
+    assert [(s.variant, s.values) for s in asked] == [("single", 2), ("multivalue", 2)]
+    model = extrapolation.eval_model(tr, tr.engine.full_state_dict())
+    spec = NeedleSpec("multivalue", values=2)
+    grid = PasskeyGrid(spec, [256], [0.25, 0.75], samples=1, seed=7)
+    rows = evaluate_passkey(
+        model, plan.tokenizer, TokenSource("builtin", plan.tokenizer, 7), grid, budget=StreamBudget(SEQ)
+    )
+    assert got["extrap/multivalue@256"] == sum(r["exact_match"] for r in rows) / 2
+    assert rows[0]["n"] == 1  # the probe really built and scored the family's samples

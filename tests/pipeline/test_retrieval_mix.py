@@ -12,6 +12,7 @@ import math
 import re
 import shutil
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -349,3 +350,13 @@ def test_the_trainer_writes_the_mix_into_its_sequences_and_weighs_the_answers(
     assert set(seen) <= set(questions) and seen == trainer.batches.families
     with pytest.raises(ConfigError, match=r"train\.seq_len=96 is too short for the retrieval family (multiquery|vt)"):
         check_inputs(load_config(None, overrides(tmp_path / "short", data, **{**extra, "train.seq_len": 96})))
+
+
+def test_the_paper_scale_config_mixes_every_default_family(codec):
+    cfg = load_config(str(Path(__file__).parents[2] / "configs/train/gca_pg19_16k.yaml"), [], 8)
+    settings = mix_settings(cfg.data)
+    assert settings.fraction == 0.05 and settings.families == DEFAULT_MIX_FAMILIES
+    # Its 16,380-token sequences of 63-token chunks hold a sample of every family (the dry run builds 64 each).
+    RetrievalMix(
+        codec, seq_len=cfg.train.seq_len, chunk_size=cfg.model.chunk_size, fraction=0.05, families=settings.families
+    )

@@ -6,7 +6,9 @@ Every ``eval.extrapolation_every`` steps it runs two small probes at each length
 
 - ``extrap/passkey@<L>``: exact match (every answer token right) of a passkey hidden in ``L`` tokens of built-in
   filler prose (``pipeline.evaluation.passkey``), one sample per depth at ``eval.extrapolation_samples`` depths
-  spread evenly over the haystack; the samples are the same at every step, so the values compare over the run;
+  spread evenly over the haystack; the samples are the same at every step, so the values compare over the run.
+  A run with a retrieval mix (``data.retrieval_mix``) probes each of its families the same way, with the mix's
+  counts: ``extrap/passkey@<L>`` for ``single``, ``extrap/<family>@<L>`` for the others;
 - ``extrap/ppl@<L>``: perplexity of the last ``score_len`` tokens of ``eval.extrapolation_samples`` windows of the
   validation split, with the ``L - score_len`` tokens before them as context (``pipeline.evaluation.ppl``); the
   windows and scored tokens are the same at every length, so only the context differs;
@@ -43,6 +45,7 @@ import torch
 from data_prep import format as fmt
 from model import CausalLM, build_model
 from pipeline.data.needle import NeedleSpec
+from pipeline.data.retrieval_tasks import FAMILIES
 from pipeline.evaluation import ppl
 from pipeline.evaluation.haystack import TokenSource
 from pipeline.evaluation.passkey import PasskeyGrid, evaluate_passkey
@@ -50,6 +53,7 @@ from pipeline.evaluation.runtime import StreamBudget
 from pipeline.evaluation.tokenizer import ByteTokenizer, SentencePieceTokenizer
 from pipeline.train import dist
 from pipeline.train.callbacks.base import Callback
+from pipeline.train.config import TrainConfig, mix_settings
 
 if TYPE_CHECKING:
     from pipeline.train.trainer import Trainer
@@ -69,10 +73,13 @@ class Probe:
     """``passkey`` or ``ppl``."""
     length: int
     """Tokens: a multiple of the training length."""
+    family: str = "single"
+    """``passkey``: the retrieval task family (``pipeline.data.retrieval_tasks``)."""
 
     @property
     def name(self) -> str:
-        return f"{self.kind}@{self.length}"
+        label = self.family if self.kind == "passkey" and self.family != "single" else self.kind
+        return f"{label}@{self.length}"
 
 
 @dataclass
@@ -182,16 +189,40 @@ def make_plan(trainer: Trainer) -> ProbePlan:
             haystack = TokenSource("builtin", tokenizer, cfg.seed)
     windows = _validation_windows(trainer, tokenizer, lengths, samples)
     ppl_lengths = [n for n in lengths if windows and n <= len(windows[0])]
+    families = probed_families(cfg) if tokenizer is not None else []
     probes = [
         probe
         for n in lengths
         for probe in (
-            *([Probe("passkey", n)] if tokenizer is not None else []),
+            *(Probe("passkey", n, family) for family in families),
             *([Probe("ppl", n)] if n in ppl_lengths else []),
         )
     ]
     log.info("extrapolation monitor: probes %s", ", ".join(p.name for p in probes) or "none")
     return ProbePlan(probes, tokenizer, haystack, windows)
+
+
+def probed_families(cfg: TrainConfig) -> list[str]:
+    """The families the passkey probes read: the retrieval mix's own, or the single passkey without a mix."""
+    mix = mix_settings(cfg.data)
+    if mix.fraction == 0:
+        return ["single"]
+    return [family for family in FAMILIES if mix.families.get(family, 0) > 0]
+
+
+def probe_spec(cfg: TrainConfig, family: str) -> NeedleSpec:
+    """A passkey probe's sample definition: the family with the mix's counts, so the probe asks what the mix
+    trains (the eval's multihop counts needles, two per chain)."""
+    shape = mix_settings(cfg.data).shape
+    needles = 2 * shape.chains if family == "multihop" else shape.needles
+    return NeedleSpec(
+        variant=family,
+        needles=needles,
+        values=shape.values,
+        queries=shape.queries,
+        hops=shape.hops,
+        chains=shape.chains,
+    )
 
 
 def _validation_windows(
@@ -287,7 +318,7 @@ def _run_probe(
     if probe.kind == "passkey":
         assert plan.tokenizer is not None and plan.haystack is not None, "planned only with a tokenizer"
         depths = spread_depths(cfg.eval.extrapolation_samples)
-        grid = PasskeyGrid(NeedleSpec(), [probe.length], depths, samples=1, seed=cfg.seed)
+        grid = PasskeyGrid(probe_spec(cfg, probe.family), [probe.length], depths, samples=1, seed=cfg.seed)
         rows = evaluate_passkey(
             model, plan.tokenizer, plan.haystack, grid, budget=StreamBudget(segment=segment), progress=progress
         )
