@@ -2,7 +2,8 @@
 (``tests/test_layering.py`` enforces the order):
 
 1. ``data``: the trainer's reader of prepared MDS datasets, packed sequences and per-rank batches, and what a
-   needle is (``data.needle``: templates, variants, the chunk-grid layout shared by the trainer and the eval).
+   retrieval task is (``data.retrieval_tasks``: the families and their chunk-grid layout, shared by the trainer's
+   mix and the eval).
 2. ``hf``: the Hugging Face format of an export (``transformers`` remote code, ``tokenizer.json``).
 3. ``evaluation``: eval jobs on exports (perplexity by context, passkey, generation, lm-evaluation-harness).
 4. ``train``: the trainer and everything it owns (config, engines, checkpoints, metrics, preflight, callbacks,

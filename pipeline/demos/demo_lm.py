@@ -1,11 +1,16 @@
-"""``make demo-lm``: the language-modelling claim, measured on identical tokens.
+"""``make demo-lm``: the language-modelling claims, measured on identical tokens.
 
-GCA, its sliding-window base (``model.arch=swa``) and a full-attention transformer (``model.arch=full``) are
-trained with one recipe (``configs/demo_lm/train.yaml``: same width, depth, data, token budget and sequence length)
-on the built-in corpus without a few held-out standard-library packages. Each held-out package, its modules joined
-in path order, is one long evaluation document, and every model scores the same final ``score_len`` tokens of every
-document with 1K, 4K, 16K, 64K tokens of context (``--task ppl``). Stages run as subprocesses a user could type and
-are skipped when their output exists (``pipeline.demos.runner``), so an interrupted run continues.
+GCA three ways -- plain language modelling (``gca``), with a 5% retrieval-task mix (``gca_mix``,
+``data.retrieval_mix``) and with a random retriever (``gca_random``, the paper's ablation) -- its sliding-window
+base (``model.arch=swa``) and a full-attention transformer (``model.arch=full``) are trained with one recipe
+(``configs/demo_lm/train.yaml``: same width, depth, data, token budget and sequence length, except what
+``model_overrides`` shortens) on the built-in corpus without a few held-out standard-library packages. Each
+held-out package, its modules joined in path order, is one long evaluation document, and every model scores the
+same final ``score_len`` tokens of every document with 1K, 4K, 16K, 64K tokens of context (``--task ppl``, with
+the GCA models' far recall). The models of ``mix_eval_models`` answer the mix's task families over the held-out
+text (``--task passkey variant=<family>``). Each model is trained then evaluated before the next one starts;
+stages run as subprocesses a user could type and are skipped when their output exists (``pipeline.demos.runner``),
+so an interrupted run continues.
 """
 
 from __future__ import annotations
@@ -29,8 +34,16 @@ log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[2]
 PREP_MODULE = "data_prep.cli"
-ARCH_OVERRIDES = {"gca": [], "baseline": ["model.arch=swa"], "full": ["model.arch=full"]}
+MODEL_OVERRIDES = {
+    "gca": [],
+    "gca_mix": ["data.retrieval_mix.fraction=0.05"],
+    "gca_random": ["model.retrieval=random"],
+    "baseline": ["model.arch=swa"],
+    "full": ["model.arch=full"],
+}
 """What distinguishes the demo's models; everything else comes from the one train config."""
+MIX_FAMILIES = ["single", "multikey", "multivalue", "multiquery", "vt"]
+"""The families of ``gca_mix``'s mix (the trainer's default set), each evaluated by ``mix_eval``."""
 EVAL_DOCS = "eval_docs"
 EVAL_DOCS_INDEX = "eval_docs.json"
 
@@ -44,7 +57,14 @@ class DemoLMConfig:
     train_config: str = "configs/demo_lm/train.yaml"
     ranks: int = 2
     """DeepSpeed ranks on this machine (CPU: one per core)."""
-    models: list[str] = field(default_factory=lambda: ["gca", "baseline", "full"])
+    models: list[str] = field(default_factory=lambda: ["gca", "gca_mix", "gca_random", "baseline", "full"])
+    model_overrides: dict[str, list[str]] = field(default_factory=dict)
+    """Extra ``key=value`` overrides of one model's training (``{full: [train.max_steps=90]}``: a shorter run)."""
+    mix_eval_models: list[str] = field(default_factory=lambda: ["gca_mix", "gca"])
+    """Models whose answers to the mix's task families are scored (``--task passkey variant=<family>``)."""
+    mix_eval_lengths: list[int] = field(default_factory=lambda: [1024, 4096])
+    mix_eval_samples: int = 2
+    """Samples per (family, length, depth); five depths."""
     holdout: list[str] = field(default_factory=list)
     """Top-level standard-library packages held out of training; each becomes one evaluation document."""
     lengths: list[int] = field(default_factory=lambda: [1024, 4096, 16384, 65536])
@@ -59,20 +79,27 @@ class DemoLMConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        unknown = [m for m in self.models if m not in ARCH_OVERRIDES]
+        known = list(MODEL_OVERRIDES)
+        unknown = [m for m in self.models if m not in MODEL_OVERRIDES]
         if unknown or not self.models:
-            raise ValueError(f"config key 'models' has a wrong value {self.models}: use some of {list(ARCH_OVERRIDES)}")
+            raise ValueError(f"config key 'models' has a wrong value {self.models}: use some of {known}")
+        for key in ("model_overrides", "mix_eval_models"):
+            stray = sorted(set(getattr(self, key)) - set(self.models))
+            if stray:
+                raise ValueError(f"config key '{key}' names models {stray} that 'models' does not train: {self.models}")
+        if self.mix_eval_samples < 1 or not self.mix_eval_lengths:
+            raise ValueError(
+                "config keys 'mix_eval_samples' (>= 1) and 'mix_eval_lengths' (one length or more) are wrong"
+            )
         if not self.holdout:
             raise ValueError("config key 'holdout' must name at least one standard-library package")
         if not self.lengths or any(n <= self.score_len for n in self.lengths):
             raise ValueError(
                 f"config key 'lengths' has a wrong value {self.lengths}: each must exceed score_len={self.score_len}"
             )
-        unknown = sorted(set(self.max_length) - set(ARCH_OVERRIDES))
+        unknown = sorted(set(self.max_length) - set(MODEL_OVERRIDES))
         if unknown:
-            raise ValueError(
-                f"config key 'max_length' names unknown models {unknown}: use some of {list(ARCH_OVERRIDES)}"
-            )
+            raise ValueError(f"config key 'max_length' names unknown models {unknown}: use some of {known}")
         if any(cap < min(self.lengths) for cap in self.max_length.values()):
             raise ValueError(
                 f"config key 'max_length' has a wrong value {self.max_length}: a model would be evaluated at no "
@@ -172,6 +199,50 @@ def exclude_patterns(holdout: list[str]) -> list[str]:
     return [f"{package}/*" for package in holdout]
 
 
+def train_model(stages: StageRunner, cfg: DemoLMConfig, model: str, run_dir: Path, data: Path) -> None:
+    """Stage ``train-<model>``: the one recipe with the model's own overrides."""
+    model_dir = run_dir / model
+    overrides = [
+        f"run_dir={model_dir}",
+        f"data.path={data}",
+        *MODEL_OVERRIDES[model],
+        *cfg.train_overrides,
+        *cfg.model_overrides.get(model, []),
+    ]
+    cmd, env = train_command(cfg.ranks, cfg.train_config, overrides)
+    stages.run(f"train-{model}", cmd, model_dir / "export" / "model.safetensors", env)
+
+
+def evaluate_model(stages: StageRunner, cfg: DemoLMConfig, model: str, run_dir: Path) -> None:
+    """Stages ``ppl-<model>`` and, for the models of ``mix_eval_models``, ``mix-<model>-<family>``."""
+    export = run_dir / model / "export"
+    out = run_dir / "eval" / model
+    lengths = [n for n in cfg.lengths if n <= cfg.max_length.get(model, n)]
+    keys = [
+        f"data={run_dir / EVAL_DOCS}",
+        f"lengths={lengths}",
+        f"score_len={cfg.score_len}",
+        f"samples={len(cfg.holdout)}",
+        f"seed={cfg.seed}",
+        "document_ppl=false",  # whole documents of 80K-250K tokens would cost more than the rest together
+    ]
+    cmd, env = eval_command(export, "ppl", out, keys)
+    stages.run(f"ppl-{model}", cmd, out / "ppl.json", env)
+    if model not in cfg.mix_eval_models:
+        return
+    for family in MIX_FAMILIES:
+        mix_out = run_dir / "eval" / model / "mix" / family
+        keys = [
+            f"data={run_dir / EVAL_DOCS}",  # the haystack is held-out real text, as the mix's is training text
+            f"variant={family}",
+            f"lengths={cfg.mix_eval_lengths}",
+            f"samples={cfg.mix_eval_samples}",
+            f"seed={cfg.seed}",
+        ]
+        cmd, env = eval_command(export, "passkey", mix_out, keys)
+        stages.run(f"mix-{model}-{family}", cmd, mix_out / "passkey.json", env)
+
+
 def run_demo_lm(config: str, overrides: list[str]) -> None:
     """Every stage not done yet, then ``ppl.json``, ``ppl.png`` and ``results.md`` in the run dir.
 
@@ -199,24 +270,9 @@ def run_demo_lm(config: str, overrides: list[str]) -> None:
             index = write_eval_documents(cfg.holdout, run_dir / EVAL_DOCS, data / "tokenizer.model", max(cfg.lengths))
             index_path.write_text(json.dumps(index, indent=2))
             stages.record("eval-documents", time.perf_counter() - t0)
-        for model in cfg.models:
-            model_dir = run_dir / model
-            overrides_ = [f"run_dir={model_dir}", f"data.path={data}", *ARCH_OVERRIDES[model], *cfg.train_overrides]
-            cmd, env = train_command(cfg.ranks, cfg.train_config, overrides_)
-            stages.run(f"train-{model}", cmd, model_dir / "export" / "model.safetensors", env)
-        for model in cfg.models:
-            out = run_dir / "eval" / model
-            lengths = [n for n in cfg.lengths if n <= cfg.max_length.get(model, n)]
-            keys = [
-                f"data={run_dir / EVAL_DOCS}",
-                f"lengths={lengths}",
-                f"score_len={cfg.score_len}",
-                f"samples={len(cfg.holdout)}",
-                f"seed={cfg.seed}",
-                "document_ppl=false",  # whole documents of 80K-250K tokens would cost more than the rest together
-            ]
-            cmd, env = eval_command(run_dir / model / "export", "ppl", out, keys)
-            stages.run(f"ppl-{model}", cmd, out / "ppl.json", env)
+        for model in cfg.models:  # each model trained and evaluated before the next: results arrive early
+            train_model(stages, cfg, model, run_dir, data)
+            evaluate_model(stages, cfg, model, run_dir)
     except StageError as err:
         raise DemoLMError(f"{err}; run the same command again to continue") from None
     sys.stdout.write(write_demo_lm_report(run_dir, cfg.models, stages.timings) + "\n")

@@ -18,7 +18,15 @@ from pipeline.demos.demo_lm import (
     load_demo_lm_config,
     write_eval_documents,
 )
-from pipeline.demos.demo_lm_report import claims, retrieval_summary, write_demo_lm_report
+from pipeline.demos.demo_lm_report import (
+    claims,
+    far_recall_table,
+    mix_accuracy,
+    mix_claims,
+    mix_table,
+    retrieval_summary,
+    write_demo_lm_report,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -26,7 +34,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_shipped_configs_load():
     for name in ("demo_lm.yaml", "smoke.yaml"):
         cfg, _ = load_demo_lm_config(REPO / "configs/demo_lm" / name, [])
-        assert cfg.models == ["gca", "baseline", "full"]
+        assert cfg.models == ["gca", "gca_mix", "gca_random", "baseline", "full"]
 
 
 @pytest.mark.parametrize(
@@ -108,10 +116,52 @@ def test_retrieval_summary_compares_with_random_picks(tmp_path):
     (run / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
     # 4 chunks: query chunks 1, 2, 3 pick at random (1 + 3) / 2, (2 + 3) / 2, (3 + 3) / 2 back -> mean 2.5
     assert retrieval_summary(tmp_path) == (
-        "GCA's retriever at its last training step (step 1): weight entropy 1.30 nats over its top-4 (uniform: "
+        "gca's retriever at its last training step (step 1): weight entropy 1.30 nats over its top-4 (uniform: "
         "ln 4 = 1.39), mean distance 2.5 chunks back (uniformly random picks among the visible chunks of a "
         "64-token sequence: 2.5)."
     )
+
+
+def test_mix_claims_state_the_numbers_that_decide_them():
+    def row(model, n, p, recall=None, random=None):
+        extra = {} if recall is None else {"far_recall": recall, "far_recall_random": random, "far_recall_tokens": 40}
+        return {**_row(model, n, p), **extra}
+
+    rows = [
+        row("gca_mix", 1024, 9.0, 0.30, 0.10),
+        row("gca_mix", 16384, 8.9, 0.20, 0.02),
+        row("gca_mix", 65536, 9.2, 0.012, 0.01),
+        *(row("gca_random", n, p) for n, p in ((1024, 9.5), (16384, 8.8), (65536, 9.5))),
+    ]
+    falls, versus, recall = mix_claims(rows)
+    assert (
+        falls
+        == "gca_mix's perplexity at 16K and 64K is below its 1K one (9.00; 16K: 8.90, 64K: 9.20): does not hold at 64K."
+    )
+    assert versus == (
+        "gca_mix < gca_random (the random-retriever ablation) at every length (1K: 9.00 vs 9.50, 16K: 8.90 vs 8.80, "
+        "64K: 9.20 vs 9.50): does not hold at 16K."
+    )
+    assert recall.endswith(
+        "(at least 1.5x; far recall vs random, 1K: 0.300 vs 0.100, 16K: 0.200 vs 0.020, 64K: 0.012 vs 0.010): "
+        "does not hold at 64K."
+    )
+    table = far_recall_table(rows, ["gca_mix", "gca_random"])
+    assert "| gca_mix | 0.300 / 0.100 (40) | 0.200 / 0.020 (40) | 0.012 / 0.010 (40) |" in table
+    assert "gca_random" not in table  # no far recall recorded for it here
+    assert mix_claims([row("gca", 1024, 9.0)]) == []  # no gca_mix: nothing to claim
+
+
+def test_mix_accuracy_is_the_mean_exact_match_per_family_and_length(tmp_path):
+    for family, scores in (("vt", [1.0, 0.0, 0.5]), ("single", [1.0, 1.0, 1.0])):
+        out = tmp_path / "eval" / "gca_mix" / "mix" / family
+        out.mkdir(parents=True)
+        rows = [{"length": 1024, "depth": d, "exact_match": e} for d, e in zip((0.0, 0.5, 1.0), scores)]
+        rows.append({"length": 4096, "depth": 0.0, "exact_match": 0.0})
+        (out / "passkey.json").write_text(json.dumps({"results": rows}))
+    accuracy = mix_accuracy(tmp_path, ["gca_mix", "gca"])
+    assert accuracy == {"gca_mix": {"single": {1024: 1.0, 4096: 0.0}, "vt": {1024: 0.5, 4096: 0.0}}}
+    assert mix_table(accuracy).splitlines()[2:] == ["| single | 1.00 | 0.00 |", "| vt | 0.50 | 0.00 |"]
 
 
 def test_report_pools_every_model(tmp_path):
