@@ -83,10 +83,10 @@ class DemoLMConfig:
         unknown = [m for m in self.models if m not in MODEL_OVERRIDES]
         if unknown or not self.models:
             raise ValueError(f"config key 'models' has a wrong value {self.models}: use some of {known}")
-        for key in ("model_overrides", "mix_eval_models"):
-            stray = sorted(set(getattr(self, key)) - set(self.models))
+        for key in ("model_overrides", "mix_eval_models"):  # naming a model not trained this time is harmless
+            stray = sorted(set(getattr(self, key)) - set(MODEL_OVERRIDES))
             if stray:
-                raise ValueError(f"config key '{key}' names models {stray} that 'models' does not train: {self.models}")
+                raise ValueError(f"config key '{key}' names unknown models {stray}: use some of {known}")
         if self.mix_eval_samples < 1 or not self.mix_eval_lengths:
             raise ValueError(
                 "config keys 'mix_eval_samples' (>= 1) and 'mix_eval_lengths' (one length or more) are wrong"

@@ -35,6 +35,9 @@ def test_shipped_configs_load():
     for name in ("demo_lm.yaml", "smoke.yaml"):
         cfg, _ = load_demo_lm_config(REPO / "configs/demo_lm" / name, [])
         assert cfg.models == ["gca", "gca_mix", "gca_random", "baseline", "full"]
+    # One model alone: the shipped per-model settings of the others stay harmless.
+    cfg, _ = load_demo_lm_config(REPO / "configs/demo_lm/demo_lm.yaml", ["models=[gca_mix]"])
+    assert cfg.models == ["gca_mix"] and "full" in cfg.model_overrides
 
 
 @pytest.mark.parametrize(
@@ -44,6 +47,8 @@ def test_shipped_configs_load():
         ("lengths=[512,4096]", r"'lengths' has a wrong value \[512, 4096\]: each must exceed score_len=512"),
         ("holdout=[]", r"'holdout' must name at least one"),
         ("max_length={transformer: 4096}", r"'max_length' names unknown models \['transformer'\]"),
+        ("model_overrides={gpt: []}", r"'model_overrides' names unknown models \['gpt'\]"),
+        ("mix_eval_models=[gca,gpt]", r"'mix_eval_models' names unknown models \['gpt'\]"),
         ("max_length={full: 1000}", r"'max_length' has a wrong value .*a model would be evaluated at no length"),
         ("score_len=0", r"'lengths' has a wrong value|'score_len' has a wrong value"),
     ],
