@@ -16,12 +16,15 @@ and `PIECE` the piece's index within the document. Consecutive pieces with one
 `DOC_ID` concatenate to the whole document. Packing into sequences and landmark insertion happen in the
 trainer, so the GCA chunk length can change without re-sharding.
 
-A split with no documents (``val_fraction=0``, or a corpus too small for any document to hash into val) is
-not written at all: its directory is absent, and its `SplitStats` in the manifest has ``documents``, ``pieces`` and
-``tokens`` 0 and ``index_sha256`` ``""`` (`EMPTY_SPLIT_SHA256`). Every split directory that exists can be opened by
-``StreamingDataset`` (which refuses an index without samples); check `Manifest.has_split` before opening one.
+The split assigns whole documents, never tokens (`ValSplitInfo`, ``data_prep.split``). A split with no documents
+(``val_fraction=0``, or a corpus of a single document) is not written at all: its directory is absent, and its
+`SplitStats` in the manifest has ``documents``, ``pieces`` and ``tokens`` 0 and ``index_sha256`` ``""``
+(`EMPTY_SPLIT_SHA256`). Every split directory that exists can be opened by ``StreamingDataset`` (which refuses an
+index without samples); check `Manifest.has_split` before opening one.
 
-These names are imported by the pipeline; keep them stable, and bump `FORMAT_VERSION` on any change.
+These names are imported by the pipeline; keep them stable, and bump `FORMAT_VERSION` on any change that an
+older reader would misread (a field added with a default, like `Manifest.val_split`, is not one: an older reader
+ignores it and a manifest without it reads as the default).
 """
 
 import hashlib
@@ -48,6 +51,7 @@ __all__ = [
     "Manifest",
     "SplitStats",
     "TokenizerInfo",
+    "ValSplitInfo",
     "is_prep_temporary",
     "manifest_from_dict",
     "mds_columns",
@@ -132,6 +136,16 @@ class TokenizerInfo:
 
 
 @dataclass(frozen=True)
+class ValSplitInfo:
+    """How the val split was drawn (``data_prep.split``)."""
+
+    unit: str = "documents"
+    """What ``val_fraction`` is a share of: documents (each with all its pieces in one split), never tokens."""
+    lowest_hash_fallback: bool = False
+    """True when no document hashed into ``val_fraction`` and the one with the lowest hash went to val instead."""
+
+
+@dataclass(frozen=True)
 class InputFingerprint:
     """Identity of one input, so a trainer or a rerun can tell whether the corpus changed."""
 
@@ -160,6 +174,8 @@ class Manifest:
     """The resolved prep config (see ``data_prep.config.PrepConfig``)."""
     software: dict[str, str] = field(default_factory=dict)
     """Versions of python, sentencepiece and streaming used to write the dataset."""
+    val_split: ValSplitInfo = field(default_factory=ValSplitInfo)
+    """How documents were assigned to val; manifests written before it existed read as the plain hash rule."""
 
     def has_split(self, split: str) -> bool:
         """Whether ``<output>/<split>/`` exists and holds samples (an empty split is not written)."""
@@ -186,6 +202,7 @@ def manifest_from_dict(obj: dict[str, Any]) -> Manifest:
         inputs=[InputFingerprint(**entry) for entry in obj["inputs"]],
         config=dict(obj["config"]),
         software=dict(obj.get("software", {})),
+        val_split=ValSplitInfo(**obj.get("val_split", {})),
     )
 
 

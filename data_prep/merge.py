@@ -61,6 +61,7 @@ from data_prep.shard import (
     tokenizer_model_bytes,
 )
 from data_prep.sources import resolve_sources
+from data_prep.split import val_split
 
 logger = logging.getLogger(__name__)
 
@@ -224,7 +225,7 @@ def prepare_tokenizer(cfg: PrepConfig, num_slices: int = 1) -> Path:
                 "was deleted: remove or move them yourself, or choose another output"
             )
     select_slice(sources, dataclasses.replace(cfg, num_slices=num_slices))  # fail now, not in every array task
-    model_proto, trained = tokenizer_model_bytes(sources, cfg)
+    model_proto, trained = tokenizer_model_bytes(sources, cfg, val_split(sources, cfg))
     if earlier is not None:
         logger.warning("overwrite=true: removing the slices of an earlier run in %s", root)
         _delete_slices(root, *earlier)
@@ -388,8 +389,9 @@ def _check_slices(cfg: PrepConfig, manifests: dict[int, Manifest], tokenizer_sha
         )
     if cfg.val_fraction > 0 and val == 0:
         logger.warning(
-            "val split is empty: no document hashed into val_fraction=%s, so %s has no val/ directory "
-            "(manifest: 0 val tokens); raise val_fraction or change split_seed, or train with eval off",
+            "val split is empty with val_fraction=%s: the corpus has no second document to hold out, or min_tokens "
+            "skipped the one chosen; %s has no val/ directory (manifest: 0 val tokens): add documents, or train "
+            "with eval off",
             cfg.val_fraction,
             cfg.output,
         )
@@ -413,6 +415,7 @@ def _merged_manifest(cfg: PrepConfig, manifests: dict[int, Manifest], splits: di
         inputs=[i for m in manifests.values() for i in m.inputs],
         config=to_container(dataclasses.replace(cfg, num_slices=len(manifests))),
         software=manifests[0].software,
+        val_split=manifests[0].val_split,  # every slice drew it over all inputs (data_prep.split)
     )
 
 

@@ -46,6 +46,7 @@ from data_prep.format import (
     IncompleteDatasetError,
     Manifest,
     SplitStats,
+    ValSplitInfo,
     mds_columns,
     read_manifest,
     token_dtype_for_vocab,
@@ -60,11 +61,12 @@ from data_prep.sources import (
     iter_documents,
     resolve_sources,
 )
+from data_prep.split import ValSplit, val_split
 from data_prep.streaming_compat import ensure_streaming_importable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["check_output", "commit_dataset", "is_val", "main", "make_work_dir", "select_slice"]
+__all__ = ["check_output", "commit_dataset", "main", "make_work_dir", "select_slice"]
 
 _BATCH_CHARS = 1 << 21
 """Characters per task sent to a worker: large enough to amortize pickling, small enough to balance."""
@@ -75,15 +77,6 @@ _WORK_MARKER = ".prep-work"
 prep's own and may be deleted. Removed from the finished dataset after the rename."""
 _INDEX = "index.json"
 _REPO = Path(__file__).resolve().parents[1]
-
-
-def is_val(text: str, val_fraction: float, seed: int) -> bool:
-    """Whether a document belongs to the val split: a pure function of its text (and the seed).
-
-    Hashing the content (not a position or a random draw) makes the split independent of file order and
-    process count, and puts exact duplicates in the same split.
-    """
-    return xxhash.xxh64_intdigest(text.encode("utf-8"), seed=seed) < val_fraction * 2.0**64
 
 
 # ---- worker side -------------------------------------------------------------------------------------
@@ -119,7 +112,7 @@ class _Task:
     texts: list[str]
 
 
-def _tasks(docs: Iterator[Document], cfg: PrepConfig, skips: SkipCounter) -> Iterator[_Task]:
+def _tasks(docs: Iterator[Document], cfg: PrepConfig, is_val: ValSplit, skips: SkipCounter) -> Iterator[_Task]:
     batch_docs: list[_Doc] = []
     batch_texts: list[str] = []
     size = 0
@@ -128,7 +121,7 @@ def _tasks(docs: Iterator[Document], cfg: PrepConfig, skips: SkipCounter) -> Ite
         if not doc.text.strip():
             skips.skip("empty", doc.where)
             continue
-        split = "val" if is_val(doc.text, cfg.val_fraction, cfg.split_seed) else "train"
+        split = "val" if is_val(doc.text) else "train"
         parts = tokenize.segments(doc.text, tokenize.SEGMENT_CHARS)
         entry = _Doc(doc_id, split, doc.where, len(parts), [])
         for part in parts:
@@ -201,14 +194,20 @@ def _results(tasks: Iterator[_Task], model_proto: bytes, num_proc: int) -> Itera
 
 
 def _write_splits(
-    sources: list[Source], cfg: PrepConfig, model_proto: bytes, vocab_size: int, tmp: Path, skips: SkipCounter
+    sources: list[Source],
+    cfg: PrepConfig,
+    is_val: ValSplit,
+    model_proto: bytes,
+    vocab_size: int,
+    tmp: Path,
+    skips: SkipCounter,
 ) -> dict[str, SplitStats]:
     token_dtype = token_dtype_for_vocab(vocab_size)
     writers = {split: _SplitWriter(tmp / split, cfg, token_dtype) for split in SPLITS}
     tokens_done = 0
     start = time.perf_counter()
     bar = tqdm(desc="tokenize", unit="doc", disable=not cfg.progress, dynamic_ncols=True)
-    tasks = _tasks(iter_documents(sources, skips), cfg, skips)
+    tasks = _tasks(iter_documents(sources, skips), cfg, is_val, skips)
     for task, encoded in _results(tasks, model_proto, cfg.num_proc):
         for doc, ids in zip(task.docs, encoded, strict=True):
             doc.parts.append(ids)
@@ -240,21 +239,24 @@ def _check_split_sizes(stats: dict[str, SplitStats], cfg: PrepConfig) -> None:
         )
     if cfg.val_fraction > 0 and stats["val"].documents == 0:
         logger.warning(
-            "val split is empty: no document hashed into val_fraction=%s, so %s has no val/ directory "
-            "(manifest: 0 val tokens); raise val_fraction or change split_seed, or train with eval off",
+            "val split is empty with val_fraction=%s: the corpus has no second document to hold out, or min_tokens "
+            "skipped the one chosen; %s has no val/ directory (manifest: 0 val tokens): add documents, or train "
+            "with eval off",
             cfg.val_fraction,
             cfg.output,
         )
 
 
-def _in_train_sample(doc: Document, cfg: PrepConfig, rate: float) -> bool:
-    if is_val(doc.text, cfg.val_fraction, cfg.split_seed):
+def _in_train_sample(doc: Document, cfg: PrepConfig, is_val: ValSplit, rate: float) -> bool:
+    if is_val(doc.text):
         return False  # the tokenizer never sees val text
     # a second, independent hash (seed + 1) picks the sample, so it is spread over the whole corpus
     return xxhash.xxh64_intdigest(doc.text.encode("utf-8"), seed=cfg.split_seed + 1) < rate * 2.0**64
 
 
-def tokenizer_model_bytes(sources: list[Source], cfg: PrepConfig) -> tuple[bytes, bool]:
+def tokenizer_model_bytes(sources: list[Source], cfg: PrepConfig, is_val: ValSplit) -> tuple[bytes, bool]:
+    """The given ``tokenizer.model``, or one trained on a sample of the train documents (``is_val`` keeps every val
+    document out of it); and whether it was trained."""
     if cfg.tokenizer.model is not None:
         model = Path(cfg.tokenizer.model).read_bytes()
         try:
@@ -271,7 +273,7 @@ def tokenizer_model_bytes(sources: list[Source], cfg: PrepConfig) -> tuple[bytes
     sample = (
         d.text
         for d in tqdm(docs, desc="tokenizer sample", unit="doc", disable=not cfg.progress)
-        if d.text.strip() and _in_train_sample(d, cfg, rate)
+        if d.text.strip() and _in_train_sample(d, cfg, is_val, rate)
     )
     return tokenize.train_tokenizer(sample, cfg.tokenizer, num_threads=cfg.num_proc), True
 
@@ -588,14 +590,15 @@ def main(cfg: PrepConfig) -> Manifest:
         InputError: unreadable input or, under ``cfg.strict``, a malformed record; no train documents.
     """
     out = Path(cfg.output).absolute()
-    sources = select_slice(resolve_sources(cfg), cfg)
+    corpus = resolve_sources(cfg)
+    sources = select_slice(corpus, cfg)
     check_output(out, cfg, sources)
     ensure_streaming_importable()
     remove_stale_work_dirs(out)
     tmp = make_work_dir(out)
     started = time.perf_counter()
     try:
-        manifest = _prepare(sources, cfg, tmp)
+        manifest = _prepare(sources, val_split(corpus, cfg), cfg, tmp)
         commit_dataset(tmp, out, manifest, cfg.overwrite)
     except PrepError:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -610,7 +613,8 @@ def main(cfg: PrepConfig) -> Manifest:
     splits = manifest.splits
     total_tokens = sum(s.tokens for s in splits.values())
     logger.info(
-        "wrote %s in %.1fs: train %d docs / %d tokens, val %d docs / %d tokens, %.0f tokens/s; skipped %s",
+        "wrote %s in %.1fs: train %d docs / %d tokens, val %d docs / %d tokens (whole documents are split, "
+        "not tokens), %.0f tokens/s; skipped %s",
         out,
         seconds,
         splits["train"].documents,
@@ -623,13 +627,13 @@ def main(cfg: PrepConfig) -> Manifest:
     return manifest
 
 
-def _prepare(sources: list[Source], cfg: PrepConfig, tmp: Path) -> Manifest:
+def _prepare(sources: list[Source], is_val: ValSplit, cfg: PrepConfig, tmp: Path) -> Manifest:
     """Tokenizer and splits into ``tmp``; the manifest describing them."""
-    model_proto, trained = tokenizer_model_bytes(sources, cfg)
+    model_proto, trained = tokenizer_model_bytes(sources, cfg, is_val)
     fsync_write(tmp / TOKENIZER_FILENAME, model_proto)
     info = tokenize.tokenizer_info(model_proto, trained)
     skips = SkipCounter(strict=cfg.strict)
-    splits = _write_splits(sources, cfg, model_proto, info.vocab_size, tmp, skips)
+    splits = _write_splits(sources, cfg, is_val, model_proto, info.vocab_size, tmp, skips)
     return Manifest(
         format_version=FORMAT_VERSION,
         token_dtype=token_dtype_for_vocab(info.vocab_size),
@@ -639,4 +643,5 @@ def _prepare(sources: list[Source], cfg: PrepConfig, tmp: Path) -> Manifest:
         inputs=[s.fingerprint(content=cfg.fingerprint == "content") for s in sources],
         config=to_container(cfg),
         software=_software(),
+        val_split=ValSplitInfo(lowest_hash_fallback=is_val.fallback is not None),
     )

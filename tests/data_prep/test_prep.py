@@ -15,6 +15,7 @@ import sentencepiece as spm
 from data_prep import shard
 from data_prep.errors import OutputExistsError
 from data_prep.format import COMPLETE_MARKER, SPLITS, IncompleteDatasetError, read_manifest
+from data_prep.split import is_val
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -66,9 +67,9 @@ def test_deterministic_across_runs_and_process_counts(run_prep, tmp_path):
 
 def test_split_is_per_document_content(corpus):
     texts = corpus[1]
-    first = [shard.is_val(t, 0.2, 0) for t in texts]
-    assert first == [shard.is_val(t, 0.2, 0) for t in reversed(texts)][::-1]
-    assert first != [shard.is_val(t, 0.2, 1) for t in texts], "split_seed draws a different split"
+    first = [is_val(t, 0.2, 0) for t in texts]
+    assert first == [is_val(t, 0.2, 0) for t in reversed(texts)][::-1]
+    assert first != [is_val(t, 0.2, 1) for t in texts], "split_seed draws a different split"
     assert 0.1 < sum(first) / len(first) < 0.3
 
 

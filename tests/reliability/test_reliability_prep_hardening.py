@@ -23,6 +23,7 @@ from data_prep.cli import main as cli  # prep's command line (launch/prep.py), i
 from data_prep.config import load_config
 from data_prep.errors import ConfigError, InputError, OutputExistsError, OutputWriteError
 from data_prep.format import SPLITS, read_manifest
+from data_prep.split import is_val
 from data_prep.streaming_compat import ensure_streaming_importable
 
 pytestmark = pytest.mark.reliability
@@ -184,8 +185,8 @@ def test_overwrite_replaces_its_own_dataset_and_deletes_only_its_files(dataset, 
 # ---- empty splits ---------------------------------------------------------------------------------------------
 
 
-def test_small_corpus_with_default_val_fraction_writes_only_readable_splits(tmp_path, tokenizer, caplog):
-    corpus = _corpus(tmp_path / "corpus", 5)
+def test_one_document_corpus_with_default_val_fraction_writes_only_readable_splits(tmp_path, tokenizer, caplog):
+    corpus = _corpus(tmp_path / "corpus", 1)  # two or more get a val document (tests/data_prep/test_val_split.py)
     manifest = _prep(tmp_path / "out", corpus, **{"tokenizer.model": tokenizer})  # val_fraction 0.01
     assert (manifest.splits["val"].documents, manifest.splits["val"].tokens) == (0, 0)
     assert not manifest.has_split("val") and not (tmp_path / "out" / "val").exists()
@@ -200,7 +201,7 @@ def test_small_corpus_with_default_val_fraction_writes_only_readable_splits(tmp_
 def test_no_train_document_is_an_error_and_writes_nothing(tmp_path, tokenizer):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
-    text = next(t for t in (f"document {i} " * 20 for i in range(100)) if shard.is_val(t, 0.9, 0))
+    text = next(t for t in (f"document {i} " * 20 for i in range(100)) if is_val(t, 0.9, 0))
     (corpus / "only.txt").write_text(text)
     with pytest.raises(InputError, match="no document reached the train split"):
         _prep(tmp_path / "out", corpus, val_fraction=0.9, **{"tokenizer.model": tokenizer})
