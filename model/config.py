@@ -10,6 +10,7 @@ from kernels.swa import SWA_BACKENDS
 
 ARCHS = ("gca", "swa", "full")
 RETRIEVAL_SCALES = ("d_model", "head_dim")
+RETRIEVALS = ("learned", "random")
 BACKEND_FIELDS = ("gca_backend", "swa_backend", "attn_backend")
 """Fields that choose how the model is computed, not what it computes (its weights and outputs stay the same)."""
 
@@ -53,6 +54,11 @@ class GCAConfig:
     """Sample the top-k with Gumbel noise during training (clean top-k in eval)."""
     retrieval_grad: bool = True
     """Let the LM loss train the retriever through the retrieval weights (false = stop-gradient ablation)."""
+    retrieval: str = "learned"
+    """``learned``: the landmark scores choose and weight the chunks (GCA). ``random``: the paper's random-retriever
+    ablation, ``top_k`` visible chunks drawn uniformly without replacement (torch's RNG) with equal weights, in
+    training and eval; the parameters stay the same (the query norms and landmark keys are then unused), so
+    exports load either way."""
     gca_output_bias: bool = True
     """Bias on the GCA output projection."""
     retrieval_scale: str = "d_model"
@@ -111,6 +117,8 @@ class GCAConfig:
                 f"model.{gca_key}=triton supports head dims {MIN_HEAD_DIM}..{MAX_HEAD_DIM}; "
                 f"model.d_model / model.n_heads = {self.head_dim} (change them, or use model.{gca_key}=naive)"
             )
+        if self.retrieval not in RETRIEVALS:
+            raise ConfigError(f"model.retrieval={self.retrieval!r} is not one of {RETRIEVALS}")
         if self.retrieval_scale not in RETRIEVAL_SCALES:
             raise ConfigError(f"model.retrieval_scale={self.retrieval_scale!r} is not one of {RETRIEVAL_SCALES}")
         for name in ("norm_eps", "init_std", "rope_theta"):

@@ -31,7 +31,7 @@ from model.context_parallel import ContextParallel
 from model.layers import ChunkEncoder, DecoderLayer, KVCache, RMSNorm, SlidingWindowAttention, SwiGLU
 from model.layout import StepLayout
 from model.lm import CausalLM
-from model.retrieval import DeferredRow, RetrievalRows, retrieval_stats, retrieve
+from model.retrieval import DeferredRow, Picks, RetrievalRows, record_picks, retrieval_stats, retrieve
 from model.stream import StreamState
 
 # Logit elements per GCA operator call when no gradient is needed (about 64 MB in fp32).
@@ -136,6 +136,10 @@ class GCAForCausalLM(CausalLM):
         self.retrieval_scale = scale_dim**-0.5
         self.retrieval_stats: dict[str, torch.Tensor] = {}
         """Telemetry of the last step's retrievals: ``retrieval_entropy_g<g>``, ``retrieval_distance_g<g>``."""
+        self.picks: Picks | None = None
+        """None, or (set to ``{}`` by a caller) every retrieval the whole-sequence forward ``model(input_ids)``
+        scores, as ``StreamState.picks`` records them when streaming (far recall in validation). Not recorded under
+        context parallelism: a rank scores only its span's rows."""
         self.init_weights()
 
     def init_weights(self) -> None:
@@ -282,9 +286,11 @@ class GCAForCausalLM(CausalLM):
         keys, mem_k, mem_v = readable
         cfg = self.cfg
         B = x.shape[0]
-        gumbel = cfg.gumbel_topk and self.training
+        random_picks = cfg.retrieval == "random"
+        gumbel = cfg.gumbel_topk and self.training and not random_picks
         # Context parallelism: every rank scores its rows of the noise one process draws for the whole sequence.
-        noise = cp.gumbel_uniform(B, x.device) if cp is not None and gumbel else None
+        noise = cp.gumbel_uniform(B, x.device) if cp is not None and (gumbel or random_picks) else None
+        recorded = state.picks if state is not None else self.picks if cp is None else None
 
         def score(queries: torch.Tensor, chunk: torch.Tensor) -> RetrievalRows:
             rows = retrieve(
@@ -296,9 +302,9 @@ class GCAForCausalLM(CausalLM):
                 gumbel=gumbel,
                 grad=cfg.retrieval_grad,
                 uniform=None if noise is None else noise[:, chunk],
+                random_picks=random_picks,
             )
-            if state is not None:
-                state.record_picks(g, rows, chunk)
+            record_picks(recorded, g, rows, chunk)
             return rows
 
         queries = group.query_norm(x[:, layout.landmark_pos])  # [B, n_landmarks, d_model]

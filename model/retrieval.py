@@ -15,6 +15,9 @@ import torch.nn.functional as F
 
 # Logit given to invalid picks before the softmax: finite (no NaN in all-invalid rows), exp() underflows to 0.
 _INVALID_LOGIT = -1e9
+Picks = dict[tuple[int, int], list[list[int]]]
+"""Recorded retrievals: (group, query chunk id) -> for every batch row the chunk ids it picked (valid picks only)."""
+
 # Scores per retrieval call without autograd (64 MB in fp32): a streamed step with hundreds of landmarks against
 # millions of stored chunks would otherwise hold several GB of [queries, chunks] scores and masks at once.
 _EVAL_SCORE_ELEMENTS = 1 << 24
@@ -67,6 +70,7 @@ def retrieve(
     gumbel: bool,
     grad: bool = True,
     uniform: torch.Tensor | None = None,
+    random_picks: bool = False,
 ) -> RetrievalRows:
     """Select and weight the top-``top_k`` visible chunks for each query.
 
@@ -79,8 +83,12 @@ def retrieve(
         gumbel: perturb the selection with Gumbel noise (sampling without replacement from softmax(scores));
             the weights always use the clean scores.
         grad: when False the weights are detached (the stop-gradient ablation: the retriever is not trained).
-        uniform: ``[B, Cq, max(Cm, top_k)]`` the uniform draw behind the Gumbel noise (default: ``torch.rand_like``
-            here); context parallelism passes its rows of the draw one process makes for the whole sequence.
+        uniform: ``[B, Cq, max(Cm, top_k)]`` the uniform draw behind the Gumbel noise or the random picks (default:
+            ``torch.rand`` here); context parallelism passes its rows of the draw one process makes for the whole
+            sequence.
+        random_picks: the random-retriever ablation (``model.retrieval=random``): ``top_k`` chunks uniformly at
+            random without replacement among the visible ones, equal weights; nothing is scored and nothing learns
+            (``queries``, ``scale``, ``gumbel`` and ``grad`` are unused).
     """
     B, Cq, _ = queries.shape
     Cm = keys.shape[1]
@@ -98,16 +106,20 @@ def retrieve(
                     gumbel=gumbel,
                     grad=grad,
                     uniform=None if uniform is None else uniform[:, i : i + step],
+                    random_picks=random_picks,
                 )
                 for i in range(0, Cq, step)
             ]
         )
-    scores = torch.einsum("bqd,bmd->bqm", queries.float(), keys.float()) * scale  # [B, Cq, Cm]
     visible = torch.arange(Cm, device=keys.device)[None, :] < query_chunk[:, None]  # [Cq, Cm]
     if Cm < top_k:  # pad with never-visible columns so every row has exactly R picks
-        scores = F.pad(scores, (0, top_k - Cm))
         visible = F.pad(visible, (0, top_k - Cm), value=False)
     visible = visible.expand(B, Cq, -1)
+    if random_picks:
+        return _random_rows(visible, top_k, uniform)
+    scores = torch.einsum("bqd,bmd->bqm", queries.float(), keys.float()) * scale  # [B, Cq, Cm]
+    if Cm < top_k:
+        scores = F.pad(scores, (0, top_k - Cm))
     with torch.no_grad():
         pick = scores.masked_fill(~visible, float("-inf"))
         if gumbel:
@@ -120,6 +132,28 @@ def retrieve(
     if not grad:
         weights = weights.detach()
     return RetrievalRows(torch.where(valid, index, torch.zeros_like(index)), weights)
+
+
+def _random_rows(visible: torch.Tensor, top_k: int, uniform: torch.Tensor | None) -> RetrievalRows:
+    """``top_k`` visible chunks per row uniformly without replacement (the top-k of i.i.d. uniform draws among the
+    visible ones is a uniform subset), each valid pick weighted 1 / (valid picks)."""
+    draw = torch.rand(visible.shape, device=visible.device) if uniform is None else uniform
+    index = draw.masked_fill(~visible, -1.0).topk(top_k, dim=-1).indices  # invisible columns rank last
+    valid = visible.gather(-1, index)
+    weights = valid.float() / valid.sum(-1, keepdim=True).clamp_min(1)
+    return RetrievalRows(torch.where(valid, index, torch.zeros_like(index)), weights)
+
+
+def record_picks(picks: Picks | None, group: int, rows: RetrievalRows, chunk: torch.Tensor) -> None:
+    """Add ``rows`` (scored for the query chunk ids ``chunk``) to ``picks`` unless it is None; invalid picks
+    (weight 0: fewer visible chunks than top-k) are left out. The one recorder of ``StreamState.picks`` and
+    ``GCAForCausalLM.picks``."""
+    if picks is None:
+        return
+    # One transfer each, then plain lists: per-element tensor indexing cost ~10 us a pick.
+    index, used = rows.index.tolist(), (rows.weights > 0).tolist()
+    for i, query_chunk in enumerate(chunk.tolist()):
+        picks[(group, query_chunk)] = [[j for j, u in zip(index[b][i], used[b][i]) if u] for b in range(len(index))]
 
 
 @torch.no_grad()

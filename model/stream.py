@@ -12,7 +12,7 @@ import torch
 
 from model.chunk_store import AppendBuffer, ChunkStore
 from model.layers import KVCache
-from model.retrieval import DeferredRow, RetrievalRows
+from model.retrieval import DeferredRow, Picks, RetrievalRows
 
 
 class ChunkMemory:
@@ -59,17 +59,6 @@ class StreamState:
         # Each group's current row; after memory_only steps the last landmark's query, scored when read.
         self.rows: list[RetrievalRows | DeferredRow | None] = [None] * n_groups
         self.memory: ChunkStore = memory if memory is not None else ChunkMemory()
-        # None, or (set to {} by a caller) every retrieval scored from here on: (group, query chunk id) -> the
-        # chunk ids each batch row picked. Diagnostics only (which chunks a two-hop question fetched).
-        self.picks: dict[tuple[int, int], list[list[int]]] | None = None
-
-    def record_picks(self, group: int, rows: RetrievalRows, chunk: torch.Tensor) -> None:
-        """Add ``rows`` (scored for the query chunk ids ``chunk``) to ``picks`` when recording; invalid picks
-        (weight 0: fewer visible chunks than top-k) are left out."""
-        if self.picks is None:
-            return
-        for i, query_chunk in enumerate(chunk.tolist()):
-            self.picks[(group, query_chunk)] = [
-                [int(j) for j, w in zip(index.tolist(), weights.tolist()) if w > 0]
-                for index, weights in zip(rows.index[:, i], rows.weights[:, i])
-            ]
+        # None, or (set to {} by a caller) every retrieval scored from here on (``model.retrieval.record_picks``).
+        # Diagnostics only (which chunks a two-hop question fetched, far recall).
+        self.picks: Picks | None = None
