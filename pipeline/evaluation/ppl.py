@@ -8,6 +8,10 @@ streams tokens ``[N - L, N - 1)`` from a fresh state and the targets are ``d[N -
 compared on the same text, so a change of ppl with ``L`` is the effect of context alone.
 
 ``document_ppl``: every predicted position of each whole document, streamed from its start.
+
+For GCA models each ``context_ppl`` row also holds the far recall of its scored tokens
+(``pipeline.evaluation.far_recall``): how often the retrieval row that served a scored token's prediction held a
+chunk with an earlier occurrence of its n-gram beyond the sliding windows' reach, against random picks.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from model import CausalLM
+from model import CausalLM, GCAForCausalLM
+from model.retrieval import Picks
+from pipeline.evaluation.far_recall import FarRecall
 from pipeline.evaluation.runtime import IN_RAM, StreamBudget, stream_segments, stream_state
 
 log = logging.getLogger(__name__)
@@ -63,9 +69,12 @@ def scored_tail_nll(
     score_len: int,
     budget: StreamBudget = IN_RAM,
     on_tokens: Callable[[int], None] | None = None,
+    picks: Picks | None = None,
 ) -> tuple[float, range]:
     """Summed NLL (fp64) of the last ``score_len`` tokens of ``document`` with ``length - score_len`` tokens of
     context, and the document positions of the targets actually scored (for the caller's bookkeeping check).
+    ``picks``: filled with the retrievals scored (``StreamState.picks``; chunk ids count from the window's start,
+    document position ``len(document) - length``).
 
     Segments that end ``window_reach`` tokens or more before the first scored logit are streamed with
     ``memory_only`` (no logits; what later tokens read is kept, see ``GCAForCausalLM.forward_stream``), so the
@@ -81,6 +90,7 @@ def scored_tail_nll(
     skip = 0 if reach is None else max(0, first - reach + 1)
     total, lo, hi = 0.0, None, None
     with stream_state(model, budget) as state:
+        state.picks = picks
         for start in range(0, inputs.shape[1], budget.segment):
             piece = inputs[:, start : start + budget.segment]
             end = start + piece.shape[1]
@@ -122,7 +132,9 @@ def context_ppl(
 ) -> list[dict]:
     """One row per length: ``{"kind": "context", "length", "ppl", "nll", "tokens", "documents", "seconds",
     "tokens_per_s"}`` (``nll``: mean per scored token; ``tokens``: scored tokens; ``tokens_per_s``: tokens
-    streamed through the model per second).
+    streamed through the model per second); for a GCA model also ``far_recall``, ``far_recall_random`` (None when
+    no scored token qualified), ``far_recall_tokens`` and with several groups ``far_recall_g<i>``
+    (``FarRecall.metrics``) over the scored tokens.
 
     Args:
         documents: int64 token arrays, in source order.
@@ -151,11 +163,18 @@ def context_ppl(
         on_tokens = progress(length, len(chosen) * (length - 1)) if progress else None
         t0 = time.perf_counter()
         total = 0.0
+        recall = FarRecall.empty(len(model.cfg.groups)) if isinstance(model, GCAForCausalLM) else None
         for i in chosen:
+            picks: Picks | None = {} if recall is not None else None
             nll, positions = scored_tail_nll(
-                model, documents[i], length=length, score_len=score_len, budget=budget, on_tokens=on_tokens
+                model, documents[i], length=length, score_len=score_len, budget=budget, on_tokens=on_tokens, picks=picks
             )
             total += nll
+            if recall is not None and picks is not None:
+                # The stream covers the window's tokens; the last target lies one past it (no logit reads it).
+                window = documents[i][len(documents[i]) - length :]
+                scored = range(length - score_len, length)
+                recall += FarRecall.measure(window, picks, model.cfg, scored=scored)
             # What the streaming loop scored, against what every length must score: the same final tokens.
             n = len(documents[i])
             if positions != range(n - score_len, n):
@@ -175,6 +194,7 @@ def context_ppl(
                 "documents": len(chosen),
                 "seconds": round(seconds, 3),
                 "tokens_per_s": round(len(chosen) * (length - 1) / seconds, 1),
+                **(recall.metrics() if recall is not None else {}),
             }
         )
         log.info("ppl by context length=%d: %.3f (%d documents, %.1fs)", length, rows[-1]["ppl"], len(chosen), seconds)
