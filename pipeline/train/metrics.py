@@ -209,10 +209,16 @@ class MetricsLogger:
             log.info("step %d | %s", step, shown)
 
     def event(self, record: dict[str, Any]) -> None:
+        """Write ``record`` (``event``, ``step``, values); wandb gets its numbers as ``<event>/<key>``, or under
+        their own name when the key already names its section (``retrieval/far_recall``)."""
         self._write(record)
         if self.wandb is not None and "step" in record:
             self.wandb.log(
-                {f"{record['event']}/{k}": v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"},
+                {
+                    k if "/" in k else f"{record['event']}/{k}": v
+                    for k, v in record.items()
+                    if isinstance(v, (int, float)) and k != "step"
+                },
                 step=record["step"],
             )
 

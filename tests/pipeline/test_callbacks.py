@@ -41,7 +41,7 @@ class Recorder(Callback):
         self.metrics[step] = dict(metrics)
         self.trainer_step_at_post[step] = trainer.step
 
-    def on_eval(self, trainer: Trainer, step: int, val_loss: float) -> None:
+    def on_eval(self, trainer: Trainer, step: int, val_loss: float, metrics: dict[str, float]) -> None:
         self.calls.append(("on_eval", step))
 
     def on_save_point(self, trainer: Trainer, step: int, point: str) -> None:

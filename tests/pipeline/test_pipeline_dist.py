@@ -3,9 +3,12 @@
 For each engine, one 2-rank run of 6 steps must match a single process on the whole global batch (loss and
 grad norm per step within fp32 reduction-order tolerance, final weights close) -- this is what catches FSDP2's
 gloo averaging bug (pytorch#162338) -- and a run stopped by SIGUSR1 on one rank at step 3, then relaunched,
-must reproduce the uninterrupted run bit for bit. DeepSpeed's first launch JIT-builds its CPU comm op (~60 s).
+must reproduce the uninterrupted run bit for bit. The validation pass after the last step gives the single
+process's loss and far recall (the model's pick recording works through every engine's wrapper, and the ranks'
+sums add up). DeepSpeed's first launch JIT-builds its CPU comm op (~60 s).
 """
 
+import json
 import os
 import socket
 import subprocess
@@ -24,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 LAUNCH = [str(REPO / "launch/pretrain.py"), "--config", str(REPO / "configs/train/debug.yaml")]
 STEPS = 6
 # Gumbel top-k noise is drawn per rank, so it cannot match a single process; parity needs clean top-k.
-BASE = {"train.max_steps": STEPS, "model.gumbel_topk": False}
+BASE = {"train.max_steps": STEPS, "model.gumbel_topk": False, "train.eval_every": STEPS, "train.eval_batches": 2}
 ENGINES = {
     "fsdp": ["parallel.engine=fsdp"],
     "zero1": ["parallel.engine=deepspeed", "parallel.zero_stage=1"],
@@ -63,6 +66,11 @@ def launch(engine: str, args: list[str], fault: str | None = None, timeout: int 
     )
 
 
+def last_eval(run: Path) -> dict:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e.get("event") == "eval"][-1]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, tiny_data, overrides):
     """One process, whole global batch (4 sequences, 2 micro-batches of 2)."""
@@ -83,6 +91,11 @@ def test_two_ranks_match_one_process_and_resume_exactly(
     for step in range(1, STEPS + 1):
         assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=2e-5), step
         assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-4), step
+    eval_ref, eval_got = last_eval(reference), last_eval(straight)
+    assert eval_got["val_loss"] == pytest.approx(eval_ref["val_loss"], rel=2e-5)
+    assert eval_ref["retrieval/far_recall_tokens"] > 0
+    for key in ("retrieval/far_recall", "retrieval/far_recall_random", "retrieval/far_recall_tokens"):
+        assert eval_got[key] == pytest.approx(eval_ref[key], rel=1e-9), key
     w_ref, w_got = load_file(reference / "export/model.safetensors"), load_file(straight / "export/model.safetensors")
     for name in w_ref:
         torch.testing.assert_close(w_got[name], w_ref[name], rtol=1e-4, atol=1e-5, msg=name)

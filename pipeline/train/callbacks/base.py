@@ -36,8 +36,9 @@ class Callback:
     def post_step(self, trainer: Trainer, step: int, metrics: dict[str, Any]) -> None:
         """After step ``step`` finished on every rank; ``metrics`` may gain entries for the callbacks after this."""
 
-    def on_eval(self, trainer: Trainer, step: int, val_loss: float) -> None:
-        """A validation pass after step ``step`` gave ``val_loss`` (the same value on every rank)."""
+    def on_eval(self, trainer: Trainer, step: int, val_loss: float, metrics: dict[str, float]) -> None:
+        """A validation pass after step ``step`` gave ``val_loss`` and the other ``metrics`` it measured (GCA models:
+        ``retrieval/far_recall`` and its companions); the same values on every rank."""
 
     def on_save_point(self, trainer: Trainer, step: int, point: str) -> None:
         """Inside the save of ``step``, at ``point`` (one of ``checkpoint.SAVE_POINTS``, in that order)."""
@@ -89,10 +90,10 @@ class CallbackList(Callback):
             with _naming(cb, "post_step"):
                 cb.post_step(trainer, step, metrics)
 
-    def on_eval(self, trainer: Trainer, step: int, val_loss: float) -> None:
+    def on_eval(self, trainer: Trainer, step: int, val_loss: float, metrics: dict[str, float]) -> None:
         for cb in self.callbacks:
             with _naming(cb, "on_eval"):
-                cb.on_eval(trainer, step, val_loss)
+                cb.on_eval(trainer, step, val_loss, metrics)
 
     def on_save_point(self, trainer: Trainer, step: int, point: str) -> None:
         for cb in self.callbacks:

@@ -21,7 +21,7 @@ class MetricsLogging(Callback):
     """On rank 0: writes ``<run_dir>/config.yaml`` (the resolved config of the latest start, re-runnable with
     ``--config``), logs the run header, and sends every step's metrics and every validation loss to
     ``MetricsLogger`` (metrics.jsonl, wandb, progress bar; a console line every ``logging.every`` steps and at the
-    last one). Other ranks log nothing."""
+    last one) with the validation pass's other metrics (far recall). Other ranks log nothing."""
 
     def __init__(self) -> None:
         self.metrics: MetricsLogger | None = None
@@ -39,10 +39,11 @@ class MetricsLogging(Callback):
             console = step % trainer.cfg.logging.every == 0 or step == trainer.cfg.train.max_steps
             self.metrics.step(step, metrics, console)
 
-    def on_eval(self, trainer: Trainer, step: int, val_loss: float) -> None:
-        log.info("step %d | val_loss=%.4f", step, val_loss)
+    def on_eval(self, trainer: Trainer, step: int, val_loss: float, metrics: dict[str, float]) -> None:
+        shown = "".join(f" {k}={v:.4g}" if isinstance(v, float) else f" {k}={v}" for k, v in metrics.items())
+        log.info("step %d | val_loss=%.4f%s", step, val_loss, shown)
         if self.metrics is not None:
-            self.metrics.event({"event": "eval", "step": step, "val_loss": val_loss})
+            self.metrics.event({"event": "eval", "step": step, "val_loss": val_loss, **metrics})
 
     def post_train(self, trainer: Trainer) -> None:
         if self.metrics is not None:

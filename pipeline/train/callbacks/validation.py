@@ -1,4 +1,5 @@
-"""Periodic validation: the mean loss over ``train.eval_batches`` global batches every ``train.eval_every`` steps."""
+"""Periodic validation: the mean loss over ``train.eval_batches`` global batches every ``train.eval_every`` steps,
+and for GCA models the far recall of the same forwards (``pipeline.evaluation.far_recall``)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from model.retrieval import Picks
 from pipeline.data.reader import MDSReader, PackedSequences, RankBatches
+from pipeline.evaluation.far_recall import FarRecall
 from pipeline.train import dist
 from pipeline.train.callbacks.base import Callback
 
@@ -20,9 +23,12 @@ class EvalError(RuntimeError):
 
 class PeriodicEval(Callback):
     """Evaluates after every ``train.eval_every``-th step, on the same sequences every time, without moving the
-    training RNG; the result goes to the ``on_eval`` hooks. A failed pass saves the finished step first, so a
-    relaunch loses nothing, then raises `EvalError` on every rank. Registered before the stop decision and the
-    checkpoint cadence, as the step boundary has always run them: evaluate, then decide, then save."""
+    training RNG; the result goes to the ``on_eval`` hooks: the loss, and for GCA models ``retrieval/far_recall``,
+    ``retrieval/far_recall_random`` and ``retrieval/far_recall_tokens`` (per group ``retrieval/far_recall_g<i>`` too
+    with several groups) over every predicted token of those sequences, summed over the ranks. A failed pass saves
+    the finished step first, so a relaunch loses nothing, then raises `EvalError` on every rank. Registered before
+    the stop decision and the checkpoint cadence, as the step boundary has always run them: evaluate, then decide,
+    then save."""
 
     def __init__(self, every: int) -> None:
         self.every = every
@@ -32,14 +38,14 @@ class PeriodicEval(Callback):
         if step % self.every:
             return
         try:
-            val_loss = self.evaluate(trainer)
+            val_loss, metrics = self.evaluate(trainer)
         except EvalError as err:
             path = trainer.save()
             raise EvalError(
                 f"{err}; step {step} was saved first ({path}), so a relaunch resumes there: fix "
                 f"the '{trainer.cfg.data.val_split}' split of data.path or set train.eval_every=0"
             ) from err
-        trainer.callbacks.on_eval(trainer, step, val_loss)
+        trainer.callbacks.on_eval(trainer, step, val_loss, metrics)
 
     def post_train(self, trainer: Trainer) -> None:
         if self._reader is not None:
@@ -47,8 +53,8 @@ class PeriodicEval(Callback):
             self._reader = None
 
     @torch.no_grad()
-    def evaluate(self, trainer: Trainer) -> float:
-        """Mean validation loss over ``train.eval_batches`` global batches (collective).
+    def evaluate(self, trainer: Trainer) -> tuple[float, dict[str, float]]:
+        """Mean validation loss over ``train.eval_batches`` global batches and the pass's far recall (collective).
 
         Raises:
             EvalError: on every rank, when reading the validation split failed on any rank.
@@ -59,14 +65,34 @@ class PeriodicEval(Callback):
             ranks = [r for r, f in enumerate(failed) if f]
             cause = f": {type(error).__name__}: {(str(error).splitlines() or [''])[0]}" if error else ""
             raise EvalError(f"validation at step {trainer.step} failed on rank(s) {ranks}{cause}") from error
-        engine = trainer.engine
+        engine, model_cfg = trainer.engine, trainer.cfg.model
+        # The unwrapped model (FSDP2 shards it in place; DDP and DeepSpeed keep it as .module) records its picks.
+        recorder = engine.module if model_cfg.arch == "gca" else None
+        recall = FarRecall.empty(len(model_cfg.groups))
+        losses = []
         with dist.isolated_rng():  # evaluation must not move the training RNG (Gumbel noise)
             engine.train(False)
             try:
-                losses = [engine.loss(x.to(trainer.info.device)).float() for x in batches]
+                for x in batches:
+                    picks: Picks = {}
+                    if recorder is not None:
+                        recorder.picks = picks
+                    losses.append(engine.loss(x.to(trainer.info.device)).float())
+                    if recorder is not None:
+                        tokens = x.numpy()
+                        for b in range(len(tokens)):
+                            recall += FarRecall.measure(tokens[b], picks, model_cfg, batch_row=b)
             finally:
+                if recorder is not None:
+                    recorder.picks = None
                 engine.train(True)
-        return dist.all_reduce_mean(torch.stack(losses).mean()).item()
+        val_loss = dist.all_reduce_mean(torch.stack(losses).mean()).item()
+        if recorder is None:
+            return val_loss, {}
+        sums = torch.tensor(recall.as_sums(), dtype=torch.float64, device=trainer.info.device)
+        total = FarRecall.from_sums((dist.all_reduce_mean(sums) * trainer.info.world_size).tolist())
+        # No far-recall rate when no target qualified (sequences shorter than the windows' reach): only the count.
+        return val_loss, {k: v for k, v in total.metrics("retrieval/").items() if v is not None}
 
     def _batches(self, trainer: Trainer) -> tuple[list[torch.Tensor], Exception | None]:
         """This rank's validation micro-batches, or the error reading them; no collective inside, so a bad split
