@@ -515,13 +515,22 @@ class CheckpointManager:
                     err,
                 )
 
-    def read_state(self, path: Path, model_config: dict[str, Any], parallel: dict[str, Any]) -> dict[str, Any]:
+    def read_state(
+        self,
+        path: Path,
+        model_config: dict[str, Any],
+        parallel: dict[str, Any],
+        check: Callable[[Path, dict[str, Any]], None] | None = None,
+    ) -> dict[str, Any]:
         """Verify ``path`` and return its trainer state, refusing what this run cannot load. Reads no tensor.
 
         Args:
             path: a committed checkpoint directory.
             model_config: this run's ``GCAConfig.to_dict()``; any difference is refused, naming the fields.
             parallel: this run's layout, ``{"engine", "zero_stage"}``; the world size comes from ``info``.
+            check: called with the verified state before the architecture and layout checks, so that the
+                trainer's comparison of the whole config (``pipeline.train.resume_check``) reports a changed
+                ``model.*`` or ``parallel.*`` key together with every other change.
 
         Raises:
             CheckpointCorruptError: integrity check failed (see `verify_integrity`).
@@ -544,6 +553,8 @@ class CheckpointManager:
         state = json.loads(state_path.read_text())
         if state.get("format") != STATE_FORMAT:
             raise CheckpointError(f"{path}: trainer state format {state.get('format')} is not {STATE_FORMAT}")
+        if check is not None:
+            check(path, state)
         saved = state.get("model_config", {})
         # Backends choose how the same model is computed (a GPU run may resume on CPU), not what it computes.
         compared = (set(saved) | set(model_config)) - set(BACKEND_FIELDS)
@@ -608,19 +619,17 @@ class CheckpointManager:
 
         With ``fallback_to_previous``, a newest checkpoint that fails verification is skipped with a warning and
         the next older committed one is tried. ``check(path, state)`` runs after verification and before any
-        tensor is loaded (the trainer's data-fingerprint check).
+        tensor is loaded (see `read_state`; the trainer's config comparison and data-fingerprint check).
         """
         found = self.candidates(resume)
         for i, path in enumerate(found):
             try:
-                state = self.read_state(path, model_config, parallel)
+                state = self.read_state(path, model_config, parallel, check)
             except CheckpointCorruptError as err:
                 if not self.fallback_to_previous or i == len(found) - 1:
                     raise
                 log.warning("%s; falling back to the previous checkpoint %s", err, found[i + 1])
                 continue
-            if check is not None:
-                check(path, state)
             self.load(path, engine)
             log.info("resumed from %s at step %d", path, state["step"])
             return path, state

@@ -8,7 +8,8 @@ extrapolation monitor (only when ``eval.extrapolation_every > 0``), metrics and 
 when ``PIPE_FAULT`` plans a fault), periodic evaluation, the signal stop and the checkpoint cadence.
 
 Failure handling (tests/reliability, docs/reliability.md): values from the environment never reach a log or a
-written file; resume refuses corrupt checkpoints and changed data; a non-finite loss or gradient norm stops every
+written file; resume refuses corrupt checkpoints, changed data and config changes it cannot continue under
+(``pipeline.train.resume_check``, which logs every changed key); a non-finite loss or gradient norm stops every
 rank before the optimizer step; a failed collective is re-raised naming the step and the phase; SIGTERM/SIGUSR1
 and a first Ctrl-C save at the next step boundary; a failed evaluation saves the step before it stops the run.
 """
@@ -25,7 +26,6 @@ from typing import Any
 import torch
 
 from data_prep import format as fmt
-from data_prep.redaction import redact
 from kernels.cpu_math import flush_denormals, retain_freed_memory
 from model import build_model, count_parameters
 from model.flops import flops_per_token, matmul_params
@@ -58,20 +58,14 @@ from pipeline.train.callbacks import (
     fault_injection,
 )
 from pipeline.train.checkpoint import CheckpointManager
-from pipeline.train.config import (
-    ConfigError,
-    TrainConfig,
-    check_context_parallel,
-    load_config,
-    mix_settings,
-    to_yaml,
-)
+from pipeline.train.config import ConfigError, TrainConfig, check_context_parallel, load_config, mix_settings
 from pipeline.train.export import write_export
 from pipeline.train.inputs import build_mix, check_inputs, check_no_secrets, init_weights_from
 from pipeline.train.metrics import memory_gb, peak_flops, setup_logging
 from pipeline.train.optim import lr_at, set_lr
 from pipeline.train.parallel import build_engine
 from pipeline.train.preflight import version_mismatches
+from pipeline.train.resume_check import ResumeRefusedError, check_resume, config_record
 
 log = logging.getLogger(__name__)
 
@@ -307,7 +301,7 @@ class Trainer:
             "tokens_seen": self.tokens_seen,
             "data": self.batches.state_dict(),
             "model_config": self.cfg.model.to_dict(),
-            "config_yaml": redact(to_yaml(self.cfg)),
+            "config_yaml": config_record(self.cfg),
             "parallel": self._parallel(),
             "data_fingerprint": self.data_fingerprint,
         }
@@ -324,11 +318,15 @@ class Trainer:
         self.callbacks.on_save_point(self, self.step, point)
 
     def resume(self) -> bool:
-        def same_data(path: Path, state: dict[str, Any]) -> None:
+        """Load the checkpoint ``checkpoint.resume`` picks, if any, after comparing this run's config with the one
+        it recorded (``pipeline.train.resume_check``: refused changes stop here) and its dataset fingerprint."""
+
+        def may_continue(path: Path, state: dict[str, Any]) -> None:
+            check_resume(path, state["config_yaml"], self.cfg, int(state["step"]))
             check_fingerprint(state["data_fingerprint"], self.data_fingerprint, str(path))
 
         found = self.ckpt.restore(
-            self.cfg.checkpoint.resume, self.engine, self.cfg.model.to_dict(), self._parallel(), check=same_data
+            self.cfg.checkpoint.resume, self.engine, self.cfg.model.to_dict(), self._parallel(), check=may_continue
         )
         if found is None:
             return False
@@ -374,6 +372,9 @@ def main(config_path: str | None, overrides: list[str]) -> int:
             log.error("data error (data.path=%s): %s", cfg.data.path, err)
             return 2
         return trainer.train()
+    except ResumeRefusedError as err:  # found on resume, before any step
+        log.error("configuration error: %s", err)
+        return 2
     except DataFingerprintError as err:  # found on resume, before any step
         log.error("data error: %s", err)
         return 2

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from model import load_pretrained
 from pipeline.train import dist
-from pipeline.train.checkpoint import OWNER_FILE, OWNER_WRITER, CheckpointError
+from pipeline.train.checkpoint import OWNER_FILE, OWNER_WRITER
 from pipeline.train.config import load_config, to_yaml
 from pipeline.train.metrics import resolve_wandb_mode
 from pipeline.train.trainer import NonFiniteError, Trainer, main
@@ -132,11 +132,18 @@ def test_keep_last_and_uncommitted_saves_are_ignored(tmp_path, tiny_data, overri
     assert ckpts(run) == ["step_00000005", "step_00000006"]  # resumed from 5, the torn save was removed
 
 
-def test_resume_refuses_another_architecture(tmp_path, tiny_data, overrides):
+def test_resume_refuses_another_architecture(tmp_path, tiny_data, overrides, caplog):
+    """One line, exit 2 (every row of the resume table: test_resume_check.py); without an export in the checkpoint
+    the way out names the export command."""
     run = tmp_path / "run"
     assert main(None, overrides(run, tiny_data, **{"train.max_steps": 3, "checkpoint.export": False})) == 0
-    with pytest.raises(CheckpointError, match="model.window: checkpoint 16 vs config 8"):
-        main(None, overrides(run, tiny_data, **{"train.max_steps": 4, "model.window": 8}))
+    assert main(None, overrides(run, tiny_data, **{"train.max_steps": 4, "model.window": 8})) == 2
+    ckpt = run / "checkpoints/step_00000003"
+    assert (
+        f"cannot resume {ckpt}: model.window: 16 -> 8 changes the architecture; set it back to resume this run, or "
+        f"start a new run in another run_dir (checkpoint.init_from=<dir> after launch/export.py --checkpoint "
+        f"{ckpt} --out <dir> starts it from these weights if every tensor shape still fits)"
+    ) in caplog.text
 
 
 def test_wandb_offline_and_no_secrets(tmp_path, tiny_data, overrides, monkeypatch):
