@@ -90,7 +90,7 @@ WARNED = {
 SILENT = {
     "model.gca_backend": ("model.gca_backend", "matmul", "naive -> matmul"),
     "train.micro_batch": ("train.micro_batch", 1, "2 -> 1"),
-    "train.eval_every": ("train.requeue_exit_code", 76, "75 -> 76"),
+    "train.eval_every": ("train.eval_every", 2, "0 -> 2"),
     "run_dir": ("data.validate_hash", "xxh64", "null -> xxh64"),
     "parallel.*": ("parallel.activation_checkpointing", True, "false -> true"),
     "checkpoint.*": ("logging.every", 2, "1 -> 2"),
