@@ -128,8 +128,13 @@ class TorchEngine:
             self.model: nn.Module = model
         elif info.world_size > 1:
             self.module = model
+            # The query norms get no gradient when nothing trains the retriever (random picks, or the stop-gradient
+            # ablation); DDP must be told, or it fails at the next step waiting for their reduction.
+            untrained = cfg.model.arch == "gca" and (cfg.model.retrieval == "random" or not cfg.model.retrieval_grad)
             self.model = torch.nn.parallel.DistributedDataParallel(
-                model, device_ids=[info.device.index] if info.device.type == "cuda" else None
+                model,
+                device_ids=[info.device.index] if info.device.type == "cuda" else None,
+                find_unused_parameters=untrained,
             )
         else:
             self.module = self.model = model

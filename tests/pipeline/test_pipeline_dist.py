@@ -117,3 +117,13 @@ def test_two_ranks_match_one_process_and_resume_exactly(
             assert resumed[step][key].hex() == got[step][key].hex(), (step, key)
     w_res = load_file(stopped / "export/model.safetensors")
     assert all(torch.equal(w_res[n], w_got[n]) for n in w_got)
+
+
+@pytest.mark.parametrize("untrained", ["model.retrieval=random", "model.retrieval_grad=false"])
+def test_ddp_trains_a_model_whose_query_norms_get_no_gradient(untrained, tmp_path, tiny_data, overrides, clean_shm):
+    """Nothing trains the retriever, so its query norms get no gradient; DDP knows it and every step runs."""
+    key, value = untrained.split("=")
+    run = tmp_path / "run"
+    proc = launch("ddp", overrides(run, tiny_data, **BASE, **{key: value}))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "retrieval/far_recall_tokens" in last_eval(run)
