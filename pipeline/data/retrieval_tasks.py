@@ -19,6 +19,20 @@ Families (RULER's names where it has the task):
   names need several hops.
 - ``multihop``: two-hop chains ``name -> next name -> key`` (``pipeline.data.needle``'s two-hop layout).
 
+Aggregation families (``AGGREGATION_FAMILIES``, RULER's; the trainer's mix never draws them, so they stay held out
+of training): the context before the question is a word list that fills the sequence, built over the haystack's
+length (the haystack's text only pads the few tokens the list leaves free, at the start), and ``depth`` is unused.
+
+- ``cwe`` (common words extraction): a numbered list ``1. kalomi 2. terufa ...`` in which ``common_words`` words
+  appear ``common_repeats`` times each and every other word ``uncommon_repeats`` times; the answer lists the
+  common words in order of first appearance. When ``common_repeats`` rounds of the common words would take more
+  than half the context (short sequences), the common words repeat as often as fits in that half and the others
+  ``min(uncommon_repeats, repeats - 1)`` times (RULER shortens its short-context lists the same way).
+- ``fwe`` (frequent words extraction): made-up words whose counts follow Zipf's law, the ``k``-th most frequent
+  word ``floor(n * k**-zipf_alpha / zeta(zipf_alpha))`` times, shuffled, the most frequent of all being the noise
+  word ``...``; the answer lists the ``frequent_words`` next most frequent words, most frequent first. Its
+  vocabulary grows with the sequence (one word per 50 tokens, at least ``frequent_words + 2``), as RULER's does.
+
 Every family but ``single`` puts each needle in chunks that no other needle or the question touches, so one
 retrieved chunk never brings two needles. ``depth`` (0: the start, 1: right before the question)
 places the first asked needle; ``vt`` places its statements at random chunks (its chains must keep their order,
@@ -27,12 +41,13 @@ so no single statement can be put at a given depth).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from pipeline.data.needle import (
+    SYLLABLES,
     HopChunks,
     NeedleSpec,
     chunks_of,
@@ -48,7 +63,10 @@ from pipeline.data.needle import (
 )
 
 FAMILIES = ("single", "multikey", "multivalue", "multiquery", "vt", "multihop")
-"""Every retrieval task family, in the order reports list them."""
+"""Every retrieval task family, in the order reports list them; the trainer's mix draws from these."""
+AGGREGATION_FAMILIES = ("cwe", "fwe")
+"""RULER's aggregation families: ``build_task`` builds them, the trainer's mix refuses them (held out)."""
+ALL_FAMILIES = FAMILIES + AGGREGATION_FAMILIES
 
 FIXED_TEMPLATES = {
     "multivalue": {
@@ -68,6 +86,21 @@ FIXED_TEMPLATES = {
 """The texts of the families whose templates are not configurable. Short on purpose: with the two-syllable names
 these families use, a needle fits in one 16-token chunk of the demo's tokenizer. Answers list the asked values
 (or names) joined by ``ANSWER_SEPARATOR``, after one space."""
+AGGREGATION_TEMPLATES = {
+    "cwe": {
+        "number": " {number}.",
+        "word": " {word}",
+        "question": " What are the {count} most common words in the list above? They are",
+    },
+    "fwe": {
+        "word": " {word}",
+        "question": " Leaving out the dots, what are the {count} most frequent words above? They are",
+    },
+}
+"""The texts of ``AGGREGATION_FAMILIES``; answers as ``FIXED_TEMPLATES``' (the words joined). A ``cwe`` item is its
+number's text, then its word's (`` 1. kalomi``)."""
+NOISE_WORD = "..."
+"""fwe: the most frequent word of all, which the question leaves out (RULER's)."""
 ANSWER_SEPARATOR = ", "
 
 
@@ -87,14 +120,31 @@ class TaskShape:
     """vt, multihop: chains in a sample, the asked one included."""
     key_digits: int = 5
     """Digits of every key."""
+    common_words: int = 10
+    """cwe: words that appear ``common_repeats`` times, all asked for."""
+    common_repeats: int = 30
+    """cwe: how often each common word appears (fewer in short sequences, see the module docstring)."""
+    uncommon_repeats: int = 3
+    """cwe: how often each other word appears."""
+    frequent_words: int = 3
+    """fwe: the most frequent words asked for (the noise word ``...`` not counted)."""
+    zipf_alpha: float = 2.0
+    """fwe: the exponent of the words' Zipf counts (above 1)."""
 
     def check(self) -> None:
         """Raises ValueError naming the field when a count cannot make a sample."""
-        for name in ("needles", "values", "queries", "hops", "chains", "key_digits"):
+        counts = ("needles", "values", "queries", "hops", "chains", "key_digits", "common_words", "uncommon_repeats")
+        for name in (*counts, "frequent_words"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.queries > self.needles:
             raise ValueError(f"queries={self.queries} cannot exceed needles={self.needles}")
+        if self.common_repeats <= self.uncommon_repeats:
+            raise ValueError(
+                f"common_repeats={self.common_repeats} must exceed uncommon_repeats={self.uncommon_repeats}"
+            )
+        if not self.zipf_alpha > 1.0:
+            raise ValueError(f"zipf_alpha={self.zipf_alpha} must be > 1 (the Zipf sum diverges otherwise)")
 
 
 DEFAULT_SHAPE = TaskShape()
@@ -161,8 +211,8 @@ def build_task(
     Raises:
         ValueError: ``haystack`` cannot hold the sample, or an unknown family.
     """
-    if family not in FAMILIES:
-        raise ValueError(f"retrieval task family {family!r} is not one of {FAMILIES}")
+    if family not in ALL_FAMILIES:
+        raise ValueError(f"retrieval task family {family!r} is not one of {ALL_FAMILIES}")
     spec = spec or NeedleSpec(variant=family)
     builder = _BUILDERS[family]
     return builder(_Context(haystack, codec, rng, chunk_size, shape, spec, depth))
@@ -437,6 +487,135 @@ def _spoken_list(names: list[str]) -> str:
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
+def _new_word(c: _Context) -> str:
+    """A made-up lower-case word of 3 to 5 syllables not used in this sample yet (``needle.SYLLABLES``)."""
+    while True:
+        word = "".join(c.rng.choice(SYLLABLES, size=int(c.rng.integers(3, 6))))
+        if word not in c.names:
+            c.names.add(word)
+            return word
+
+
+def _cwe(c: _Context) -> TaskSample:
+    texts, shape, S, length = AGGREGATION_TEMPLATES["cwe"], c.shape, c.chunk_size, len(c.haystack)
+    common = [_new_word(c) for _ in range(shape.common_words)]
+    question = c.encode(texts["question"].format(count=shape.common_words))
+    _, limit = _question_spot(length, S, len(question), len(_answer_ids(c, question, common)[1]))
+    word_ids = {w: c.encode(texts["word"].format(word=w)) for w in common}
+    number_len = max(len(c.encode(texts["number"].format(number=n))) for n in (1, limit))
+    round_len = sum(len(ids) + number_len for ids in word_ids.values())
+    repeats = min(shape.common_repeats, limit // 2 // round_len)
+    if repeats < 2:
+        raise ValueError(
+            f"a sequence of {length} tokens has no room for 2 rounds of {shape.common_words} common words "
+            f"({round_len} tokens a round) in half of its context; use longer sequences or fewer common_words"
+        )
+    uncommon_repeats = min(shape.uncommon_repeats, repeats - 1)
+    # Enough uncommon words to overfill the list; the items that do not fit are left out below.
+    wanted = int(1.2 * limit * shape.common_words / round_len) - repeats * shape.common_words
+    uncommon = [_new_word(c) for _ in range(max(wanted, 0) // uncommon_repeats + 1)]
+    items = common * repeats + uncommon * uncommon_repeats
+    items = [items[i] for i in c.rng.permutation(len(items)).tolist()]
+    in_order = list(dict.fromkeys(w for w in items if w in word_ids))  # the common words by first appearance
+    question, answer = _answer_ids(c, question, in_order)
+    answer_start, question_start = _question_spot(length, S, len(question), len(answer))
+    # An item goes in if it fits; an uncommon one only while the common items still to come keep room enough.
+    reserve = max(len(ids) for ids in word_ids.values()) + number_len + 2
+    common_left = repeats * shape.common_words
+    tokens: list[int] = []
+    common_at: list[int] = []
+    numbered = 0
+    for word in items:
+        is_common = word in word_ids
+        ids = word_ids[word] if is_common else c.encode(texts["word"].format(word=word))
+        item = c.encode(texts["number"].format(number=numbered + 1)) + ids
+        room = question_start - len(tokens) - (common_left - is_common) * reserve
+        if len(item) > room:
+            if is_common:
+                raise ValueError(f"the {shape.common_words} common words no longer fit in {length} tokens")
+            continue
+        if is_common:
+            common_at.append(len(tokens))
+            common_left -= 1
+        tokens += item
+        numbered += 1
+    return _word_list_sample(c, "cwe", tokens, question, answer, (answer_start, question_start), in_order, common_at)
+
+
+def _fwe(c: _Context) -> TaskSample:
+    texts, shape, S, length = AGGREGATION_TEMPLATES["fwe"], c.shape, c.chunk_size, len(c.haystack)
+    asked = shape.frequent_words
+    vocab = [NOISE_WORD] + [_new_word(c) for _ in range(max(asked + 2, length // 50) - 1)]
+    question = c.encode(texts["question"].format(count=asked))
+    question, answer = _answer_ids(c, question, vocab[1 : 1 + asked])
+    answer_start, question_start = _question_spot(length, S, len(question), len(answer))
+    word_ids = [np.asarray(c.encode(texts["word"].format(word=w)), dtype=np.int64) for w in vocab]
+    lens = np.asarray([len(ids) for ids in word_ids])
+    share = np.arange(1, len(vocab) + 1, dtype=np.float64) ** -shape.zipf_alpha / _zeta(shape.zipf_alpha)
+
+    def counts(words: int) -> np.ndarray:
+        return np.floor(words * share).astype(np.int64)
+
+    low, high = 0, question_start + len(vocab)  # the most words whose list fits before the question
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if int(counts(mid) @ lens) <= question_start else (low, mid - 1)
+    drawn = counts(low)
+    top = drawn[: asked + 2]  # the noise word, the asked ones and the next: each strictly more frequent
+    if len(top) < asked + 2 or not (np.diff(top) < 0).all():
+        raise ValueError(
+            f"a sequence of {length} tokens holds too few words ({int(drawn.sum())}) for the {asked} most "
+            "frequent ones to be told apart; use longer sequences or fewer frequent_words"
+        )
+    order = c.rng.permutation(np.repeat(np.arange(len(vocab)), drawn))
+    tokens = np.concatenate([word_ids[i] for i in order.tolist()])
+    owner = np.repeat(order, lens[order])
+    asked_at = np.flatnonzero((owner >= 1) & (owner <= asked))
+    return _word_list_sample(
+        c, "fwe", tokens.tolist(), question, answer, (answer_start, question_start), vocab[1 : 1 + asked], asked_at
+    )
+
+
+def _zeta(alpha: float, terms: int = 100_000) -> float:
+    """Riemann zeta at ``alpha > 1``: the first ``terms`` terms and the integral of the rest (error below 1e-9
+    for alpha >= 2)."""
+    k = np.arange(1, terms + 1, dtype=np.float64)
+    return float((k**-alpha).sum() + (terms + 0.5) ** (1 - alpha) / (alpha - 1))
+
+
+def _word_list_sample(
+    c: _Context,
+    family: str,
+    tokens: list[int],
+    question: list[int],
+    answer: list[int],
+    spot: tuple[int, int],
+    answers: list[str],
+    asked_at: Sequence[int] | np.ndarray,
+) -> TaskSample:
+    """A ``cwe``/``fwe`` sample: ``tokens`` (the word list) end right before the question, the haystack pads the
+    start; ``asked_at``: positions in ``tokens`` of the asked words' tokens."""
+    answer_start, question_start = spot
+    start = question_start - len(tokens)
+    out = c.haystack.copy()
+    out[start:question_start] = tokens
+    out[question_start:answer_start] = question
+    out[answer_start : answer_start + len(answer)] = answer
+    S = c.chunk_size
+    return TaskSample(
+        ids=out,
+        family=family,
+        answer_start=answer_start,
+        answer_len=len(answer),
+        needle_start=start,
+        needle_len=len(tokens),
+        room=start,
+        key=ANSWER_SEPARATOR.join(answers),
+        answers=tuple(answers),
+        asked_chunks=frozenset(int(k) for k in np.unique((start + np.asarray(asked_at, dtype=np.int64)) // S)),
+    )
+
+
 _BUILDERS: dict[str, Callable[[_Context], TaskSample]] = {
     "single": _single,
     "multikey": _multikey,
@@ -444,4 +623,6 @@ _BUILDERS: dict[str, Callable[[_Context], TaskSample]] = {
     "multiquery": _multiquery,
     "vt": _vt,
     "multihop": _multihop,
+    "cwe": _cwe,
+    "fwe": _fwe,
 }
