@@ -1,4 +1,4 @@
-"""Evaluate a model export: ``python launch/eval.py --checkpoint <export dir> --task ppl|passkey --out <dir>
+"""Evaluate a model export: ``python launch/eval.py --checkpoint <export dir> --task ppl|passkey|ruler --out <dir>
 [--config <yaml>] [key=value ...]``.
 
 The command line is ``pipeline.cli.eval``'s (also runnable as ``python -m pipeline.cli.eval``).

@@ -1,5 +1,6 @@
-"""Evaluate a model export: ``python -m pipeline.cli.eval --checkpoint <export dir> --task ppl|passkey
---out <dir> [--config <yaml>] [key=value ...]`` writes ``<dir>/<task>.json`` and ``<dir>/<task>.png``.
+"""Evaluate a model export: ``python -m pipeline.cli.eval --checkpoint <export dir> --task ppl|passkey|ruler
+--out <dir> [--config <yaml>] [key=value ...]`` writes ``<dir>/<task>.json`` and ``<dir>/<task>.png`` (ruler also
+``<dir>/ruler.md``).
 Keys: ``pipeline/evaluation/config.py``. Exit status: 0 done, 1 the result could not be written where asked,
 2 bad input (found before any evaluation ran)."""
 
@@ -12,7 +13,7 @@ import sys
 
 from data_prep.redaction import install_log_redaction, redact
 from data_prep.schema import add_keys_argument
-from pipeline.evaluation.config import EvalConfig
+from pipeline.evaluation.config import TASKS, EvalConfig
 from pipeline.evaluation.run import EvalOutputError, run_eval
 
 
@@ -20,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default: ``sys.argv[1:]``), run the eval and print one line per result row."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--checkpoint", required=True, help="export directory (config.json + model.safetensors)")
-    parser.add_argument("--task", required=True, choices=["ppl", "passkey"])
+    parser.add_argument("--task", required=True, choices=list(TASKS))
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--config", help="optional YAML with eval keys (e.g. configs/eval/passkey_1m.yaml)")
     parser.add_argument("overrides", nargs="*", help="key=value, e.g. lengths=[1024,65536] samples=2")

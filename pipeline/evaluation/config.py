@@ -11,9 +11,10 @@ from data_prep.schema import ConfigError, load_schema
 from pipeline.data.needle import NeedleSpec, check_templates
 from pipeline.data.retrieval_tasks import FAMILIES
 from pipeline.evaluation.passkey import PasskeyGrid
+from pipeline.evaluation.ruler import RULER_TASKS, RulerGrid
 from pipeline.evaluation.runtime import StreamBudget, check_device
 
-TASKS = ("ppl", "passkey")
+TASKS = ("ppl", "passkey", "ruler")
 PPL_DOCUMENTS = ("documents", "windows")
 
 
@@ -26,9 +27,11 @@ class EvalConfig(NeedleSpec):
     lengths: list[int] = field(default_factory=lambda: [2048, 4096, 16384])
     """Sequence lengths in tokens (each at least one chunk); ppl: context lengths, each above ``score_len``."""
     data: str = "builtin"
-    """Token source: builtin | stdlib | an MDS split | a prepared dataset dir (val) | text file(s) | a dir."""
+    """Token source: builtin | noise | stdlib | an MDS split | a prepared dataset dir (val) | text file(s) | a
+    dir."""
     samples: int = 4
-    """ppl: the most documents scored per length (the first long enough); passkey: samples per (length, depth)."""
+    """ppl: the most documents scored per length (the first long enough); passkey: samples per (length, depth);
+    ruler: samples per (task, length)."""
     score_len: int = 1024
     """ppl: the final tokens of each document scored at every context length."""
     ppl_documents: str = "documents"
@@ -52,8 +55,11 @@ class EvalConfig(NeedleSpec):
     depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
     """passkey: needle depths, fractions of the haystack before the key-bearing needle."""
     restart: bool = False
-    """passkey: discard the samples an earlier run finished in ``--out`` (``passkey.samples.jsonl``) instead of
-    resuming from them; a run whose settings differ from theirs is refused without it."""
+    """passkey, ruler: discard the samples an earlier run finished in ``--out`` (``<task>.samples.jsonl``) instead
+    of resuming from them; a run whose settings differ from theirs is refused without it."""
+    ruler_tasks: list[str] = field(default_factory=lambda: list(RULER_TASKS))
+    """ruler: the tasks to run (``pipeline.evaluation.ruler.RULER_TASKS``, lm-eval's names); ``samples`` per task
+    and length; ``data`` is their haystack (``noise``: RULER's noise text); ``key_digits`` sizes their keys."""
 
 
 MAX_KEY_DIGITS = 18
@@ -109,6 +115,12 @@ def validate(cfg: EvalConfig, chunk_size: int | None = None, task: str | None = 
             f"offload_dir={cfg.offload_dir!r} is not an existing directory; create it or leave "
             "it unset (the system temp dir)"
         )
+    unknown = [name for name in cfg.ruler_tasks if name not in RULER_TASKS]
+    if unknown or not cfg.ruler_tasks or len(set(cfg.ruler_tasks)) < len(cfg.ruler_tasks):
+        raise ConfigError(
+            f"ruler_tasks={cfg.ruler_tasks}: need distinct names among {list(RULER_TASKS)}"
+            + (f" ({unknown} unknown)" if unknown else "")
+        )
     if cfg.variant not in FAMILIES:
         raise ConfigError(f"variant={cfg.variant!r} is not one of {FAMILIES}")
     if cfg.variant == "multiquery" and cfg.queries > cfg.needles:
@@ -133,6 +145,11 @@ def needle_spec(cfg: EvalConfig) -> NeedleSpec:
 def passkey_grid(cfg: EvalConfig) -> PasskeyGrid:
     """The samples ``--task passkey`` runs."""
     return PasskeyGrid(needle_spec(cfg), cfg.lengths, cfg.depths, cfg.samples, cfg.seed)
+
+
+def ruler_grid(cfg: EvalConfig) -> RulerGrid:
+    """The samples ``--task ruler`` runs."""
+    return RulerGrid(list(cfg.ruler_tasks), cfg.lengths, cfg.samples, cfg.seed, cfg.key_digits)
 
 
 def stream_budget(cfg: EvalConfig) -> StreamBudget:

@@ -3,6 +3,7 @@
 ``data`` is one of:
 - ``builtin``: endless filler prose -- random sentences over a fixed word list below, seeded, no files at all, so
   a haystack of any length exists offline (the paper does not say what its 16M haystack is);
+- ``noise``: RULER's noise haystack, ``NOISE`` repeated (no files);
 - ``stdlib``: the Python standard library's source (the data-prep built-in corpus), real text of ~10M+ tokens;
 - an MDS split directory (holding ``index.json``), or a prepared dataset directory (its ``val`` split);
 - a text file, a comma-separated list of files, or a directory of text files (read recursively, sorted).
@@ -38,6 +39,10 @@ WORDS = (
 ).split()
 
 _POOL = 2048  # distinct sentences tokenized once per source; haystacks are random sequences of them
+NOISE = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+"""``data=noise``: the text RULER repeats as its "noise" haystack."""
+UNBOUNDED = ("builtin", "noise")
+"""Sources made up on the fly, of any length, with no files."""
 
 
 def _sentence(rng: np.random.Generator) -> str:
@@ -61,19 +66,21 @@ class TokenSource:
         if data == "builtin":
             rng = np.random.default_rng(seed)
             self._pool = [np.asarray(tokenizer.encode(_sentence(rng)), dtype=np.int64) for _ in range(_POOL)]
+        elif data == "noise":
+            self._pool = [np.asarray(tokenizer.encode(NOISE), dtype=np.int64)]
         else:
             self._documents = self._document_iter()
 
     @property
     def unbounded(self) -> bool:
-        return self.data == "builtin"
+        return self.data in UNBOUNDED
 
     def filler(self, n: int, rng: np.random.Generator) -> np.ndarray:
-        """``n`` tokens of built-in filler prose."""
+        """``n`` tokens of built-in filler prose (``noise``: the noise text repeated)."""
         out: list[np.ndarray] = []
         have = 0
         while have < n:
-            picks = rng.integers(0, _POOL, size=max(16, (n - have) // 8))
+            picks = rng.integers(0, len(self._pool), size=max(16, (n - have) // 8))
             for i in picks:
                 out.append(self._pool[i])
                 have += len(self._pool[i])

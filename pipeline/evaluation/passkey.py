@@ -62,12 +62,14 @@ def build_sample(
     spec: NeedleSpec,
     *,
     length: int,
-    depth: float,
+    depth: float | None,
     rng: np.random.Generator,
     chunk_size: int,
+    shape: TaskShape | None = None,
 ) -> TaskSample:
     """One sample of family ``spec.variant`` over a haystack window of ``length`` tokens drawn from ``source``,
-    built by the trainer's own builder (``pipeline.data.retrieval_tasks.build_task``).
+    built by the trainer's own builder (``pipeline.data.retrieval_tasks.build_task``); ``depth`` ``None``: drawn
+    from ``rng``; ``shape``: the counts (default: ``spec``'s, ``task_shape``).
 
     Raises:
         ValueError: ``length`` cannot hold the needles, question and answer; a template is malformed.
@@ -79,7 +81,7 @@ def build_sample(
         Codec(tokenizer.encode, tokenizer.decode),
         rng,
         chunk_size=chunk_size,
-        shape=task_shape(spec),
+        shape=shape or task_shape(spec),
         spec=spec,
         depth=depth,
     )

@@ -69,6 +69,29 @@ def plot_passkey(rows: list[dict], train_seq_len: int | None, title: str, path: 
     plt.close(fig)
 
 
+def plot_ruler(rows: list[dict], train_seq_len: int | None, title: str, path: Path) -> None:
+    """RULER heatmap: task (rows) x length (columns), colour = ``string_match_all``."""
+    lengths = sorted({r["length"] for r in rows})
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    grid = np.full((len(tasks), len(lengths)), np.nan)
+    for r in rows:
+        grid[tasks.index(r["task"]), lengths.index(r["length"])] = r["string_match_all"]
+    fig, ax = plt.subplots(figsize=(max(5.5, 3.0 + 0.8 * len(lengths)), max(3.5, 1.5 + 0.45 * len(tasks))))
+    image = ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
+    for i in range(len(tasks)):
+        for j in range(len(lengths)):
+            if not np.isnan(grid[i, j]):
+                ax.text(j, i, f"{100 * grid[i, j]:.0f}", ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(len(lengths)), [short_length(n) + ("*" if n == train_seq_len else "") for n in lengths])
+    ax.set_yticks(range(len(tasks)), tasks)
+    ax.set_xlabel("context length (tokens; * = training length)")
+    ax.set_title(title)
+    fig.colorbar(image, ax=ax, label="string_match_all")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, format="png")  # the path may be a temp name
+    plt.close(fig)
+
+
 def short_length(n: int) -> str:
     """``1048576`` -> ``1M``, ``4096`` -> ``4K``; other numbers unchanged."""
     for unit, size in (("M", 1 << 20), ("K", 1 << 10)):

@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -59,14 +60,15 @@ def export_digest(checkpoint: str | Path) -> str:
     return digest.hexdigest()
 
 
-def sample_settings(cfg: EvalConfig, checkpoint: str | Path) -> dict:
-    """The header of the samples file: the export (path and digest) and the ``SETTING_KEYS`` of ``cfg``, redacted
-    like the result JSON (a file in ``--out`` holds no secret a value carried)."""
+def sample_settings(cfg: EvalConfig, checkpoint: str | Path, keys: Sequence[str] = SETTING_KEYS) -> dict:
+    """The header of the samples file: the export (path and digest) and the ``keys`` of ``cfg`` (the ones a
+    sample's outcome depends on; passkey's: ``SETTING_KEYS``), redacted like the result JSON (a file in ``--out``
+    holds no secret a value carried)."""
     values = asdict(cfg)
     settings = {
         "checkpoint": str(Path(checkpoint).resolve()),
         "export_sha256": export_digest(checkpoint),
-        **{key: values[key] for key in SETTING_KEYS},
+        **{key: values[key] for key in keys},
     }
     return redact_tree(settings)
 
@@ -74,14 +76,20 @@ def sample_settings(cfg: EvalConfig, checkpoint: str | Path) -> dict:
 class SampleLog:
     """The finished samples of a passkey run in ``path``, appended to as samples finish.
 
+    ``key``: which sample a record is (default: passkey's ``SampleKey``, from its ``length``, ``depth_index``,
+    ``depth`` and ``sample``).
+
     Raises:
         ConfigError: ``path`` holds samples of other settings (the message names the first key that differs and
             both values) and ``restart`` is false.
     """
 
-    def __init__(self, path: Path, settings: dict, restart: bool = False) -> None:
+    def __init__(
+        self, path: Path, settings: dict, restart: bool = False, key: Callable[[dict], Hashable] | None = None
+    ) -> None:
         self.path = path
-        self.done: dict[SampleKey, dict] = {}
+        self._key = key or _key
+        self.done: dict[Hashable, dict] = {}
         if path.exists() and restart:
             log.info("restart=true: discarding the finished samples in %s", path)
             path.unlink()
@@ -124,16 +132,16 @@ class SampleLog:
                 raise ConfigError(
                     f"{self.path}:{i} is not a JSON line; the file is damaged: move it away, or pass restart=true"
                 ) from None
-            self.done[_key(record)] = record
+            self.done[self._key(record)] = record
 
-    def get(self, key: SampleKey) -> dict | None:
+    def get(self, key: Hashable) -> dict | None:
         """The finished sample ``key``, or ``None`` if it still has to run."""
         return self.done.get(key)
 
     def add(self, record: dict) -> None:
         """Keep a finished sample (``length``, ``depth_index``, ``depth``, ``sample`` and its outcome) on disk."""
         self._append(record)
-        self.done[_key(record)] = record
+        self.done[self._key(record)] = record
 
     def _append(self, record: dict) -> None:
         """One line, written and synced before the next sample starts: a kill loses at most the running sample."""

@@ -1,4 +1,5 @@
-"""``launch/eval.py``: run one task on an export, write ``<out>/<task>.json`` and ``<out>/<task>.png``."""
+"""``launch/eval.py``: run one task on an export, write ``<out>/<task>.json`` and ``<out>/<task>.png`` (ruler also
+``<out>/ruler.md``, the markdown table)."""
 
 from __future__ import annotations
 
@@ -22,12 +23,21 @@ from data_prep.redaction import redact_tree, restore_env_interpolations
 from data_prep.safe_files import is_within
 from data_prep.schema import ConfigError
 from kernels.cpu_math import flush_denormals
-from pipeline.evaluation.config import TASKS, EvalConfig, load_eval_config, passkey_grid, stream_budget, validate
-from pipeline.evaluation.haystack import TokenSource
+from pipeline.evaluation import ruler
+from pipeline.evaluation.config import (
+    TASKS,
+    EvalConfig,
+    load_eval_config,
+    passkey_grid,
+    ruler_grid,
+    stream_budget,
+    validate,
+)
+from pipeline.evaluation.haystack import UNBOUNDED, TokenSource
 from pipeline.evaluation.passkey import evaluate_passkey
-from pipeline.evaluation.plots import plot_passkey, plot_ppl
+from pipeline.evaluation.plots import plot_passkey, plot_ppl, plot_ruler
 from pipeline.evaluation.ppl import context_ppl, document_ppl, too_short
-from pipeline.evaluation.resume import SAMPLES_FILE, SampleLog, sample_settings
+from pipeline.evaluation.resume import SAMPLES_FILE, SETTING_KEYS, SampleLog, sample_settings
 from pipeline.evaluation.runtime import load_checkpoint
 
 log = logging.getLogger(__name__)
@@ -94,6 +104,17 @@ def run_eval(checkpoint: str, task: str, out: str | Path, overrides: list[str], 
     rows, train_seq_len = result["results"], result["train_seq_len"]
     if task == "ppl":
         plot = functools.partial(plot_ppl, rows, train_seq_len, f"perplexity: {title}")
+    elif task == "ruler":
+        plot = functools.partial(plot_ruler, rows, train_seq_len, f"RULER (string_match_all): {title}")
+        table = out / "ruler.md"
+        try:
+            _replace_atomically(table, lambda tmp: tmp.write_text(ruler.markdown_table(rows)))
+        except OSError as err:
+            raise EvalOutputError(
+                f"the result is in {json_path}, but {table} could not be written ({err.strerror or err})",
+                result,
+                json_path,
+            ) from None
     else:
         plot = functools.partial(plot_passkey, rows, train_seq_len, f"passkey ({cfg.variant}): {title}")
     png = out / f"{task}.png"
@@ -108,14 +129,24 @@ def run_eval(checkpoint: str, task: str, out: str | Path, overrides: list[str], 
 
 
 def _evaluate(checkpoint: str, task: str, cfg: EvalConfig, out: Path) -> dict:
-    """Load the export, run the task, return the result (config still resolved). Passkey samples are kept in
-    ``<out>/passkey.samples.jsonl`` as they finish; a rerun resumes from them (``pipeline.evaluation.resume``)."""
+    """Load the export, run the task, return the result (config still resolved). Passkey and ruler samples are
+    kept in ``<out>/<task>.samples.jsonl`` as they finish; a rerun resumes from them
+    (``pipeline.evaluation.resume``)."""
     ckpt = load_checkpoint(checkpoint, cfg.device, cfg.attn_backend)
     validate(cfg, ckpt.model.cfg.chunk_size, task)
-    finished = (
-        SampleLog(out / SAMPLES_FILE, sample_settings(cfg, checkpoint), cfg.restart) if task == "passkey" else None
-    )
     source = TokenSource(cfg.data, ckpt.tokenizer, cfg.seed)
+    sources = {"data": source, "noise": TokenSource("noise", ckpt.tokenizer, cfg.seed)}
+    if task == "ruler":
+        try:
+            ruler.check_grid(ruler_grid(cfg), sources, ckpt.tokenizer, ckpt.model.cfg.chunk_size)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+    finished = None
+    if task == "passkey":
+        finished = SampleLog(out / SAMPLES_FILE, sample_settings(cfg, checkpoint, SETTING_KEYS), cfg.restart)
+    elif task == "ruler":
+        settings = sample_settings(cfg, checkpoint, ruler.SETTING_KEYS)
+        finished = SampleLog(out / ruler.SAMPLES_FILE, settings, cfg.restart, key=ruler.sample_key)
     progress = _Progress(task) if cfg.progress else None
     t0 = time.perf_counter()
     if task == "ppl":
@@ -125,6 +156,16 @@ def _evaluate(checkpoint: str, task: str, cfg: EvalConfig, out: Path) -> dict:
         rows = context_ppl(*run, lengths=cfg.lengths, score_len=cfg.score_len, budget=budget, progress=progress)
         if cfg.document_ppl:
             rows.append(document_ppl(*run, budget=budget, progress=progress))
+    elif task == "ruler":
+        rows = ruler.evaluate_ruler(
+            ckpt.model,
+            ckpt.tokenizer,
+            sources,
+            ruler_grid(cfg),
+            budget=stream_budget(cfg),
+            progress=progress,
+            finished=finished,
+        )
     else:
         rows = evaluate_passkey(
             ckpt.model,
@@ -181,7 +222,7 @@ def _inside_data(out: Path, data: str) -> Path | None:
     for directory in (where, *where.parents):  # a prepared dataset holds both of its markers
         if (directory / COMPLETE_MARKER).exists() and (directory / MANIFEST_FILENAME).exists():
             return directory
-    if data in ("builtin", "stdlib"):
+    if data in (*UNBOUNDED, "stdlib"):
         return None
     for source in (Path(p).resolve() for p in data.split(",")):
         if source.is_dir() and is_within(out, source):

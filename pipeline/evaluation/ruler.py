@@ -1,0 +1,282 @@
+"""RULER-style long-context suite (``--task ruler``; docs/evaluation.md): RULER's synthetic task families, each
+sample built by the trainer's own builder (``pipeline.data.retrieval_tasks.build_task``), streamed like passkey.
+
+``RULER_TASKS`` names each task as lm-eval's ``ruler`` group does and gives it RULER's counts (4 keys, 4 values,
+4 queries, one chain of 4 hops, 10 common words, 3 frequent words). The texts are the project's own (the ones the
+trainer's retrieval mix writes), not RULER's wording. A sample of ``length`` tokens is a haystack window of the
+run's ``data`` (``niah_single_1``: always RULER's noise text, ``haystack.NOISE``) with the task written over it;
+the needle depth is drawn per sample, as RULER draws it. Every sample is seeded by (seed, length, the task's place in
+``RULER_TASKS``, sample), so a run of fewer tasks or lengths gets the same samples.
+
+Prediction: the input stops right before the answer and the model decodes as many tokens greedily as the
+reference answer has (``passkey.predict_answer``: streamed, chunk memory on disk past ``offload_mb``). Scores are
+RULER's, on the decoded text after ``postprocess``, with ``refs`` the sample's answers (the asked values, names or
+words): ``string_match_all`` = (references found in the prediction, case-insensitive substring) / (references);
+``string_match_part`` = 1 if any reference is found, else 0; each row holds their means over its samples.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from model import CausalLM
+from pipeline.data.needle import NeedleSpec
+from pipeline.data.retrieval_tasks import AGGREGATION_FAMILIES, TaskSample, TaskShape
+from pipeline.evaluation.haystack import TokenSource
+from pipeline.evaluation.passkey import build_sample, predict_answer
+from pipeline.evaluation.plots import short_length
+from pipeline.evaluation.resume import SampleLog
+from pipeline.evaluation.runtime import IN_RAM, StreamBudget
+from pipeline.evaluation.tokenizer import ByteTokenizer, SentencePieceTokenizer
+
+log = logging.getLogger(__name__)
+
+SAMPLES_FILE = "ruler.samples.jsonl"
+SETTING_KEYS = ("data", "seed", "segment", "device", "attn_backend", "key_digits")
+"""Eval keys a ruler sample's outcome depends on (``resume.SETTING_KEYS``' reasoning; ``ruler_tasks``, ``lengths``
+and ``samples`` choose samples, each record names its own)."""
+
+
+@dataclass(frozen=True)
+class RulerTask:
+    """One RULER task: the family that builds it, its counts and whether its haystack is always the noise text."""
+
+    family: str
+    shape: TaskShape
+    noise: bool = False
+
+
+RULER_TASKS = {
+    "niah_single_1": RulerTask("single", TaskShape(), noise=True),
+    "niah_single_2": RulerTask("single", TaskShape()),
+    "niah_multikey_1": RulerTask("multikey", TaskShape(needles=4)),
+    "niah_multivalue": RulerTask("multivalue", TaskShape(values=4)),
+    "niah_multiquery": RulerTask("multiquery", TaskShape(needles=4, queries=4)),
+    "ruler_vt": RulerTask("vt", TaskShape(chains=1, hops=4)),
+    "ruler_cwe": RulerTask("cwe", TaskShape(common_words=10, common_repeats=30, uncommon_repeats=3)),
+    "ruler_fwe": RulerTask("fwe", TaskShape(frequent_words=3, zipf_alpha=2.0)),
+}
+"""The tasks ``--task ruler`` runs, in report order. Not here: ``niah_single_3`` and ``niah_multikey_2/3`` (UUID
+values and haystacks made of needles, which the builder does not make) and the QA tasks (SQuAD/HotpotQA data)."""
+
+
+@dataclass(frozen=True)
+class RulerGrid:
+    """What a ruler run asks: ``samples`` samples of each of ``tasks`` at each of ``lengths``."""
+
+    tasks: list[str]
+    lengths: list[int]
+    samples: int
+    seed: int
+    key_digits: int = 5
+
+
+def sample_key(record: dict) -> tuple[str, int, int]:
+    """Which sample a ``SampleLog`` record is: (task, length, sample)."""
+    return (record["task"], record["length"], record["sample"])
+
+
+def postprocess(prediction: str) -> str:
+    """RULER's clean-up of a prediction: control characters become newlines, outer whitespace goes."""
+    return re.sub(r"[\x00-\x1f]", "\n", prediction.strip()).strip()
+
+
+def match_all(prediction: str, refs: tuple[str, ...] | list[str]) -> float:
+    """RULER's ``string_match_all`` of one sample: the share of ``refs`` found (case-insensitive) in ``prediction``."""
+    text = prediction.lower()
+    return sum(ref.lower() in text for ref in refs) / len(refs)
+
+
+def match_part(prediction: str, refs: tuple[str, ...] | list[str]) -> float:
+    """RULER's ``string_match_part`` of one sample: 1 if any of ``refs`` is found in ``prediction``, else 0."""
+    text = prediction.lower()
+    return float(any(ref.lower() in text for ref in refs))
+
+
+def build_ruler_sample(
+    name: str,
+    sources: dict[str, TokenSource],
+    tokenizer: SentencePieceTokenizer | ByteTokenizer,
+    *,
+    length: int,
+    rng: np.random.Generator,
+    chunk_size: int,
+    key_digits: int = 5,
+) -> TaskSample:
+    """Task ``name``'s sample of ``length`` tokens over a window of ``sources["data"]`` (``sources["noise"]`` for
+    a noise task), by ``passkey.build_sample`` (so by ``build_task``), depth drawn from ``rng``.
+
+    Raises:
+        ValueError: ``length`` cannot hold the task (the message says why).
+    """
+    task = RULER_TASKS[name]
+    source = sources["noise" if task.noise else "data"]
+    spec = NeedleSpec(variant=task.family, key_digits=key_digits)
+    shape = replace(task.shape, key_digits=key_digits)
+    return build_sample(source, tokenizer, spec, length=length, depth=None, rng=rng, chunk_size=chunk_size, shape=shape)
+
+
+def sample_rng(grid: RulerGrid, name: str, length: int, sample: int) -> np.random.Generator:
+    """The generator of one sample: seeded by (seed, length, the task's place in ``RULER_TASKS``, sample)."""
+    return np.random.default_rng([grid.seed, length, list(RULER_TASKS).index(name), sample])
+
+
+def check_grid(
+    grid: RulerGrid, sources: dict[str, TokenSource], tokenizer: SentencePieceTokenizer | ByteTokenizer, chunk_size: int
+) -> None:
+    """Build every task's first sample at the shortest length, before any model work.
+
+    Raises:
+        ValueError: a task does not fit the shortest length (naming both) or ``data`` is too short.
+    """
+    length = min(grid.lengths)
+    for name in grid.tasks:
+        try:
+            build_ruler_sample(
+                name,
+                sources,
+                tokenizer,
+                length=length,
+                rng=sample_rng(grid, name, length, 0),
+                chunk_size=chunk_size,
+                key_digits=grid.key_digits,
+            )
+        except ValueError as err:
+            raise ValueError(f"ruler_tasks: {name} at length {length}: {err}") from None
+
+
+def evaluate_ruler(
+    model: CausalLM,
+    tokenizer: SentencePieceTokenizer | ByteTokenizer,
+    sources: dict[str, TokenSource],
+    grid: RulerGrid,
+    *,
+    budget: StreamBudget = IN_RAM,
+    progress: Callable[[int, int], Callable[[int], None]] | None = None,
+    finished: SampleLog | None = None,
+) -> list[dict]:
+    """Rows ``{"task", "family", "held_out", "length", "string_match_all", "string_match_part", "n", "seconds",
+    "tokens_per_s"}`` per (task, length), lengths outermost. ``held_out``: the trainer's mix never draws the
+    family. ``finished`` and ``progress`` as ``passkey.evaluate_passkey``'s."""
+    rows = []
+    for length in grid.lengths:
+        keys = [(name, length, s) for name in grid.tasks for s in range(grid.samples)]
+        todo = sum(finished is None or finished.get(key) is None for key in keys)
+        if finished is not None and todo < len(keys):
+            log.info(
+                "ruler length=%d: %d of %d samples finished earlier (%s)",
+                length,
+                len(keys) - todo,
+                len(keys),
+                finished.path,
+            )
+        on_tokens = progress(length, todo * length) if progress and todo else None
+        for name in grid.tasks:
+            records = []
+            for s in range(grid.samples):
+                record = finished.get((name, length, s)) if finished else None
+                if record is None:
+                    record = _run_sample(model, tokenizer, sources, grid, (name, length, s), budget, on_tokens)
+                    if finished is not None:
+                        finished.add(record)
+                records.append(record)
+            seconds = sum(r["seconds"] for r in records)
+            family = RULER_TASKS[name].family
+            rows.append(
+                {
+                    "task": name,
+                    "family": family,
+                    "held_out": family in AGGREGATION_FAMILIES,
+                    "length": length,
+                    "string_match_all": round(sum(r["string_match_all"] for r in records) / len(records), 6),
+                    "string_match_part": round(sum(r["string_match_part"] for r in records) / len(records), 6),
+                    "n": len(records),
+                    "seconds": round(seconds, 3),
+                    "tokens_per_s": round(len(records) * length / max(seconds, 1e-3), 1),
+                }
+            )
+            log.info("ruler %s length=%d: string_match_all %.3f", name, length, rows[-1]["string_match_all"])
+    return rows
+
+
+def _run_sample(
+    model: CausalLM,
+    tokenizer: SentencePieceTokenizer | ByteTokenizer,
+    sources: dict[str, TokenSource],
+    grid: RulerGrid,
+    at: tuple[str, int, int],
+    budget: StreamBudget,
+    on_tokens: Callable[[int], None] | None,
+) -> dict:
+    """Build sample ``at`` = (task, length, sample), predict and score it; the record ``SampleLog`` keeps."""
+    name, length, s = at
+    t0 = time.perf_counter()
+    sample = build_ruler_sample(
+        name,
+        sources,
+        tokenizer,
+        length=length,
+        rng=sample_rng(grid, name, length, s),
+        chunk_size=model.cfg.chunk_size,
+        key_digits=grid.key_digits,
+    )
+    streamed = 0
+
+    def count(tokens: int) -> None:
+        nonlocal streamed
+        streamed += tokens
+        if on_tokens is not None:
+            on_tokens(tokens)
+
+    predicted = predict_answer(model, sample, budget=budget, on_tokens=count)
+    if on_tokens is not None:  # the haystack after the answer is never streamed: the progress counts length
+        on_tokens(length - streamed)
+    prediction = postprocess(tokenizer.decode(predicted))
+    record = {
+        "task": name,
+        "length": length,
+        "sample": s,
+        "answers": list(sample.answers),
+        "prediction": prediction,
+        "string_match_all": match_all(prediction, sample.answers),
+        "string_match_part": match_part(prediction, sample.answers),
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
+    log.info(
+        "ruler %s length=%d sample %d: %.2f (answers %s, predicted %r)",
+        name,
+        length,
+        s,
+        record["string_match_all"],
+        sample.key,
+        prediction,
+    )
+    return record
+
+
+def markdown_table(rows: list[dict], metric: str = "string_match_all") -> str:
+    """``rows`` as a markdown table: a line per task (held-out ones marked), a column per length, ``metric`` x 100,
+    and a last line with the mean over the tasks at each length."""
+    lengths = sorted({r["length"] for r in rows})
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    cell = {(r["task"], r["length"]): r[metric] for r in rows}
+    lines = [
+        "| task | " + " | ".join(short_length(n) for n in lengths) + " |",
+        "|---|" + "---:|" * len(lengths),
+    ]
+    for task in tasks:
+        label = task + (" (held out)" if RULER_TASKS[task].family in AGGREGATION_FAMILIES else "")
+        values = [f"{100 * cell[task, n]:.1f}" if (task, n) in cell else "-" for n in lengths]
+        lines.append(f"| {label} | " + " | ".join(values) + " |")
+    means = []
+    for n in lengths:
+        scores = [cell[t, n] for t in tasks if (t, n) in cell]
+        means.append(f"{100 * sum(scores) / len(scores):.1f}" if scores else "-")
+    lines.append("| **mean** | " + " | ".join(means) + " |")
+    return "\n".join(lines) + "\n"
