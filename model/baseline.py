@@ -1,8 +1,8 @@
 """The sliding-window baseline (``model.arch=swa``): GCA's decoder without chunk encoder and retrieval.
 
-Same width, heads, window and ALiBi positions; its layer count is the GCA model's lower + upper + encoder layers,
-so the two have a similar parameter budget. It answers "what does retrieval add?": anything farther back than its
-receptive field (layers x window) is invisible to it.
+Same width, heads, window and positions (``model.position``); its layer count is the GCA model's lower + upper +
+encoder layers, so the two have a similar parameter budget. It answers "what does retrieval add?": anything
+farther back than its receptive field (layers x window) is invisible to it.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import torch.nn.functional as F
 
 from model.chunk_store import ChunkStore
 from model.config import GCAConfig
-from model.layers import DecoderLayer, KVCache, RMSNorm
+from model.layers import DecoderLayer, KVCache, RMSNorm, window_positions
 from model.lm import CausalLM
 from model.stream import StreamState
 
 
 class SlidingWindowLM(CausalLM):
-    """Causal LM of sliding-window ALiBi layers with a tied head; the same interface as ``GCAForCausalLM``."""
+    """Causal LM of sliding-window layers with a tied head; the same interface as ``GCAForCausalLM``."""
 
     def __init__(self, cfg: GCAConfig) -> None:
         super().__init__()
@@ -54,8 +54,10 @@ class SlidingWindowLM(CausalLM):
             raise ValueError(f"input_ids must be [batch, tokens]; got shape {tuple(input_ids.shape)}")
         h = self.embed(input_ids)  # [B, T, d_model]
         caches = state.caches if state is not None else [None] * len(self.layers)
+        start = state.n_tokens if state is not None else 0
+        pos = window_positions(self.cfg, start, input_ids.shape[1], h.device, landmarks=False)
         for layer, cache in zip(self.layers, caches):
-            h = layer(h, cache)
+            h = layer(h, cache, pos)
         if state is not None:
             state.n_tokens += input_ids.shape[1]
         if last_logits is not None:

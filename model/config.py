@@ -11,6 +11,7 @@ from kernels.swa import SWA_BACKENDS
 ARCHS = ("gca", "swa", "full")
 RETRIEVAL_SCALES = ("d_model", "head_dim")
 RETRIEVALS = ("learned", "random")
+POSITIONS = ("alibi", "rope")
 BACKEND_FIELDS = ("gca_backend", "swa_backend", "attn_backend")
 """Fields that choose how the model is computed, not what it computes (its weights and outputs stay the same)."""
 
@@ -77,10 +78,23 @@ class GCAConfig:
     norm_eps: float = 1e-5
     """RMSNorm epsilon (one value everywhere, the encoder included)."""
     rope_theta: float = 10000.0
-    """RoPE base of the chunk encoder (positions restart in every chunk) and of the ``full`` model (absolute stream
-    positions)."""
+    """RoPE base of the chunk encoder (positions restart in every chunk), of the ``full`` model (absolute stream
+    positions) and of the sliding window with ``position=rope``."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of every linear and embedding weight."""
+    position: str = "alibi"
+    """Positions in the sliding-window attention (the GCA model's lower and upper layers, the ``swa`` baseline):
+    ``alibi`` (the paper's DRT: a linear bias on stream distance) or ``rope`` (rotary, base ``rope_theta``, at each
+    real token's index in the text; a landmark takes the index of the token after its chunk), which is what a
+    converted dense model's weights expect (``model/convert.py``). Both see only the window, so both stay
+    length-general."""
+    tokens_see_landmarks: bool = True
+    """Whether real tokens attend to the landmarks in their sliding window (the paper: yes). ``false`` hides them
+    (landmarks still attend to everything in their window): a dense model converted with ``model/convert.py``
+    then computes exactly the dense logits on sequences that fit in the window."""
+    qkv_bias: bool = False
+    """Biases on the query/key/value projections of the sliding-window attention, the chunk encoder, the GCA query
+    and the chunk-memory projections (Qwen2-style checkpoints have them)."""
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "chunk_size", "top_k", "window")
@@ -119,6 +133,13 @@ class GCAConfig:
             )
         if self.retrieval not in RETRIEVALS:
             raise ConfigError(f"model.retrieval={self.retrieval!r} is not one of {RETRIEVALS}")
+        if self.position not in POSITIONS:
+            raise ConfigError(f"model.position={self.position!r} is not one of {POSITIONS}")
+        if self.position == "rope" and self.head_dim % 2:
+            raise ConfigError(
+                f"model.d_model / model.n_heads = {self.head_dim} must be even: model.position=rope rotates pairs "
+                "of dimensions"
+            )
         if self.retrieval_scale not in RETRIEVAL_SCALES:
             raise ConfigError(f"model.retrieval_scale={self.retrieval_scale!r} is not one of {RETRIEVAL_SCALES}")
         for name in ("norm_eps", "init_std", "rope_theta"):

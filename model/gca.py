@@ -3,13 +3,13 @@
 Paper: Hu et al., "Efficient Length-Generalizable Attention via Causal Retrieval for Long-Context Language
 Modeling", ICML 2025. Algorithm as implemented: docs/design.md.
 
-Tokens are cut into chunks of ``S`` tokens and a learned landmark vector is appended to every chunk. Lower
-layers are sliding-window (ALiBi) decoder layers. A bidirectional chunk encoder turns each chunk into a landmark
-key and a K/V memory. Upper layers come in retrieval groups: at the start of a group, the landmark of chunk
-``i`` scores the keys of chunks ``j < i`` and keeps the top ``R``; every token of chunk ``i + 1`` then reads those
-chunks with Grouped Cross Attention -- one softmax per chunk, mixed by the retrieval weights, which receive the
-LM loss gradient (that is what trains the retriever). Each upper layer is
-``a = x + SWA(norm(x)); y = GCA(a); out = a + MLP(norm(a + y))`` (the GCA output never joins the residual).
+Tokens are cut into chunks of ``S`` tokens and a learned landmark vector is appended to every chunk. Lower layers
+are sliding-window decoder layers (ALiBi, or RoPE with ``model.position=rope``). A bidirectional chunk encoder turns
+each chunk into a landmark key and a K/V memory. Upper layers come in retrieval groups: at the start of a group, the
+landmark of chunk ``i`` scores the keys of chunks ``j < i`` and keeps the top ``R``; every token of chunk ``i + 1``
+then reads those chunks with Grouped Cross Attention -- one softmax per chunk, mixed by the retrieval weights, which
+receive the LM loss gradient (that is what trains the retriever). Each upper layer is ``a = x + SWA(norm(x)); y =
+GCA(a); out = a + MLP(norm(a + y))`` (the GCA output never joins the residual).
 
 One code path serves training (a whole sequence at once) and streaming (segments or single tokens with a
 ``StreamState``), so batch, segment-wise and incremental decoding give the same logits.
@@ -28,7 +28,16 @@ from kernels.gca import gca_attention
 from model.chunk_store import ChunkGather, ChunkStore
 from model.config import GCAConfig
 from model.context_parallel import ContextParallel
-from model.layers import ChunkEncoder, DecoderLayer, KVCache, RMSNorm, SlidingWindowAttention, SwiGLU
+from model.layers import (
+    ChunkEncoder,
+    DecoderLayer,
+    KVCache,
+    RMSNorm,
+    SlidingWindowAttention,
+    SwiGLU,
+    WindowPositions,
+    window_positions,
+)
 from model.layout import StepLayout
 from model.lm import CausalLM
 from model.retrieval import DeferredRow, Picks, RetrievalRows, record_picks, retrieval_stats, retrieve
@@ -54,7 +63,7 @@ class GroupedCrossAttention(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.gca_output_bias)
 
     def forward(self, a: torch.Tensor, memory: RetrievedMemory | None, layout: StepLayout) -> torch.Tensor:
@@ -102,9 +111,14 @@ class UpperLayer(nn.Module):
         self.mlp = SwiGLU(cfg.d_model, cfg.ffn_hidden)
 
     def forward(
-        self, x: torch.Tensor, cache: KVCache | None, memory: RetrievedMemory | None, layout: StepLayout
+        self,
+        x: torch.Tensor,
+        cache: KVCache | None,
+        memory: RetrievedMemory | None,
+        layout: StepLayout,
+        pos: WindowPositions | None = None,
     ) -> torch.Tensor:
-        a = x + self.attn(self.attn_norm(x), cache)
+        a = x + self.attn(self.attn_norm(x), cache, pos)
         y = self.gca(a, memory, layout)
         return a + self.mlp(self.mlp_norm(a + y))
 
@@ -213,8 +227,10 @@ class GCAForCausalLM(CausalLM):
         tokens = self.embed(input_ids)  # [B, T, d_model]
         landmarks = self.landmark.to(tokens.dtype).expand(B, layout.n_landmarks, -1)
         x = torch.cat([tokens, landmarks], dim=1)[:, layout.order]  # [B, L, d_model] stream order
+        stream_start = layout.first_chunk * (cfg.chunk_size + 1) + layout.lead
+        pos = window_positions(cfg, stream_start, layout.length, x.device, landmarks=True)
         for layer, cache in zip(self.lower, caches):
-            x = layer(x, cache)
+            x = layer(x, cache, pos)
 
         readable = self._encode_chunks(x, layout, state)
         if cp is not None:
@@ -227,7 +243,7 @@ class GCAForCausalLM(CausalLM):
                 break
             memory = self._retrieve(g, group, x, readable, layout, state, cp)
             for layer in group.layers:
-                x = layer(x, caches.pop(0), memory, layout)
+                x = layer(x, caches.pop(0), memory, layout, pos)
 
         if state is not None:
             state.n_tokens += T

@@ -1,6 +1,9 @@
-"""Building blocks of the GCA model: RMSNorm, SwiGLU, sliding-window ALiBi self-attention, the chunk encoder."""
+"""Building blocks of the GCA model: RMSNorm, SwiGLU, sliding-window self-attention (ALiBi or RoPE), the chunk
+encoder."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -53,8 +56,52 @@ class KVCache:
         return k, v
 
 
+@dataclass(frozen=True)
+class WindowPositions:
+    """What the sliding-window attention needs to know about one step's stream positions besides their order."""
+
+    index: torch.Tensor | None = None
+    """``[L]`` RoPE position of every stream position of the step (``model.position=rope``), else ``None``."""
+    landmark: torch.Tensor | None = None
+    """``[L]`` true at the landmarks (``model.tokens_see_landmarks=false``: hidden from real tokens), else ``None``."""
+
+
+def window_positions(cfg: GCAConfig, start: int, length: int, device: torch.device, landmarks: bool) -> WindowPositions:
+    """``WindowPositions`` of the stream positions ``start .. start + length - 1``. With ``landmarks`` (the GCA
+    model) the stream holds a landmark after every ``chunk_size`` tokens: a real token's RoPE position is its index
+    in the text and a landmark takes the next token's, so two tokens are as far apart as in the text (what a
+    converted dense model saw). Without (the ``swa`` baseline) stream and text positions are the same."""
+    if cfg.position == "alibi" and (cfg.tokens_see_landmarks or not landmarks):
+        return WindowPositions()
+    p = start + torch.arange(length, device=device)
+    P = cfg.chunk_size + 1
+    index = (p - p // P if landmarks else p) if cfg.position == "rope" else None
+    hidden = landmarks and not cfg.tokens_see_landmarks
+    return WindowPositions(index=index, landmark=p % P == P - 1 if hidden else None)
+
+
+_HIDING_DIMS = 8
+"""Head dimensions appended when landmarks are hidden from real tokens; 8 keeps FlashAttention's ``D % 8 == 0``."""
+_HIDING_LOGIT = 2.0**14
+"""Product of a token query's extra dimension (1) and a landmark key's (-2^14), exact in fp16/bf16/fp32: after the
+``D^-0.5`` scale (head dims up to 256) it puts a landmark at least 1000 below the row's other logits, whose
+exponential is then exactly 0."""
+
+
+def hide_landmarks(q: torch.Tensor, k: torch.Tensor, landmark: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append ``_HIDING_DIMS`` dimensions to ``q [B, L, HQ, D]`` and ``k [B, L, H, D]`` so that a real token's
+    query scores every landmark key ``-2^14`` lower and nothing else changes (every other product in those
+    dimensions is 0). Every sliding-window backend computes this mask this way, with no kernel of its own."""
+    token_query = (~landmark).to(q.dtype)[None, :, None, None]  # [1, L, 1, 1]
+    landmark_key = landmark.to(k.dtype)[None, :, None, None] * -_HIDING_LOGIT
+    q_extra = F.pad(token_query.expand(*q.shape[:-1], 1), (0, _HIDING_DIMS - 1))
+    k_extra = F.pad(landmark_key.expand(*k.shape[:-1], 1), (0, _HIDING_DIMS - 1))
+    return torch.cat([q, q_extra], dim=-1), torch.cat([k, k_extra], dim=-1)
+
+
 class SlidingWindowAttention(nn.Module):
-    """Causal self-attention over the last ``window`` stream positions (landmarks included), ALiBi positions."""
+    """Causal self-attention over the last ``window`` stream positions (landmarks included, unless hidden from real
+    tokens), with ALiBi or RoPE positions (``model.position``)."""
 
     slopes: torch.Tensor  # a buffer, registered in __init__
 
@@ -63,21 +110,38 @@ class SlidingWindowAttention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.window = cfg.window
         self.backend = cfg.swa_backend
-        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.rope_theta = cfg.rope_theta
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
-        self.register_buffer("slopes", alibi_slopes(cfg.n_heads), persistent=False)
+        # RoPE: slopes of 0 make the kernels' ALiBi bias vanish, leaving the plain windowed softmax.
+        slopes = alibi_slopes(cfg.n_heads) if cfg.position == "alibi" else torch.zeros(cfg.n_heads)
+        self.register_buffer("slopes", slopes, persistent=False)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, pos: WindowPositions | None = None
+    ) -> torch.Tensor:
+        """``pos``: the step's ``WindowPositions`` (``None``: ALiBi with every position visible)."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)  # [B, T, HQ, D]
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)  # [B, T, H, D]
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        pos = pos or WindowPositions()
+        if pos.index is not None:  # rotated before caching: a cached key keeps the rotation of its own position
+            q, k = rope_at(q, self.rope_theta, pos.index), rope_at(k, self.rope_theta, pos.index)
+        if pos.landmark is not None:
+            q, k = hide_landmarks(q, k, pos.landmark)  # the cache keeps the keys' extra dimensions
         if cache is not None:
             k, v = cache.extend(k, v, self.window)  # [B, Tcache + T, H, D]
-        o = sliding_window_attention(q, k, v, window=self.window, alibi_slopes=self.slopes, backend=self.backend)
-        return self.wo(o.reshape(B, T, -1))
+        scale = None  # the kernels' default, D^-0.5
+        if pos.landmark is not None:
+            v = F.pad(v, (0, _HIDING_DIMS))
+            scale = self.head_dim**-0.5  # of the real head dimension, not of the padded one
+        o = sliding_window_attention(
+            q, k, v, window=self.window, alibi_slopes=self.slopes, scale=scale, backend=self.backend
+        )
+        return self.wo(o[..., : self.head_dim].reshape(B, T, -1))
 
 
 class DecoderLayer(nn.Module):
@@ -90,8 +154,10 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.ffn_hidden)
 
-    def forward(self, h: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        h = h + self.attn(self.attn_norm(h), cache)
+    def forward(
+        self, h: torch.Tensor, cache: KVCache | None = None, pos: WindowPositions | None = None
+    ) -> torch.Tensor:
+        h = h + self.attn(self.attn_norm(h), cache, pos)
         return h + self.mlp(self.mlp_norm(h))
 
 
@@ -103,7 +169,25 @@ def apply_rope(x: torch.Tensor, theta: float, start: int = 0) -> torch.Tensor:
     dtype = torch.promote_types(x.dtype, torch.float32)
     inv_freq = theta ** (-torch.arange(0, D, 2, device=x.device, dtype=dtype) / D)  # [D/2]
     angles = torch.arange(start, start + P, device=x.device, dtype=dtype)[:, None] * inv_freq  # [P, D/2]
-    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]  # [P, 1, D/2]
+    return _rotate(x, angles.cos(), angles.sin())
+
+
+def rope_at(x: torch.Tensor, theta: float, positions: torch.Tensor) -> torch.Tensor:
+    """``apply_rope`` at arbitrary integer ``positions [P]`` (the sliding window's). The angles are computed in
+    fp64: at position 10^6 an fp32 angle is off by up to 0.06 rad, and the sliding window must read the same far
+    into a long input as near its start."""
+    D = x.shape[-1]
+    inv_freq = theta ** (-torch.arange(0, D, 2, device=x.device, dtype=torch.float64) / D)  # [D/2]
+    angles = positions.to(torch.float64)[:, None] * inv_freq  # [P, D/2]
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    return _rotate(x, angles.cos().to(dtype), angles.sin().to(dtype))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the pairs of dimensions (0, 1), (2, 3), ... of ``x [..., P, H, D]`` by angles whose cosines and sines
+    are ``[P, D/2]``, in their dtype."""
+    dtype = cos.dtype
+    cos, sin = cos[:, None, :], sin[:, None, :]  # [P, 1, D/2]
     x1, x2 = x.to(dtype)[..., 0::2], x.to(dtype)[..., 1::2]
     out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)  # [..., P, H, D/2, 2]
     return out.flatten(-2).to(x.dtype)
@@ -116,7 +200,7 @@ class EncoderLayer(nn.Module):
         super().__init__()
         self.n_heads, self.head_dim, self.rope_theta = cfg.n_heads, cfg.head_dim, cfg.rope_theta
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.wqkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.wqkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.ffn_hidden)
@@ -143,8 +227,8 @@ class ChunkEncoder(nn.Module):
         self.prenorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_encoder_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mem_k = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.mem_v = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.mem_k = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.mem_v = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
 
     def forward(self, chunks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``chunks [B, N, S+1, d_model]`` (landmark last) -> keys ``[B, N, d_model]``, k/v ``[B, N, S, H, D]``."""

@@ -102,11 +102,13 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
     def init_normal_weights(self) -> None:
-        """N(0, ``init_std``) for every linear and embedding weight (the baselines' whole initialisation; norm gains
-        keep their ones)."""
+        """N(0, ``init_std``) for every linear and embedding weight, zero biases (the baselines' whole
+        initialisation; norm gains keep their ones)."""
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=self.cfg.init_std)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
 
     def num_parameters(self, exclude_embedding: bool = False) -> int:
         n = count_parameters(self)
