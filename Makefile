@@ -9,7 +9,7 @@ PYTEST := $(PY) -m pytest -q
 # The default CPU tier: everything not behind a heavier marker.
 DEFAULT_MARKERS := not slow and not gpu and not dist and not slurm and not multinode
 
-.PHONY: install lint format typecheck test test-slow test-dist test-gpu test-kernels test-reliability test-slurm test-multinode preflight demo demo-16m demo-multihop demo-smoke demo-lm demo-lm-smoke prep bench bench-train bench-kernels bench-cp test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv gpu-wheels gpu-check test-gpu-wheels test-gpu-check reference-curves
+.PHONY: install lint format typecheck test test-slow test-dist test-gpu test-kernels test-reliability test-slurm test-multinode preflight demo demo-16m demo-multihop demo-smoke demo-lm demo-lm-smoke prep bench bench-train bench-kernels bench-cp bench-reader test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv gpu-wheels gpu-check test-gpu-wheels test-gpu-check reference-curves
 
 install: $(STAMP)
 
@@ -124,6 +124,11 @@ bench-train: install ds-warmup
 
 bench-kernels: install
 	$(PY) launch/bench_kernels.py
+
+# The trainer's data reader (shards decoded in memory) vs the old decompressed copy on disk: tokens/s, bytes written.
+bench-reader: install
+	@test -f data/default/_COMPLETE || $(PY) launch/prep.py --config configs/data/default.yaml
+	$(PY) launch/bench_reader.py $(ARGS)
 
 # Context parallelism: one sequence on 1 rank vs split over 2 (16K/32K/64K tokens; ARGS="--lengths 4096 8192" on a
 # small machine): per-rank peak memory, step time and bytes sent, as ratios against the 1-rank run.

@@ -8,15 +8,22 @@ never on the number of ranks, and the loader state is a few global integers that
 Each rank reads the whole global batch (for the paper config about 1 MB of tokens per step), a negligible
 cost next to a training step.
 
-A dataset is untrusted input and is never written to. ``MDSReader`` reads ``index.json`` and checks it
-(``data_prep.safe_files``: shard names confined to the split directory, no pickle column) before any shard file is
-opened or created, then brings each shard it needs into a private cache directory of this process: a local shard
-is read from a regular file only (no symbolic links, FIFOs or devices) and written there, decompressed when only
-the compressed file exists; a remote one is downloaded there by streaming's downloader. Every shard's bytes are
-hashed against ``index.json`` as they go into the cache (``ShardCorruptError`` names the file), and streaming's
-shard reader decodes the samples from the cached copy only. The cache holds the last few shards and is removed
-when the reader goes away. ``dataset_fingerprint`` is a content hash of the split's index (which lists every
-shard's hash) and the tokenizer; the trainer stores it in each checkpoint and refuses to resume on other data.
+A dataset is untrusted input and is never written to, and reading it writes no copy of it either. ``MDSReader``
+reads ``index.json`` and checks it (``data_prep.safe_files``: shard names confined to the split directory, no
+pickle column) before any shard file is opened, then loads each shard it needs into memory: a local shard is read
+from a regular file only (no symbolic links, FIFOs or devices), decompressed in memory when only the compressed
+file exists. Every shard's bytes are checked against the size and hash ``index.json`` records before a sample is
+decoded from them (``ShardCorruptError`` names the file), and streaming's own ``decode_sample`` decodes each sample
+from the checked bytes. The last ``_KEEP_SHARDS`` shards stay in memory (packing reads shards one after another).
+Why in memory: every rank reads the whole global stream, so a per-rank decompressed copy on disk wrote the whole
+dataset once per rank and epoch (8 TB per epoch for 8 ranks on a 1 TB dataset).
+
+A remote dataset (``s3://``, ``gs://``, ``https://``...) is downloaded by streaming's downloader, which writes
+only to files: each compressed shard is fetched once into a node-local cache directory under ``data.cache_dir``
+(mode 0700, one per remote URL, shared by the ranks of a node and kept for later epochs and runs), written under a
+temporary name and renamed, and hash-checked again each time it is loaded. ``dataset_fingerprint`` is a content
+hash of the split's index (which lists every shard's hash) and the tokenizer; the trainer stores it in each
+checkpoint and refuses to resume on other data.
 """
 
 from __future__ import annotations
@@ -25,13 +32,10 @@ import collections
 import hashlib
 import logging
 import os
-import re
-import shutil
-import socket
 import stat
 import tempfile
-import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -79,6 +83,7 @@ __all__ = [
     "eos_id_of",
     "is_remote",
     "read_tokenizer",
+    "remote_shard_cache",
 ]
 
 
@@ -100,75 +105,48 @@ class EmptySplitError(ValueError):
 
 _HASH_PREFERENCE = ("xxh3_64", "xxh64", "xxh128", "xxh3_128", "sha256", "sha1", "md5")
 """Order in which a shard hash is picked when ``data.validate_hash`` is unset: fastest first."""
-_CACHE_PREFIX = "gca-reader-"
-_CACHE_MARKER = ".gca-reader-cache"
-"""Written into every private cache directory: with the name pattern, the proof that a leftover is ours."""
-_KEEP_SHARDS = 4
-"""Shards kept in a private cache: packing reads shards one after another, so the current one and a few before it
-(a shuffle window re-read across a shard boundary) are all it needs; older ones are deleted from the cache."""
+_KEEP_SHARDS = 3
+"""Decoded shards kept in memory: packing reads shards one after another, so the current one and a couple before
+it (a shuffle window re-read across a shard boundary) are all it needs. At most ``_KEEP_SHARDS`` times data prep's
+``shard_size_bytes`` (64 MiB by default) per reader."""
+_REMOTE_CACHE_PREFIX = "gca-remote-"
 _DOWNLOAD_TIMEOUT_S = 60
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
+def remote_shard_cache(parent: Path, remote: str) -> Path:
+    """The node-local directory under ``parent`` that keeps the downloaded shard files of the split at ``remote``:
+    one per URL (named by its hash), shared by this user's readers on the node, created mode 0700 and checked to
+    be a real directory of this user only (its files are trusted no further than their recorded hashes).
 
-
-def _remove_stale_caches(parent: Path, host: str) -> None:
-    """Remove private caches that readers of this host left when they were killed (their pid is gone). Only
-    directories with our name pattern and marker are touched: nothing else in ``parent`` is provably ours."""
-    pattern = re.compile(rf"{re.escape(_CACHE_PREFIX)}{re.escape(host)}-(\d+)-[A-Za-z0-9_]+")
-    for entry in parent.iterdir():
-        match = pattern.fullmatch(entry.name)
-        if match is None or _pid_alive(int(match.group(1))):
-            continue
-        try:
-            st = os.lstat(entry)
-        except FileNotFoundError:  # its owner's cleanup, or another reader's, got there first
-            continue
-        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and (entry / _CACHE_MARKER).is_file():
-            log.info("removing the data cache of a killed reader: %s", entry)
-            shutil.rmtree(entry, ignore_errors=True)
-
-
-def _remove_cache(path: Path, owner_pid: int) -> None:
-    if os.getpid() == owner_pid:  # a forked child must not delete its parent's cache
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def make_private_cache(parent: Path) -> Path:
-    """A fresh directory under ``parent`` that only this process uses: created by ``mkdtemp`` (mode 0700, a name
-    no one else can have taken: host, pid and a random part, so ranks and nodes sharing ``parent`` never
-    collide) and checked to be a real directory of ours."""
-    host = socket.gethostname().replace("/", "_")
+    Raises:
+        UnsafeDatasetError: the directory exists but is a link, another user's, or open to others.
+    """
+    path = parent / f"{_REMOTE_CACHE_PREFIX}{hashlib.sha256(remote.encode()).hexdigest()[:16]}"
     parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    _remove_stale_caches(parent, host)
-    path = Path(tempfile.mkdtemp(prefix=f"{_CACHE_PREFIX}{host}-{os.getpid()}-", dir=parent))
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise UnsafeDatasetError(
             f"data cache {path} is not a private directory of this user; set data.cache_dir "
             "to a directory only you can write"
         )
-    (path / _CACHE_MARKER).write_text(f"{host} {os.getpid()}\n")
     return path
 
 
 class MDSReader:
-    """Random access to one split of a prepared dataset, read through a private cache (see the module docstring).
+    """Random access to one split of a prepared dataset, each shard checked and decoded in memory (see the module
+    docstring).
 
     Args:
         root: dataset directory or remote URL (``s3://...``, ``gs://...``, ``https://...``).
         split: sub-directory (``train`` / ``val``).
-        cache_dir: where this reader creates its private cache directory (the system temp dir when None); never
-            inside a local ``root``.
-        validate_hash: hash algorithm checked on every shard file as it enters the cache; by default the
-            fastest one data prep recorded. A shard with no recorded hash is read unchecked (warned).
+        cache_dir: where a remote dataset's downloaded shards are kept (the system temp dir when None); never
+            inside a local ``root``. Nothing is written there for a local dataset.
+        validate_hash: hash algorithm checked on every shard file before it is used; by default the fastest one
+            data prep recorded. A shard with no recorded hash is read unchecked (warned).
 
     Raises:
         FileNotFoundError: no ``index.json``.
@@ -183,6 +161,7 @@ class MDSReader:
         self.remote: str | None = root.rstrip("/") + "/" + split if is_remote(root) else None
         self.split_dir = Path(root) / split
         parent = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir())
+        self.remote_cache: Path | None = None
         if self.remote is None:
             if is_within(parent, Path(root)):
                 raise UnsafeDatasetError(
@@ -191,14 +170,14 @@ class MDSReader:
                 )
             index, self.index_bytes = self._local_index(split)
             self.index_path = str(self.split_dir / INDEX_FILENAME)
-        self.cache = make_private_cache(parent)  # only after the local index passed its checks
-        self._finalizer = weakref.finalize(self, _remove_cache, self.cache, os.getpid())
-        if self.remote is not None:
+        else:
             self.index_path = f"{self.remote}/{INDEX_FILENAME}"
-            self.index_bytes = self._download(INDEX_FILENAME)
+            parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self.index_bytes = self._download(INDEX_FILENAME, parent)
             index = parse_index(self.index_bytes, self.index_path)
+            self.remote_cache = remote_shard_cache(parent, self.remote)  # only after the index passed its checks
         self.hash_algo = self._pick_hash(index["shards"], validate_hash)
-        self.shards = [reader_from_json(str(self.cache), None, shard) for shard in index["shards"]]
+        self.shards = [reader_from_json(str(self.split_dir), None, shard) for shard in index["shards"]]
         for shard in self.shards:
             shard.validate(allow_unsafe_types=False)  # streaming's own pickle check, behind check_index
         self.samples_per_shard = np.asarray([s.samples for s in self.shards], dtype=np.int64)
@@ -209,7 +188,7 @@ class MDSReader:
                 "larger val_fraction), point data.path (eval: data=) at another dataset, or for an "
                 "empty val split set train.eval_every=0"
             )
-        self._cached: OrderedDict[int, None] = OrderedDict()
+        self._loaded: OrderedDict[int, bytes] = OrderedDict()
 
     def _local_index(self, split: str) -> tuple[dict[str, Any], bytes]:
         try:
@@ -221,21 +200,29 @@ class MDSReader:
             ) from None
 
     def close(self) -> None:
-        """Delete the private cache now (also done when the reader is garbage-collected or the process exits)."""
-        self._finalizer()
+        """Drop the shards held in memory (the reader stays usable: a later sample loads its shard again)."""
+        self._loaded.clear()
 
-    def _download(self, name: str) -> bytes:
-        """A remote file's bytes, fetched through a temporary file of the private cache."""
+    def _download(self, name: str, directory: Path, check: Callable[[bytes], bytes] | None = None) -> bytes:
+        """A remote file's bytes, fetched by streaming's downloader into a fresh temporary file of ``directory``.
+        With ``check``, the bytes must pass it and the file is then kept as ``directory/name`` (renamed, so no
+        reader ever sees a partial file); without, it is deleted."""
         from streaming.base.storage.download import CloudDownloader
 
         assert self.remote is not None
-        tmp = self.cache / f".download-{os.getpid()}"
-        tmp.unlink(missing_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=".download-", dir=directory)
+        os.close(fd)
+        tmp = Path(tmp_name)
         url = f"{self.remote}/{name}"
         downloader = CloudDownloader.get(url)
         try:
             downloader.download(url, str(tmp), _DOWNLOAD_TIMEOUT_S)
-            return read_regular(self.cache, tmp.name)
+            data = read_regular(directory, tmp.name)
+            if check is not None:
+                data = check(data)
+                (directory / name).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+                os.replace(tmp, directory / name)
+            return data
         finally:
             downloader.clean_up()
             tmp.unlink(missing_ok=True)
@@ -283,9 +270,10 @@ class MDSReader:
         return data
 
     def _fetch(self, info: Any) -> bytes:
-        """The checked bytes of one shard file: read from a regular file of the split, or downloaded."""
+        """The checked bytes of one shard file: read from a regular file of the split, or (remote) from the node's
+        cache, downloaded into it the first time."""
         if self.remote is not None:
-            return self._check(info, self._download(info.basename), f"{self.remote}/{info.basename}")
+            return self._fetch_remote(info)
         where = str(self.split_dir / info.basename)
         with os.fdopen(open_regular(self.split_dir, info.basename), "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -295,6 +283,19 @@ class MDSReader:
                     f"{info.bytes}; the shard changed since data prep wrote it (re-run data prep)"
                 )
             return self._check(info, f.read(), where)
+
+    def _fetch_remote(self, info: Any) -> bytes:
+        """A remote shard file from the node's cache when a copy there passes the size and hash check, else
+        downloaded (checked, then kept for the next load)."""
+        assert self.remote_cache is not None
+        where = f"{self.remote}/{info.basename}"
+        if stat_regular(self.remote_cache, info.basename) is not None:
+            cached = self.remote_cache / info.basename
+            try:
+                return self._check(info, read_regular(self.remote_cache, info.basename), f"{cached} (copy of {where})")
+            except ShardCorruptError as err:  # a copy from another version of the dataset: fetch it again
+                log.warning("%s; downloading it again", err)
+        return self._download(info.basename, self.remote_cache, lambda data: self._check(info, data, where))
 
     def _raw_bytes(self, raw: Any, packed: Any, compression: str | None) -> bytes:
         """A shard file's decoded bytes. Locally the raw file is used when present (a dataset read in place by an
@@ -307,35 +308,44 @@ class MDSReader:
         where = f"{self.remote or self.split_dir}/{raw.basename}"
         return self._check(raw, decompress(compression, self._fetch(packed)), f"{where} (decompressed)")
 
-    def _write_cached(self, name: str, data: bytes) -> None:
-        """Write ``data`` as ``name`` into the private cache (a temporary name first, so a failed write never
-        leaves a partial shard under its real name)."""
-        path = self.cache / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.cache / f".part-{os.getpid()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-
-    def _prepare(self, shard: int) -> None:
-        """Bring ``shard`` into the cache (checked), and drop the least recently used shard beyond the limit."""
+    def shard_bytes(self, shard: int) -> bytes:
+        """The checked, decompressed bytes of shard ``shard`` (an MDS shard file), loaded on first use; the least
+        recently used shard beyond ``_KEEP_SHARDS`` is dropped."""
+        if shard in self._loaded:
+            self._loaded.move_to_end(shard)
+            return self._loaded[shard]
         reader = self.shards[shard]
-        for raw, packed in reader.file_pairs:
-            self._write_cached(raw.basename, self._raw_bytes(raw, packed, reader.compression))
-        self._cached[shard] = None
-        while len(self._cached) > _KEEP_SHARDS:
-            old, _ = self._cached.popitem(last=False)
-            for raw, _ in self.shards[old].file_pairs:
-                (self.cache / raw.basename).unlink(missing_ok=True)
+        [(raw, packed)] = reader.file_pairs  # an MDS shard is one data file (raw, and its compressed form)
+        data = self._raw_bytes(raw, packed, reader.compression)
+        # The header is the sample count and count + 1 offsets; checked here, so a shard with no recorded hash
+        # cannot make a sample slice reach outside its bytes.
+        where = f"{self.remote or self.split_dir}/{raw.basename}"
+        header = 4 * (reader.samples + 2)
+        offsets = np.frombuffer(data, np.uint32, count=reader.samples + 2) if len(data) >= header else None
+        if (
+            offsets is None
+            or offsets[0] != reader.samples
+            or offsets[1] < header
+            or np.any(np.diff(offsets[1:].astype(np.int64)) < 0)
+            or offsets[-1] > len(data)
+        ):
+            raise ShardCorruptError(
+                f"{where}: not an MDS shard of {reader.samples} samples (bad header); the shard changed since "
+                "data prep wrote it (re-run data prep)"
+            )
+        self._loaded[shard] = data
+        while len(self._loaded) > _KEEP_SHARDS:
+            self._loaded.popitem(last=False)
+        return data
 
     def sample(self, shard: int, index: int) -> tuple[np.ndarray, int]:
         """Token ids and document id of sample ``index`` of shard ``shard``."""
-        if shard in self._cached:
-            self._cached.move_to_end(shard)
-        else:
-            self._prepare(shard)
-        sample = self.shards[shard][int(index)]
+        reader = self.shards[shard]
+        if not 0 <= index < reader.samples:
+            raise IndexError(f"sample {index} of shard {shard}, which holds {reader.samples}")
+        data = self.shard_bytes(shard)
+        begin, end = np.frombuffer(data, np.uint32, count=2, offset=4 * (1 + int(index)))
+        sample = reader.decode_sample(data[begin:end])
         return np.asarray(sample[fmt.TOKENS]), int(sample[fmt.DOC_ID])
 
 
@@ -403,9 +413,7 @@ class PackedSequences:
         eos_id: token inserted between documents (``None``/negative: none).
     """
 
-    def __init__(
-        self, reader: Any, *, seq_len: int, seed: int, shuffle: bool, window: int, eos_id: int | None
-    ) -> None:
+    def __init__(self, reader: Any, *, seq_len: int, seed: int, shuffle: bool, window: int, eos_id: int | None) -> None:
         self.reader, self.seq_len, self.seed = reader, seq_len, seed
         self.shuffle, self.window = shuffle, window
         self.eos_id = eos_id if eos_id is not None and eos_id >= 0 else None

@@ -190,7 +190,7 @@ def _directory_files(root: Path) -> list[Path]:
 
 def _mds_docs(split: Path) -> Iterator[np.ndarray]:
     """Documents of an MDS split in order (pieces of one ``doc_id`` joined), read the way the trainer reads it:
-    the index checked first, regular files only, through a private cache; the dataset is never written."""
+    the index checked first, regular files only, each shard hash-checked and decoded in memory; nothing is written."""
     from pipeline.data.reader import MDSReader
 
     reader = MDSReader(str(split.parent), split.name, cache_dir=None)

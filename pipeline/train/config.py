@@ -123,8 +123,8 @@ class DataConfig:
     val_split: str = "val"
     """Sub-directory of the validation split."""
     cache_dir: str | None = None
-    """Where every reader (local or remote ``data.path``) creates its private shard cache, a fresh directory per
-    process removed when the reader ends (default: ``<run_dir>/data_cache``); never inside ``data.path``."""
+    """Where a remote ``data.path``'s shards are downloaded once, shared by the node's readers and kept (default:
+    ``<run_dir>/data_cache``); a local dataset is decoded in memory and writes nothing; never inside ``data.path``."""
     shuffle: bool = True
     """Shuffle the shard order each epoch and the sequence order within a window."""
     shuffle_window: int = 64

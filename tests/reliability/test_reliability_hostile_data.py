@@ -113,7 +113,7 @@ def eval_tokens(data: Path, n: int = 400) -> np.ndarray:
 def test_symlinked_tmp_files_in_the_dataset_are_never_written_through(data_copy, tmp_path):
     """Every shard's decompression temp name (``shard.N.mds.tmp``, streaming's) and the raw name itself planted
     as links to a file of the user: training with validation and the eval reader work, the user's file and the
-    dataset stay byte-identical, and the run's cache is gone afterwards."""
+    dataset stay byte-identical, and no shard cache is created (shards are decoded in memory)."""
     victim = tmp_path / "bashrc"
     victim.write_bytes(b"export PATH=/usr/bin\n")
     for packed in data_copy.glob("*/shard.*.mds.zstd"):
@@ -130,7 +130,7 @@ def test_symlinked_tmp_files_in_the_dataset_are_never_written_through(data_copy,
     assert len(eval_tokens(data_copy)) == 400
     assert victim.read_bytes() == b"export PATH=/usr/bin\n"
     assert snapshot(data_copy) == before
-    assert list((run / "data_cache").iterdir()) == [], "each reader removed its private cache"
+    assert not (run / "data_cache").exists(), "a local dataset is read without a cache"
 
 
 def test_read_only_dataset_trains_and_evaluates_unchanged(data_copy, tmp_path):
@@ -230,9 +230,7 @@ def test_a_shard_that_is_not_a_regular_file_is_refused(kind, what, data_copy, tm
             eval_tokens(data_copy)
         [line] = preflight.check_data(str(data_copy), "train", 64)
     assert line.startswith(f"data: {data_copy}/train/shard.00000.mds.zstd is {what}")
-    assert list((tmp_path / "cache").iterdir()) == [], "the reader's private cache is gone"
-    after = snapshot(tmp_path)
-    assert after.pop("cache")[0] & stat.S_IFDIR and after == before, "nothing else created, changed or removed"
+    assert snapshot(tmp_path) == before, "nothing created (no cache either), changed or removed"
 
 
 def test_a_symlinked_subdirectory_is_refused(data_copy, tmp_path):
@@ -267,7 +265,7 @@ def test_text_directory_with_a_link_or_fifo_is_refused(tmp_path):
 # -- corrupt, empty, remote ------------------------------------------------------------------------------------
 
 
-def test_cached_copy_is_hash_checked_and_the_reader_gives_the_same_samples(data, data_copy, tmp_path):
+def test_shards_are_hash_checked_and_the_reader_gives_the_same_samples(data, data_copy, tmp_path):
     """The reader's samples equal streaming's own reader on the dataset; a flipped byte in a compressed shard is
     a ShardCorruptError naming the file (no write into the dataset on either path)."""
     from data_prep.streaming_compat import ensure_streaming_importable
@@ -329,30 +327,45 @@ class _FakeRemote:
         pass
 
 
-def test_remote_dataset_reads_through_the_private_cache(data, data_copy, tmp_path, monkeypatch):
-    """A remote dataset gives the same samples as the local one, and a traversal name in a remote index is
-    refused after downloading only the index."""
+def test_remote_dataset_reads_through_the_node_cache(data, data_copy, tmp_path, monkeypatch):
+    """A remote dataset gives the same samples as the local one, each shard downloaded once into the node's cache
+    (a second reader, and a second epoch, download nothing); a damaged cached copy is fetched again; a traversal
+    name in a remote index is refused after downloading only the index, creating nothing."""
     from streaming.base.storage.download import CloudDownloader
 
     fetched: list[str] = []
     monkeypatch.setattr(CloudDownloader, "get", classmethod(lambda cls, url=None: _FakeRemote(data_copy, fetched)))
     local = all_samples(MDSReader(str(data), "train", str(tmp_path / "a")))
+    remote = MDSReader("s3://bucket/ds", "train", str(tmp_path / "b"))
+    assert all_samples(remote) == local
+    shards = sorted(f for f in fetched if f.endswith(".zstd"))
+    assert fetched[0] == "s3://bucket/ds/train/index.json" and len(shards) == remote.num_shards == len(fetched) - 1
+    fetched.clear()
+    remote.close()
+    assert all_samples(remote) == all_samples(MDSReader("s3://bucket/ds", "train", str(tmp_path / "b"))) == local
+    assert fetched == ["s3://bucket/ds/train/index.json"], "shards come from the node cache once fetched"
+    [cache] = (tmp_path / "b").iterdir()
+    assert stat.S_IMODE(os.lstat(cache).st_mode) == 0o700 and sorted(p.name for p in cache.iterdir()) == sorted(
+        s.removeprefix("s3://bucket/ds/train/") for s in shards
+    )
+    damaged = cache / "shard.00001.mds.zstd"
+    damaged.write_bytes(damaged.read_bytes()[:-1] + b"x")
+    fetched.clear()
     assert all_samples(MDSReader("s3://bucket/ds", "train", str(tmp_path / "b"))) == local
-    assert fetched[0] == "s3://bucket/ds/train/index.json" and all(f.endswith(".zstd") for f in fetched[1:])
+    assert fetched == ["s3://bucket/ds/train/index.json", "s3://bucket/ds/train/shard.00001.mds.zstd"]
     set_shard_name(data_copy / "train", 0, "../../x.mds", None)
     fetched.clear()
     with pytest.raises(UnsafeShardPathError, match=r"s3://bucket/ds/train/index.json: shard 0 raw_data"):
-        MDSReader("s3://bucket/ds", "train", str(tmp_path / "b"))
+        MDSReader("s3://bucket/ds", "train", str(tmp_path / "c"))
     assert fetched == ["s3://bucket/ds/train/index.json"]
-    assert list((tmp_path / "b").iterdir()) == []
+    assert list((tmp_path / "c").iterdir()) == []
 
 
 # -- several readers, killed readers ---------------------------------------------------------------------------
 
 
 def _read_all(data: str, cache: str, results: Any) -> None:
-    """One "rank": its own reader (and so its own private cache) over the whole split, the digest of what it read.
-    The reader is not closed: its cache must go when the reader does."""
+    """One "rank": its own reader over the whole split, the digest of what it read."""
     reader = MDSReader(data, "train", cache)
     results.put((os.getpid(), _digest(all_samples(reader))))
 
@@ -363,7 +376,7 @@ def _digest(samples: list[tuple[list[int], int]]) -> str:
 
 def test_two_readers_at_once_share_nothing_and_clean_up(data, tmp_path):
     """Two processes (two ranks of one node) reading the whole split at the same time with the same cache_dir:
-    both get exactly what a reader in this process gets, the dataset is unchanged, and no cache is left."""
+    both get exactly what a reader in this process gets, the dataset is unchanged, and nothing is written."""
     import multiprocessing
 
     expected = _digest(all_samples(MDSReader(str(data), "train", str(tmp_path / "ref"))))
@@ -379,33 +392,7 @@ def test_two_readers_at_once_share_nothing_and_clean_up(data, tmp_path):
     assert [p.exitcode for p in procs] == [0, 0]
     assert len({pid for pid, _ in got}) == 2 and [digest for _, digest in got] == [expected] * 2
     assert snapshot(data) == before
-    assert list(cache.iterdir()) == []
-
-
-def test_cache_of_a_killed_reader_is_removed_but_nothing_else(data, tmp_path):
-    """A leftover cache of a dead pid on this host (name pattern + marker) is removed by the next reader; one
-    without the marker, one of a live process and an unrelated directory are left alone."""
-    import socket
-
-    cache = tmp_path / "cache"
-    host = socket.gethostname()
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead_pid = int(dead.stdout)
-    stale = cache / f"gca-reader-{host}-{dead_pid}-abc123"
-    unmarked = cache / f"gca-reader-{host}-{dead_pid}-def456"
-    alive = cache / f"gca-reader-{host}-{os.getpid()}-ghi789"
-    other = cache / "mine"
-    for d in (stale, unmarked, alive, other):
-        d.mkdir(parents=True)
-        (d / "shard.00000.mds").write_bytes(b"x")
-    for d in (stale, alive):
-        (d / ".gca-reader-cache").write_text("")
-    reader = MDSReader(str(data), "train", str(cache))
-    assert not stale.exists()
-    assert unmarked.is_dir() and alive.is_dir() and other.is_dir()
-    assert reader.cache.parent == cache and stat.S_IMODE(os.lstat(reader.cache).st_mode) == 0o700
-    reader.close()
-    assert not reader.cache.exists()
+    assert not cache.exists()
 
 
 # -- slow: two ranks, read-only data with planted links, then the eval CLI -------------------------------------
@@ -414,7 +401,7 @@ def test_cache_of_a_killed_reader_is_removed_but_nothing_else(data, tmp_path):
 @pytest.mark.slow
 @pytest.mark.dist
 def test_two_ranks_train_and_eval_on_a_hostile_read_only_dataset(tmp_path):
-    """torchrun with 2 ranks (two private caches on one node, one shared run_dir) trains with validation on a
+    """torchrun with 2 ranks (one shared run_dir, no shard cache) trains with validation on a
     read-only dataset whose ``.tmp`` names link to a file of the user, then ``launch/eval.py`` computes
     perplexity on it; the user's file and the dataset are byte-identical afterwards."""
     data = write_dataset(tmp_path / "data")
@@ -458,4 +445,4 @@ def test_two_ranks_train_and_eval_on_a_hostile_read_only_dataset(tmp_path):
     assert json.loads((out / "ppl.json").read_text())["results"][0]["documents"] == 1
     assert victim.read_bytes() == b"alias ll='ls -l'\n"
     assert snapshot(data) == before
-    assert list((run / "data_cache").iterdir()) == []
+    assert not (run / "data_cache").exists()

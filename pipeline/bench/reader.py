@@ -1,0 +1,151 @@
+"""Trainer reader throughput (``make bench-reader``): ``MDSReader``, which checks and decodes every shard in memory,
+against the path it replaced, measured in one run on the same dataset and printed as a ratio, with the bytes each
+path wrote (``/proc/self/io``).
+
+The baseline, `DiskCacheReader`, is the reader as it was before shards were decoded in memory: each shard's
+checked, decompressed bytes written into a cache directory and every sample read back from that file by
+streaming's own shard reader (one open, seek and read per sample). Both paths read every sample of the split in
+shard order, ``--epochs`` times; the two alternate ``--repeats`` times and the fastest run of each counts.
+
+    python -m pipeline.bench.reader [--data data/default] [--split train] [--epochs 2] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import shutil
+import sys
+import tempfile
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from data_prep import format as fmt
+from pipeline.data.reader import MDSReader
+
+_KEEP_FILES = 4
+"""Shard files the baseline kept in its cache, as the old reader did."""
+
+
+def io_counters() -> dict[str, int]:
+    """This process's I/O counters from ``/proc/self/io`` (``wchar``: bytes passed to write calls; ``write_bytes``:
+    bytes sent toward storage), or an empty dict where the file does not exist."""
+    try:
+        text = Path("/proc/self/io").read_text()
+    except OSError:
+        return {}
+    return {key: int(value) for key, value in (line.split(": ") for line in text.splitlines())}
+
+
+class DiskCacheReader(MDSReader):
+    """The baseline: ``MDSReader``'s checked shard bytes written to ``cache`` and each sample read back from the
+    file by streaming's shard reader, the last ``_KEEP_FILES`` files kept (see the module docstring)."""
+
+    def __init__(self, root: str, split: str, cache: Path) -> None:
+        super().__init__(root, split, cache_dir=None)
+        self.cache = cache
+        self._files: OrderedDict[int, None] = OrderedDict()
+        self._file_readers = []
+        for shard in self.shards:
+            on_disk = copy.copy(shard)
+            on_disk.dirname = str(cache)
+            self._file_readers.append(on_disk)
+
+    def sample(self, shard: int, index: int) -> tuple[np.ndarray, int]:
+        if shard in self._files:
+            self._files.move_to_end(shard)
+        else:
+            reader = self.shards[shard]
+            [(raw, packed)] = reader.file_pairs
+            path = self.cache / raw.basename
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(self._raw_bytes(raw, packed, reader.compression))
+            self._files[shard] = None
+            while len(self._files) > _KEEP_FILES:
+                old, _ = self._files.popitem(last=False)
+                (self.cache / self.shards[old].file_pairs[0][0].basename).unlink(missing_ok=True)
+        sample = self._file_readers[shard][int(index)]
+        return np.asarray(sample[fmt.TOKENS]), int(sample[fmt.DOC_ID])
+
+
+def read_all(reader: MDSReader, epochs: int) -> int:
+    """Read every sample of ``reader`` in shard order ``epochs`` times; the number of tokens read."""
+    tokens = 0
+    for _ in range(epochs):
+        for shard in range(reader.num_shards):
+            for i in range(int(reader.samples_per_shard[shard])):
+                tokens += len(reader.sample(shard, i)[0])
+    return tokens
+
+
+def time_path(make: Any, epochs: int) -> dict[str, float]:
+    """One timed pass of a fresh reader from ``make()``: seconds, tokens/s, and bytes written meanwhile."""
+    before, start = io_counters(), time.perf_counter()
+    reader = make()
+    tokens = read_all(reader, epochs)
+    seconds = time.perf_counter() - start
+    after = io_counters()
+    return {
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "tokens": tokens,
+        "wchar": after.get("wchar", 0) - before.get("wchar", 0),
+        "write_bytes": after.get("write_bytes", 0) - before.get("write_bytes", 0),
+    }
+
+
+def bench(data: str, split: str, epochs: int, repeats: int) -> dict[str, dict[str, float]]:
+    """The fastest of ``repeats`` alternating runs of each path (``memory``: MDSReader; ``disk_cache``: the
+    baseline), each a dict of `time_path`."""
+    best: dict[str, dict[str, float]] = {}
+    work = Path(tempfile.mkdtemp(prefix="gca-bench-reader-"))
+    try:
+        for _ in range(repeats):
+            runs = {
+                "disk_cache": time_path(lambda: DiskCacheReader(data, split, Path(tempfile.mkdtemp(dir=work))), epochs),
+                "memory": time_path(lambda: MDSReader(data, split, cache_dir=None), epochs),
+            }
+            for name, run in runs.items():
+                if name not in best or run["seconds"] < best[name]["seconds"]:
+                    best[name] = run
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", default="data/default", help="a prepared dataset (data prep's output)")
+    parser.add_argument("--split", default="train")
+    parser.add_argument("--epochs", type=int, default=2, help="passes over the split per timed run")
+    parser.add_argument("--repeats", type=int, default=3, help="alternating timed runs of each path")
+    args = parser.parse_args(argv)
+    if not (Path(args.data) / args.split / "index.json").is_file():
+        print(f"bench-reader: error: no prepared split at {args.data}/{args.split} (run make prep)", file=sys.stderr)
+        return 2
+    best = bench(args.data, args.split, args.epochs, args.repeats)
+    raw = (
+        sum(int(s.file_pairs[0][0].bytes) for s in MDSReader(args.data, args.split, cache_dir=None).shards)
+        * args.epochs
+    )
+    print(
+        f"reader over {args.data}/{args.split}: {best['memory']['tokens']:,} tokens per run ({args.epochs} epochs, "
+        f"{raw / 2**20:.1f} MiB of decompressed shards), fastest of {args.repeats}"
+    )
+    print(f"{'path':<12} {'tokens/s':>14} {'seconds':>9} {'wchar MiB':>10} {'write_bytes MiB':>16}")
+    for name in ("disk_cache", "memory"):
+        run = best[name]
+        print(
+            f"{name:<12} {run['tokens_per_s']:>14,.0f} {run['seconds']:>9.2f} {run['wchar'] / 2**20:>10.1f} "
+            f"{run['write_bytes'] / 2**20:>16.1f}"
+        )
+    print(f"memory / disk_cache throughput: {best['memory']['tokens_per_s'] / best['disk_cache']['tokens_per_s']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
