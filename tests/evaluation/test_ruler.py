@@ -1,0 +1,262 @@
+"""``--task ruler``: every task's samples read back as RULER defines them (decoded and checked independently), the
+scorer gives hand-computed scores, streaming agrees with a whole-sequence forward, and a killed run resumes."""
+
+import json
+import re
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from data_prep.schema import ConfigError
+from pipeline.data.retrieval_tasks import Codec, TaskShape, build_task
+from pipeline.evaluation import ruler
+from pipeline.evaluation.haystack import NOISE, TokenSource
+from pipeline.evaluation.passkey import predict_answer
+from pipeline.evaluation.resume import SampleLog
+from pipeline.evaluation.run import run_eval
+from pipeline.evaluation.runtime import StreamBudget
+from pipeline.evaluation.tokenizer import ByteTokenizer
+
+TOK = ByteTokenizer()
+CODEC = Codec(TOK.encode, TOK.decode)
+S = 16
+
+
+def _filler(length: int, seed: int) -> np.ndarray:
+    return TokenSource("builtin", TOK, seed).window(length, np.random.default_rng(seed)).astype(np.int64)
+
+
+def _parts(sample) -> tuple[str, str, str]:
+    """(the context before the question, the question, the answer) as text."""
+    ids = sample.ids.tolist()
+    question_start = sample.needle_start + sample.needle_len
+    return (
+        TOK.decode(ids[:question_start]),
+        TOK.decode(ids[question_start : sample.answer_start]),
+        TOK.decode(ids[sample.answer_start : sample.answer_start + sample.answer_len]),
+    )
+
+
+def _check_grid_layout(sample) -> None:
+    assert sample.answer_start % S == 1  # the question's last token is a chunk's first
+    assert sample.answer_start + sample.answer_len <= len(sample.ids)
+
+
+@pytest.mark.parametrize("length", [1024, 4096, 16384])
+def test_cwe_list_holds_the_common_words_as_asked(length):
+    for seed in range(3):
+        sample = build_task("cwe", _filler(length, seed), CODEC, np.random.default_rng(seed), chunk_size=S)
+        _check_grid_layout(sample)
+        text = TOK.decode(sample.ids[sample.needle_start : sample.needle_start + sample.needle_len].tolist())
+        items = re.findall(r" (\d+)\. ([a-z]+)", text)
+        assert "".join(f" {n}. {w}" for n, w in items) == text  # nothing but the numbered list
+        assert [int(n) for n, _ in items] == list(range(1, len(items) + 1))
+        counts = Counter(w for _, w in items)
+        repeats = min(30, max(counts.values()))
+        common = [w for w, k in counts.items() if k == repeats]
+        assert len(common) == 10 and repeats >= 2
+        assert max(k for w, k in counts.items() if w not in common) < repeats
+        first_seen = list(dict.fromkeys(w for _, w in items if w in common))
+        assert list(sample.answers) == first_seen
+        _, question, answer = _parts(sample)
+        assert (question + answer).endswith(
+            " What are the 10 most common words in the list above? They are " + ", ".join(first_seen)
+        )
+        if length >= 16384:
+            assert repeats == 30 and max(k for w, k in counts.items() if w not in common) == 3
+        assert sample.needle_len > 0.9 * sample.answer_start  # the list fills the context
+
+
+@pytest.mark.parametrize("length", [1024, 4096, 16384])
+def test_fwe_text_has_the_asked_words_most_often_after_the_dots(length):
+    for seed in range(3):
+        sample = build_task("fwe", _filler(length, seed), CODEC, np.random.default_rng(seed), chunk_size=S)
+        _check_grid_layout(sample)
+        words = TOK.decode(sample.ids[sample.needle_start : sample.needle_start + sample.needle_len].tolist()).split()
+        ranked = Counter(words).most_common()
+        assert ranked[0][0] == "..."
+        assert [w for w, _ in ranked[1:4]] == list(sample.answers)
+        counts = [k for _, k in ranked[:5]]
+        assert counts == sorted(set(counts), reverse=True)  # strictly fewer at each rank: one right answer
+        # Zipf's law with alpha 2: the k-th word floor(n / k^2 / zeta(2)) times for one n, so the n each count
+        # allows, [count, count + 1) * k^2 * zeta(2), overlap for every rank.
+        share = [1 / k**2 / (np.pi**2 / 6) for k in range(1, 6)]
+        lows = [k / p for (_, k), p in zip(ranked, share)]
+        highs = [(k + 1) / p for (_, k), p in zip(ranked, share)]
+        assert max(lows) < min(highs)
+        _, question, answer = _parts(sample)
+        assert (question + answer).endswith("most frequent words above? They are " + ", ".join(sample.answers))
+
+
+def test_aggregation_families_refuse_too_short_sequences():
+    with pytest.raises(ValueError, match="no room for 2 rounds of 10 common words"):
+        build_task("cwe", _filler(256, 0), CODEC, np.random.default_rng(0), chunk_size=S)
+    with pytest.raises(ValueError, match="common_repeats=3 must exceed uncommon_repeats=3"):
+        TaskShape(common_repeats=3).check()
+
+
+NUMBER = re.compile(r"\b\d{5}\b")
+
+
+@pytest.mark.parametrize("name", [n for n in ruler.RULER_TASKS if n not in ("ruler_cwe", "ruler_fwe")])
+def test_every_niah_and_vt_task_reads_back_as_ruler_defines_it(name):
+    """Decoded, the context holds the task's needles (RULER's counts) and the answers are the asked ones."""
+    task = ruler.RULER_TASKS[name]
+    sources = {"data": TokenSource("builtin", TOK, 0), "noise": TokenSource("noise", TOK, 0)}
+    grid = ruler.RulerGrid([name], [2048], 1, seed=3)
+    for s in range(4):
+        sample = ruler.build_ruler_sample(
+            name, sources, TOK, length=2048, rng=ruler.sample_rng(grid, name, 2048, s), chunk_size=32
+        )
+        ids = sample.ids.tolist()
+        answer = TOK.decode(ids[sample.answer_start : sample.answer_start + sample.answer_len])
+        question_end = sample.answer_start
+        context = TOK.decode(ids[: question_end - 48])  # the question is shorter than 48 bytes
+        if task.noise:
+            assert NOISE.strip() in context
+        keys = NUMBER.findall(context)
+        if task.family == "vt":
+            statements = dict(re.findall(r" (\w+) = (\w+)\. ", context))
+            (value,) = keys
+            chain = [name for name, rhs in statements.items() if rhs == value]
+            while next_names := [n for n, rhs in statements.items() if rhs == chain[-1]]:
+                chain += next_names
+            assert len(chain) == task.shape.hops + 1 and list(sample.answers) == chain
+        else:
+            expected = {"single": 1, "multikey": 4, "multivalue": 4, "multiquery": 4}[task.family]
+            assert len(keys) == len(set(keys)) == expected
+            assert set(sample.answers) <= set(keys)
+            assert len(sample.answers) == {"single": 1, "multikey": 1, "multivalue": 4, "multiquery": 4}[task.family]
+        assert answer.strip() == ", ".join(sample.answers)
+
+
+def test_scores_are_ruler_string_match_on_hand_made_predictions():
+    refs = ("48213", "kalomi", "Terufa")
+    assert ruler.match_all("48213 and KALOMI", refs) == pytest.approx(2 / 3)
+    assert ruler.match_part("48213 and KALOMI", refs) == 1.0
+    assert ruler.match_all("nothing", refs) == 0.0 and ruler.match_part("nothing", refs) == 0.0
+    assert ruler.match_all("terufa, kalomi, 48213", refs) == 1.0
+    assert ruler.postprocess("  a\x00b\tc \n") == "a\nb\nc"
+
+
+def test_rows_average_the_samples_scores(tiny_model, monkeypatch):
+    """Predictions made by hand: per task one full answer, one half answer (multivalue), one empty."""
+    sources = {"data": TokenSource("builtin", TOK, 0), "noise": TokenSource("noise", TOK, 0)}
+    grid = ruler.RulerGrid(["niah_single_1", "niah_multivalue"], [512], 3, seed=0)
+    made = {0: lambda a: ", ".join(a), 1: lambda a: ", ".join(a[: len(a) // 2] or ["x"]), 2: lambda a: ""}
+    calls = []
+
+    def predict(model, sample, **kwargs):
+        text = made[len(calls) % 3](list(sample.answers))
+        calls.append(text)
+        return TOK.encode(text)
+
+    monkeypatch.setattr(ruler, "predict_answer", predict)
+    rows = ruler.evaluate_ruler(tiny_model, TOK, sources, grid)
+    by_task = {r["task"]: r for r in rows}
+    assert by_task["niah_single_1"]["string_match_all"] == pytest.approx(1 / 3)  # 1, 0 ("x"), 0
+    assert by_task["niah_single_1"]["string_match_part"] == pytest.approx(1 / 3)
+    assert by_task["niah_multivalue"]["string_match_all"] == pytest.approx((1 + 0.5 + 0) / 3)
+    assert by_task["niah_multivalue"]["string_match_part"] == pytest.approx(2 / 3)
+    assert all(r["n"] == 3 and r["length"] == 512 for r in rows) and len(calls) == 6
+    table = ruler.markdown_table(rows)
+    assert "| niah_single_1 | 33.3 |" in table and "| niah_multivalue | 50.0 |" in table
+    assert "| **mean** | 41.7 |" in table
+
+
+def _greedy_one_shot(model, ids: list[int], n: int) -> list[int]:
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids + out])).logits[0, -1]
+            out.append(int(logits.argmax()))
+    return out
+
+
+def test_streamed_prediction_equals_a_whole_sequence_forward(tiny_model, tmp_path):
+    sources = {"data": TokenSource("builtin", TOK, 1), "noise": TokenSource("noise", TOK, 1)}
+    grid = ruler.RulerGrid(["niah_single_2"], [320], 1, seed=0)
+    sample = ruler.build_ruler_sample(
+        "niah_single_2",
+        sources,
+        TOK,
+        length=320,
+        rng=ruler.sample_rng(grid, "niah_single_2", 320, 0),
+        chunk_size=tiny_model.cfg.chunk_size,
+    )
+    budget = StreamBudget(segment=37, offload_mb=0, offload_dir=str(tmp_path))  # every chunk to disk
+    streamed = predict_answer(tiny_model, sample, budget=budget)
+    expected = _greedy_one_shot(tiny_model, sample.ids[: sample.answer_start].tolist(), sample.answer_len)
+    assert streamed == expected
+
+
+SETTINGS = [
+    "lengths=[300,400]",
+    "samples=1",
+    "segment=100",
+    "progress=false",
+    "ruler_tasks=[niah_single_1,niah_single_2]",
+]
+
+
+class Killed(Exception):
+    """Stands for the run being killed between two samples."""
+
+
+def _count(monkeypatch, kill_after: int | None = None) -> list[int]:
+    calls: list[int] = []
+    real = ruler.predict_answer
+
+    def counting(model, sample, *args, **kwargs):
+        if kill_after is not None and len(calls) == kill_after:
+            raise Killed
+        calls.append(len(sample.ids))
+        return real(model, sample, *args, **kwargs)
+
+    monkeypatch.setattr(ruler, "predict_answer", counting)
+    return calls
+
+
+def _scores(result: dict) -> list[dict]:
+    return [{k: v for k, v in row.items() if k not in ("seconds", "tokens_per_s")} for row in result["results"]]
+
+
+def test_killed_ruler_run_resumes_without_recomputing(tiny_export, tmp_path, monkeypatch):
+    with monkeypatch.context() as m:
+        calls = _count(m)
+        whole = run_eval(str(tiny_export), "ruler", tmp_path / "whole", SETTINGS)
+    assert len(calls) == 4  # 2 lengths x 2 tasks x 1 sample
+    assert (tmp_path / "whole" / "ruler.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "whole" / "ruler.md").read_text() == ruler.markdown_table(whole["results"])
+
+    out = tmp_path / "killed"
+    with monkeypatch.context() as m:
+        _count(m, kill_after=1)
+        with pytest.raises(Killed):
+            run_eval(str(tiny_export), "ruler", out, SETTINGS)
+    assert len((out / ruler.SAMPLES_FILE).read_text().splitlines()) == 1 + 1 and not (out / "ruler.json").exists()
+    with monkeypatch.context() as m:
+        calls = _count(m)
+        resumed = run_eval(str(tiny_export), "ruler", out, SETTINGS)
+    assert calls == [300, 400, 400]  # niah_single_2 at 300, then both at 400
+    assert _scores(resumed) == _scores(whole)
+    assert json.loads((out / "ruler.json").read_text())["results"] == resumed["results"]
+    with pytest.raises(ConfigError, match="key_digits=5.*key_digits=6"):
+        run_eval(str(tiny_export), "ruler", out, [*SETTINGS, "key_digits=6"])
+
+
+def test_bad_ruler_settings_are_one_line_errors_before_any_work(tiny_export, tmp_path):
+    with pytest.raises(ConfigError, match=r"ruler_tasks=\['niah_bogus'\]: need distinct names among .*unknown"):
+        run_eval(str(tiny_export), "ruler", tmp_path / "a", ["ruler_tasks=[niah_bogus]"])
+    with pytest.raises(ConfigError, match="ruler_tasks: ruler_cwe at length 256: .*no room for 2 rounds"):
+        run_eval(str(tiny_export), "ruler", tmp_path / "b", ["lengths=[256]", "ruler_tasks=[ruler_cwe]"])
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_sample_log_keys_ruler_records_by_task_length_and_sample(tmp_path):
+    log = SampleLog(tmp_path / "x.jsonl", {"seed": 0}, key=ruler.sample_key)
+    log.add({"task": "ruler_vt", "length": 8, "sample": 1, "string_match_all": 1.0})
+    again = SampleLog(tmp_path / "x.jsonl", {"seed": 0}, key=ruler.sample_key)
+    assert again.get(("ruler_vt", 8, 1))["string_match_all"] == 1.0 and again.get(("ruler_vt", 8, 0)) is None
