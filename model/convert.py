@@ -47,6 +47,26 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 """Tensors some checkpoints store that are derived from ``rope_theta`` (recomputed here)."""
 
 
+PARAMETER_ROLES = ("dense", "gca", "memory", "retriever")
+"""What a GCA parameter is for, which says whether a conversion placed it or added it (``parameter_role``)."""
+
+
+def parameter_role(name: str) -> str:
+    """The role of the GCA parameter ``name`` (a wrapper's extra name components, e.g. activation checkpointing's,
+    do not matter): ``retriever`` (the landmark vector and the groups' retrieval query norms), ``memory`` (the
+    chunk encoder and its memory projections), ``gca`` (the upper layers' Grouped Cross Attention) or ``dense``
+    (what a dense transformer also has: embedding, self-attention, MLP, their norms, the final norm). A conversion
+    places dense weights exactly in the ``dense`` parameters; the three others are what it adds ("new")."""
+    parts = name.split(".")
+    if "query_norm" in parts or parts[-1] == "landmark":
+        return "retriever"
+    if "encoder" in parts:
+        return "memory"
+    if "gca" in parts:
+        return "gca"
+    return "dense"
+
+
 class ConversionError(ValueError):
     """The checkpoint's layout cannot become this GCA model; the message names the key."""
 

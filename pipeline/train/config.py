@@ -23,8 +23,12 @@ from data_prep.safe_files import is_within
 from data_prep.schema import load_schema
 from model.config import GCAConfig
 from model.context_parallel import check_cp_spans
+from model.convert import PARAMETER_ROLES, ConversionError, check_fits
 from pipeline.data.retrieval_tasks import FAMILIES, TaskShape
 from pipeline.train.dist import TIMEOUT_ENV, collective_timeout_s
+
+HF_INIT_PREFIX = "hf:"
+"""``checkpoint.init_from=hf:<dir>`` converts a dense ``transformers`` checkpoint (``model/convert.py``)."""
 
 _ENV_PATHS = "_env_interpolations"
 """Attribute of a loaded ``TrainConfig`` (outside its schema) holding `env_interpolations`."""
@@ -155,6 +159,14 @@ class OptimConfig:
     """AdamW (beta1, beta2)."""
     eps: float = 1e-8
     """AdamW epsilon."""
+    trainable: Literal["all", "new"] = "all"
+    """``all``: every parameter trains. ``new`` (``model.arch=gca``): only what a conversion from a dense model adds
+    (``model.convert.parameter_role`` other than ``dense``: GCA cross-attention, the chunk encoder, the retriever);
+    the dense weights are frozen (stage 1 of continued pretraining, docs/cpt.md)."""
+    lr_scale: dict[str, float] = field(default_factory=dict)
+    """Learning-rate multiplier per parameter role (``dense``, ``gca``, ``memory``, ``retriever``; unnamed: 1),
+    applied to the scheduled LR at every step, e.g. ``{retriever: 3.0}`` for a faster retriever. Empty keeps the
+    optimizer's two parameter groups of a run without it (so its checkpoints resume unchanged)."""
 
 
 @dataclass
@@ -203,7 +215,9 @@ class CheckpointConfig:
     """Write an eval export (safetensors + config.json + tokenizer.model) into every checkpoint."""
     init_from: str | None = None
     """An eval export directory whose weights start a fresh run (a curriculum stage, fine-tuning); the optimizer,
-    schedule and data start anew. A checkpoint of this run (``resume``) takes precedence."""
+    schedule and data start anew. A checkpoint of this run (``resume``) takes precedence. ``hf:<dir>``: a dense
+    Llama/Mistral/Qwen2 ``transformers`` folder converted into this GCA model (``model/convert.py``, docs/cpt.md);
+    ``model.*`` must fit it (the error names the key and the value)."""
 
 
 @dataclass
@@ -483,6 +497,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             f"model.top_k={cfg.model.top_k} is larger than the number of chunks per sequence, "
             f"train.seq_len // model.chunk_size = {t.seq_len} // {cfg.model.chunk_size} = {n_chunks}"
         )
+    _check_trainable(cfg)
     if not 0 < o.lr:
         raise ConfigError(f"optim.lr must be > 0; got {o.lr}")
     if not 0 <= o.min_lr <= o.lr:
@@ -504,7 +519,12 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"parallel.offload_optimizer needs parallel.zero_stage >= 1; got {p.zero_stage}")
     if p.offload_params and p.zero_stage != 3:
         raise ConfigError(f"parallel.offload_params needs parallel.zero_stage=3; got {p.zero_stage}")
-    if c.init_from is not None and not (Path(c.init_from) / "model.safetensors").is_file():
+    if c.init_from is not None and c.init_from.startswith(HF_INIT_PREFIX):
+        try:
+            check_fits(cfg.model, c.init_from[len(HF_INIT_PREFIX) :])
+        except ConversionError as err:
+            raise ConfigError(f"checkpoint.init_from={c.init_from!r}: {err}") from None
+    elif c.init_from is not None and not (Path(c.init_from) / "model.safetensors").is_file():
         raise ConfigError(
             f"checkpoint.init_from must be a model export directory (with model.safetensors); got {c.init_from!r}"
         )
@@ -512,6 +532,18 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError(
             f"checkpoint.resume must be 'auto', 'none' or an existing checkpoint directory; got {c.resume!r}"
         )
+
+
+def _check_trainable(cfg: TrainConfig) -> None:
+    o = cfg.optim
+    if o.trainable == "new" and cfg.model.arch != "gca":
+        raise ConfigError("optim.trainable=new needs model.arch=gca (the other archs have no new parameters)")
+    unknown = sorted(set(o.lr_scale) - set(PARAMETER_ROLES))
+    if unknown:
+        raise ConfigError(f"optim.lr_scale: unknown role(s) {unknown}; the roles are {list(PARAMETER_ROLES)}")
+    for role, scale in o.lr_scale.items():
+        if not 0 < scale < float("inf"):
+            raise ConfigError(f"optim.lr_scale.{role} must be a finite number > 0; got {scale}")
 
 
 def _check_mix(data: DataConfig) -> None:

@@ -15,12 +15,13 @@ from typing import Any
 
 from data_prep import format as fmt
 from data_prep.redaction import find_secret, is_secret_name
-from model import CausalLM, read_export_config
+from model import CausalLM, GCAForCausalLM, read_export_config
+from model.convert import ConversionError, convert_dense_into
 from model.io import ExportError, check_safetensors
 from pipeline.data.mix import RetrievalMix, sentencepiece_codec
 from pipeline.data.reader import UnsafeDatasetError, is_remote, read_tokenizer
 from pipeline.train.checkpoint import OWNER_FILE, foreign_leftovers
-from pipeline.train.config import ConfigError, TrainConfig, mix_settings
+from pipeline.train.config import HF_INIT_PREFIX, ConfigError, TrainConfig, mix_settings
 from pipeline.train.metrics import resolve_wandb_mode
 
 log = logging.getLogger(__name__)
@@ -190,6 +191,9 @@ def init_weights_from(model: CausalLM, export_dir: str) -> None:
     """
     from safetensors.torch import load_model
 
+    if export_dir.startswith(HF_INIT_PREFIX):
+        convert_dense_weights(model, export_dir)
+        return
     weights = Path(export_dir) / "model.safetensors"
     try:
         exported, _ = read_export_config(export_dir)
@@ -211,3 +215,22 @@ def init_weights_from(model: CausalLM, export_dir: str) -> None:
             f"{sorted(missing)}, unexpected tensors {sorted(unexpected)}"
         )
     log.info("initial weights from %s", weights)
+
+
+def convert_dense_weights(model: CausalLM, init_from: str) -> None:
+    """``checkpoint.init_from=hf:<dir>``: every weight of ``model`` from a dense checkpoint (``model/convert.py``).
+
+    Raises:
+        ConfigError: the checkpoint does not convert into this model (the message names the key or tensor).
+    """
+    directory = init_from[len(HF_INIT_PREFIX) :]
+    if not isinstance(model, GCAForCausalLM):
+        raise ConfigError(f"checkpoint.init_from={init_from!r} converts into model.arch=gca; got {model.cfg.arch}")
+    try:
+        source = convert_dense_into(model, directory)
+    except ConversionError as err:
+        raise ConfigError(f"checkpoint.init_from={init_from!r}: {err}") from None
+    new = sum(origin.startswith("new") for origin in source.values())
+    log.info(
+        "initial weights converted from the dense checkpoint %s (%d GCA tensors, %d new)", directory, len(source), new
+    )

@@ -4,6 +4,9 @@ Weight decay applies only to matrices of linear layers. Norm gains, biases, the 
 tied LM head) and the learned landmark vector get none: decaying them pulls gains toward 0 and shrinks rare
 token embeddings, which the official code did.
 
+Staged training (continued pretraining from a dense model, docs/cpt.md): ``optim.trainable=new`` freezes the
+dense parameters, ``optim.lr_scale`` gives each parameter role its own LR multiplier.
+
 The schedule is a closed form of the step, set on the optimizer before every update, so resuming needs only
 the step counter and ``min_lr`` is exactly the final LR (upstream wrote ``min_lr`` where nothing read it).
 """
@@ -11,40 +14,66 @@ the step counter and ``min_lr`` is exactly the final LR (upstream wrote ``min_lr
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.nn as nn
 
+from model.convert import PARAMETER_ROLES, parameter_role
 from pipeline.train.config import OptimConfig, ScheduleConfig
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(model: nn.Module, weight_decay: float, lr_scale: Mapping[str, float] | None = None) -> list[dict]:
     """Split trainable parameters into a decayed and a non-decayed AdamW group (names kept for logging).
 
     Decayed: parameters with 2+ dims that do not belong to an ``nn.Embedding``. Everything else (norms,
-    biases, embeddings, the landmark vector) is not decayed.
+    biases, embeddings, the landmark vector) is not decayed. With ``lr_scale`` (role -> LR multiplier,
+    ``model.convert.parameter_role``) each of the two is split by role too, and every group carries its
+    ``lr_scale`` (which ``set_lr`` applies); frozen parameters (``requires_grad=False``) are in no group.
     """
     embedding_params = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
-    decay, no_decay, decay_names, no_decay_names = [], [], [], []
+    groups: dict[tuple[bool, str], dict] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if p.ndim >= 2 and id(p) not in embedding_params:
-            decay.append(p)
-            decay_names.append(name)
-        else:
-            no_decay.append(p)
-            no_decay_names.append(name)
-    return [
-        {"params": decay, "weight_decay": weight_decay, "names": decay_names},
-        {"params": no_decay, "weight_decay": 0.0, "names": no_decay_names},
-    ]
+        decayed = p.ndim >= 2 and id(p) not in embedding_params
+        role = parameter_role(name) if lr_scale is not None else ""
+        group = groups.setdefault(
+            (decayed, role), {"params": [], "weight_decay": weight_decay if decayed else 0.0, "names": []}
+        )
+        if lr_scale is not None:
+            group["lr_scale"], group["role"] = lr_scale.get(role, 1.0), role
+        group["params"].append(p)
+        group["names"].append(name)
+    if lr_scale is None:  # exactly two groups, the layout of every checkpoint written before per-role LRs
+        for decayed in (True, False):
+            groups.setdefault(
+                (decayed, ""), {"params": [], "weight_decay": weight_decay if decayed else 0.0, "names": []}
+            )
+        return [groups[(True, "")], groups[(False, "")]]
+    return [groups[key] for key in sorted(groups, key=lambda k: (not k[0], PARAMETER_ROLES.index(k[1])))]
+
+
+def freeze_for_stage(model: nn.Module, cfg: OptimConfig) -> int:
+    """``optim.trainable=new``: ``requires_grad=False`` on every ``dense`` parameter (before any engine wraps the
+    model, so DDP, FSDP2 and DeepSpeed see them frozen). Returns the number of frozen parameter elements."""
+    if cfg.trainable == "all":
+        return 0
+    frozen = 0
+    for name, p in model.named_parameters():
+        if parameter_role(name) == "dense":
+            p.requires_grad_(False)
+            frozen += p.numel()
+    return frozen
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     """Torch AdamW over ``param_groups`` (also handed to DeepSpeed as its client optimizer)."""
-    groups = [{k: v for k, v in g.items() if k != "names"} for g in param_groups(model, cfg.weight_decay)]
+    lr_scale = dict(cfg.lr_scale) if cfg.lr_scale else None
+    groups = [
+        {k: v for k, v in g.items() if k not in ("names", "role")}
+        for g in param_groups(model, cfg.weight_decay, lr_scale)
+    ]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), eps=cfg.eps)
 
 
@@ -65,5 +94,6 @@ def lr_at(step: int, max_steps: int, optim: OptimConfig, schedule: ScheduleConfi
 
 
 def set_lr(param_groups: Iterable[dict], lr: float) -> None:
+    """``lr`` on every group, times the group's ``lr_scale`` where it has one (``optim.lr_scale``)."""
     for group in param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group["lr_scale"] if "lr_scale" in group else lr

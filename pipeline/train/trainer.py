@@ -62,7 +62,7 @@ from pipeline.train.config import ConfigError, TrainConfig, check_context_parall
 from pipeline.train.export import write_export
 from pipeline.train.inputs import build_mix, check_inputs, check_no_secrets, init_weights_from
 from pipeline.train.metrics import memory_gb, peak_flops, setup_logging
-from pipeline.train.optim import lr_at, set_lr
+from pipeline.train.optim import freeze_for_stage, lr_at, set_lr
 from pipeline.train.parallel import build_engine
 from pipeline.train.preflight import version_mismatches
 from pipeline.train.resume_check import ResumeRefusedError, check_resume, config_record
@@ -118,6 +118,7 @@ class Trainer:
         model = build_model(cfg.model).to(info.device)
         if cfg.checkpoint.init_from:
             init_weights_from(model, cfg.checkpoint.init_from)
+        freeze_for_stage(model, cfg.optim)  # optim.trainable=new: before any engine wraps the model
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len, matmul_params(model))
         self.n_params = count_parameters(model)
         self.engine = build_engine(model, cfg, info, self.bf16)

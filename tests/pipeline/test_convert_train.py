@@ -1,0 +1,113 @@
+"""Continued pretraining from a dense checkpoint: ``checkpoint.init_from=hf:<dir>``, ``optim.trainable=new`` (stage 1
+changes only what the conversion added, bitwise), ``optim.lr_scale`` per parameter role, the HF export of a
+converted model, and (``dist``) DeepSpeed / FSDP2 runs that resume exactly."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from model import GCAConfig, GCAForCausalLM
+from model.convert import convert_dense, parameter_role
+from pipeline.train import dist
+from pipeline.train.config import ConfigError, OptimConfig, load_config
+from pipeline.train.optim import build_optimizer, set_lr
+from pipeline.train.trainer import Trainer, main
+
+transformers = pytest.importorskip("transformers")
+
+CONVERTED = {
+    "model.position": "rope",
+    "model.tokens_see_landmarks": False,
+    "model.norm_eps": 1e-6,
+    "model.rope_theta": 10000.0,
+}
+"""On top of the tests' tiny model (``helpers.TINY_TRAIN_OVERRIDES``): what the dense checkpoint below dictates."""
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory) -> Path:
+    """A random 2-layer Llama of the tiny trainer model's shapes, saved as a transformers folder."""
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+    )
+    torch.manual_seed(0)
+    directory = tmp_path_factory.mktemp("dense") / "llama"
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+def stage(dense_dir: Path, **extra) -> dict:
+    return {**CONVERTED, "checkpoint.init_from": f"hf:{dense_dir}", **extra}
+
+
+def test_stage_one_changes_only_the_new_parameters(tmp_path, tiny_data, overrides, dense_dir):
+    run = tmp_path / "stage1"
+    assert main(None, overrides(run, tiny_data, **stage(dense_dir, **{"optim.trainable": "new"}))) == 0
+    cfg = load_config(None, overrides(run, tiny_data, **stage(dense_dir)))
+    start, _ = convert_dense(dense_dir, cfg.model)
+    trained = load_file(run / "export" / "model.safetensors")
+    initial = start.state_dict()
+    assert trained.keys() == initial.keys()
+    roles = {name: parameter_role(name) for name in trained}
+    for name, role in roles.items():
+        if role == "dense":
+            assert torch.equal(trained[name], initial[name]), name
+    moved = {roles[n] for n in trained if roles[n] != "dense" and not torch.equal(trained[n], initial[n])}
+    assert moved == {"gca", "memory", "retriever"}
+
+
+def test_stage_two_trains_everything_from_the_conversion(tmp_path, tiny_data, overrides, dense_dir):
+    cfg = load_config(None, overrides(tmp_path / "stage2", tiny_data, **stage(dense_dir)))
+    trainer = Trainer(cfg, dist.init_distributed("none"))
+    converted, _ = convert_dense(dense_dir, cfg.model)
+    state = trainer.engine.module.state_dict()
+    assert all(torch.equal(state[n], t) for n, t in converted.state_dict().items())
+    assert all(p.requires_grad for p in trainer.engine.module.parameters())
+
+
+def test_per_role_learning_rates():
+    model = GCAForCausalLM(GCAConfig(vocab_size=64, d_model=32, n_heads=2, n_kv_heads=2, ffn_hidden=64))
+    plain = build_optimizer(model, OptimConfig())
+    assert len(plain.param_groups) == 2 and all("lr_scale" not in g for g in plain.param_groups)
+    scaled = build_optimizer(model, OptimConfig(lr_scale={"retriever": 3.0, "dense": 0.5}))
+    set_lr(scaled.param_groups, 0.1)
+    by_param = {id(p): g["lr"] for g in scaled.param_groups for p in g["params"]}
+    want = {"retriever": 0.3, "dense": 0.05, "gca": 0.1, "memory": 0.1}
+    for name, p in model.named_parameters():
+        assert by_param[id(p)] == pytest.approx(want[parameter_role(name)]), name
+    # The same parameters with the same decay either way: only the learning rates differ.
+    decay = {id(p): g["weight_decay"] for g in plain.param_groups for p in g["params"]}
+    assert all(decay[id(p)] == g["weight_decay"] for g in scaled.param_groups for p in g["params"])
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        ({"model.d_model": 64, "model.ffn_hidden": 128}, r"model\.d_model=64 does not fit .* set model\.d_model=32"),
+        ({"model.position": "alibi"}, r"model\.position='alibi' .* set model\.position='rope'"),
+        ({"model.groups": "[2]"}, "num_hidden_layers=2"),
+    ],
+)
+def test_a_model_that_does_not_fit_the_dense_checkpoint_is_a_config_error(
+    tmp_path, tiny_data, overrides, dense_dir, extra, message
+):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides(tmp_path / "run", tiny_data, **stage(dense_dir, **extra)))
+
+
+def test_staged_training_keys_are_checked(tmp_path, tiny_data, overrides):
+    with pytest.raises(ConfigError, match="optim.trainable=new needs model.arch=gca"):
+        load_config(None, overrides(tmp_path, tiny_data, **{"optim.trainable": "new", "model.arch": "swa"}))
+    with pytest.raises(ConfigError, match=r"optim.lr_scale: unknown role\(s\) \['retrieval'\]"):
+        load_config(None, overrides(tmp_path, tiny_data, **{"optim.lr_scale": "{retrieval: 2.0}"}))
+    with pytest.raises(ConfigError, match="optim.lr_scale.gca must be a finite number > 0"):
+        load_config(None, overrides(tmp_path, tiny_data, **{"optim.lr_scale": "{gca: 0.0}"}))
