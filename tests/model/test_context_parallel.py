@@ -52,11 +52,19 @@ class Case:
     exchanges of the sliding windows run again inside the backward pass."""
     retrieval: str = "learned"
     """``random``: the random-retriever ablation, whose draw every rank takes from the one-process noise too."""
+    rope: bool = False
+    """``model.position=rope`` with landmarks hidden from tokens (a converted dense model): the halo keys carry
+    their rotation and the extra hiding dimensions."""
 
     def model(self) -> GCAForCausalLM:
         torch.manual_seed(0)
         cfg = tiny_config(
-            **SHAPES, groups=list(self.groups), top_k=self.top_k, gumbel_topk=self.gumbel, retrieval=self.retrieval
+            **SHAPES,
+            groups=list(self.groups),
+            top_k=self.top_k,
+            gumbel_topk=self.gumbel,
+            retrieval=self.retrieval,
+            **(dict(position="rope", tokens_see_landmarks=False, qkv_bias=True) if self.rope else {}),
         )
         return GCAForCausalLM(cfg).train()
 
@@ -80,6 +88,7 @@ CASES = [
     Case("cp3-2groups-partial-weighted", cp=3, T=27, groups=(1, 1), labels="weighted"),  # 6 chunks + 3 tokens
     Case("cp3-recompute-gumbel", cp=3, T=32, groups=(1, 1), gumbel=True, recompute=True),
     Case("cp2-random-2groups", cp=2, T=32, groups=(1, 1), retrieval="random"),
+    Case("cp3-rope-hidden-landmarks", cp=3, T=30, groups=(1, 1), rope=True),
     # 6 chunks: 2 + 2 + 2 with top_k 3: the last rank's rows (landmarks 3 and 4) see only other ranks' chunks.
     Case("cp3-remote-picks", cp=3, T=24, top_k=3),
 ]
