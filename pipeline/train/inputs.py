@@ -7,6 +7,7 @@ costs one error line and exit code 2, never a half-started run (tests/reliabilit
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -73,6 +74,7 @@ def _check_tokenizer(cfg: TrainConfig) -> None:
         model = read_tokenizer(cfg.data.path)
     except UnsafeDatasetError as err:
         raise ConfigError(str(err)) from None
+    _check_dense_tokenizer(cfg, model)
     if model is None:
         fraction = mix_settings(cfg.data).fraction
         if fraction > 0:
@@ -181,6 +183,46 @@ def check_inputs(cfg: TrainConfig) -> None:
             f"{OWNER_FILE}), so it is never deleted; move it out of {foreign[0].parent} and relaunch"
             + (f" ({len(foreign) - 1} more like it)" if len(foreign) > 1 else "")
         )
+
+
+def _sha12(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:12]
+
+
+def _check_dense_tokenizer(cfg: TrainConfig, dataset_tokenizer: bytes | None) -> None:
+    """``checkpoint.init_from=hf:<dir>``: the dataset must be tokenized with the dense model's tokenizer, or the
+    converted model reads ids that mean other text. A SentencePiece ``tokenizer.model`` in the folder must be the
+    dataset's byte for byte; a folder with only a Hugging Face ``tokenizer.json`` cannot match any dataset data prep
+    writes today (it tokenizes with SentencePiece). A folder without a tokenizer cannot be checked (logged)."""
+    init_from = cfg.checkpoint.init_from
+    if init_from is None or not init_from.startswith(HF_INIT_PREFIX):
+        return
+    dense = Path(init_from[len(HF_INIT_PREFIX) :])
+    ours = Path(cfg.data.path) / fmt.TOKENIZER_FILENAME
+    if (dense / "tokenizer.model").is_file():  # the HF cache links its files: following links is expected here
+        theirs = (dense / "tokenizer.model").read_bytes()
+        if dataset_tokenizer is None:
+            log.warning(
+                "data.path has no %s: cannot check it was tokenized with %s", ours.name, dense / "tokenizer.model"
+            )
+        elif theirs != dataset_tokenizer:
+            raise ConfigError(
+                f"data.path={cfg.data.path} was tokenized with another tokenizer ({ours}, sha256 "
+                f"{_sha12(dataset_tokenizer)}) than the dense model of checkpoint.init_from={init_from} "
+                f"(tokenizer.model, sha256 {_sha12(theirs)}); prepare the data with "
+                f"tokenizer.model={dense / 'tokenizer.model'}"
+            )
+    elif (dense / "tokenizer.json").is_file():
+        if dataset_tokenizer is not None:
+            raise ConfigError(
+                f"the dense model of checkpoint.init_from={init_from} uses a Hugging Face tokenizer "
+                f"({dense / 'tokenizer.json'}) and data.path={cfg.data.path} was tokenized with the SentencePiece "
+                f"model {ours}: the ids would mean other text; data prep cannot tokenize with a Hugging Face "
+                "tokenizer yet (docs/cpt.md)"
+            )
+        log.warning("data.path has no %s: cannot check it was tokenized with %s", ours.name, dense / "tokenizer.json")
+    else:
+        log.warning("%s holds no tokenizer: cannot check that data.path was tokenized with the dense model's", dense)
 
 
 def init_weights_from(model: CausalLM, export_dir: str) -> None:

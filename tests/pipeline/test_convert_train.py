@@ -131,6 +131,30 @@ def test_staged_training_keys_are_checked(tmp_path, tiny_data, overrides):
         load_config(None, overrides(tmp_path, tiny_data, **{"optim.lr_scale": "{gca: 0.0}"}))
 
 
+def test_a_dataset_tokenized_with_another_tokenizer_than_the_dense_models_is_refused(
+    tmp_path, tiny_data, overrides, dense_dir
+):
+    import shutil
+
+    from data_prep import format as fmt
+    from pipeline.train.inputs import check_inputs
+
+    def checked(tokenizer_files: dict[str, bytes]) -> None:
+        folder = tmp_path / f"dense{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(dense_dir, folder)
+        for name, data in tokenizer_files.items():
+            (folder / name).write_bytes(data)
+        check_inputs(load_config(None, overrides(tmp_path / "run", tiny_data, **stage(folder))))
+
+    ours = (tiny_data / fmt.TOKENIZER_FILENAME).read_bytes()
+    checked({"tokenizer.model": ours})  # the dataset's own SentencePiece model: accepted
+    checked({})  # no tokenizer in the folder: nothing to compare (logged)
+    with pytest.raises(ConfigError, match=r"tokenized with another tokenizer .* tokenizer\.model=.*dense\d+/"):
+        checked({"tokenizer.model": ours + b"\x00"})
+    with pytest.raises(ConfigError, match="uses a Hugging Face tokenizer"):
+        checked({"tokenizer.json": b"{}"})
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("engine", ["fsdp", "zero2"])
 def test_a_converted_model_trains_on_two_ranks_and_resumes_exactly(
