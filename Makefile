@@ -9,7 +9,7 @@ PYTEST := $(PY) -m pytest -q
 # The default CPU tier: everything not behind a heavier marker.
 DEFAULT_MARKERS := not slow and not gpu and not dist and not slurm and not multinode
 
-.PHONY: install lint format typecheck test test-slow test-dist test-gpu test-kernels test-reliability test-slurm test-multinode preflight demo demo-16m demo-multihop demo-smoke demo-lm demo-lm-smoke prep bench bench-train bench-kernels bench-cp bench-reader test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv gpu-wheels gpu-check test-gpu-wheels test-gpu-check reference-curves
+.PHONY: install lint format typecheck test test-slow test-dist test-gpu test-kernels test-reliability test-slurm test-multinode preflight demo demo-16m demo-multihop demo-smoke demo-lm demo-lm-smoke prep bench bench-train bench-kernels bench-cp bench-reader test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv gpu-wheels gpu-check test-gpu-wheels test-gpu-check test-gpu-compile reference-curves
 
 install: $(STAMP)
 
@@ -188,6 +188,12 @@ gpu-check:
 # prep/train/eval there (~1 min, plus ~4 min and network the first time for the wheels).
 test-gpu-wheels: install
 	OMP_NUM_THREADS=1 timeout 1800 $(PYTEST) -m gpuwheels tests/gpu_check
+
+# Every Triton kernel compiled for sm_90 and sm_80 without a GPU (docs/gpu-check.md): fails on a compile error, a
+# spill or too much shared memory, and regenerates docs/results/gpu-compile.md (~20 min on 2 cores).
+test-gpu-compile: install
+	$(PY) launch/gpu_compile.py --out docs/results/gpu-compile.md
+	$(PYTEST) -m gpucompile tests/gpu_check
 
 # The CPU dry run of make gpu-check: every stage at tiny shapes must finish ok (~2 min on 2 cores).
 test-gpu-check: install ds-warmup

@@ -167,6 +167,45 @@ def _gca_bwd_dkdv_kernel(
     tl.store(p_dv + o_sd, b_dv.to(p_dv.dtype.element_ty), mask=m_sd)
 
 
+def bwd_launches(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    weights: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    *,
+    scale: float,
+    blocks: tu.Blocks | None = None,
+) -> tuple[tu.Launch, tu.Launch]:
+    """The dq launch (which writes ``delta``) and the dk/dv launch that reads it, in launch order; ``blocks``
+    overrides the tiles of both (default: ``tu.block_sizes`` per kernel)."""
+    B, H, R, S, D = k.shape
+    GQ = q.shape[1] // H * q.shape[2]
+    dq_blocks = blocks or tu.block_sizes(GQ, S, D, q.dtype, "bwd_dq")
+    dkdv_blocks = blocks or tu.block_sizes(GQ, S, D, q.dtype, "bwd_dkdv")
+    args = (scale, scale * LOG2E, H, GQ, S, D, R)
+    flags = tu.kernel_flags(q.dtype)
+    return (
+        tu.Launch(
+            _gca_bwd_dq_kernel,
+            (B * H, triton.cdiv(GQ, dq_blocks.BQ)),
+            (q, k, v, weights, do, lse, delta, dq, *args),
+            dict(**dq_blocks.meta(), **flags),
+        ),
+        tu.Launch(
+            _gca_bwd_dkdv_kernel,
+            (B * H * R, triton.cdiv(S, dkdv_blocks.BS)),
+            (q, k, v, weights, do, lse, delta, dk, dv, *args),
+            dict(**dkdv_blocks.meta(), **flags),
+        ),
+    )
+
+
 def gca_bwd(
     do: torch.Tensor,
     q: torch.Tensor,
@@ -181,22 +220,11 @@ def gca_bwd(
 
     ``lse [B, H, R, G * Q]`` is the base-2 log-sum-exp saved by the forward.
     """
-    B, HQ, Q, D = q.shape
-    H, R, S = k.shape[1], k.shape[2], k.shape[3]
-    GQ = HQ // H * Q
-    blocks = tu.block_sizes(GQ, S, D)
-    flags = tu.kernel_flags(q.dtype)
     delta = tu.alloc(lse.shape, lse.dtype, q.device)  # [B, H, R, GQ]
     dq = tu.alloc(q.shape, q.dtype, q.device)
     dk = tu.alloc(k.shape, k.dtype, k.device)
     dv = tu.alloc(v.shape, v.dtype, v.device)
-    args = (scale, scale * LOG2E, H, GQ, S, D, R)
-    meta = dict(BQ=blocks.BQ, BS=blocks.BS, BD=blocks.BD, num_warps=blocks.num_warps, num_stages=2, **flags)
-
-    _gca_bwd_dq_kernel[(B * H, triton.cdiv(GQ, blocks.BQ))](q, k, v, weights, do, lse, delta, dq, *args, **meta)
-    # Launched second: it reads the delta the first kernel wrote.
-    _gca_bwd_dkdv_kernel[(B * H * R, triton.cdiv(S, blocks.BS))](
-        q, k, v, weights, do, lse, delta, dk, dv, *args, **meta
-    )
+    for launch in bwd_launches(do, q, k, v, weights, lse, delta, dq, dk, dv, scale=scale):
+        launch.run()  # dq first: the dk/dv kernel reads the delta it writes
     dweights = delta.sum(dim=(1, 3)).to(weights.dtype)  # [B, R]: sum over kv heads and their G*Q rows
     return dq, dk, dv, dweights

@@ -87,6 +87,44 @@ def _gca_fwd_kernel(
     tl.store(p_o + (i_bh * GQ + o_m[:, None]) * D + o_d[None, :], b_o.to(p_o.dtype.element_ty), mask=m_qd)
 
 
+def fwd_launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    weights: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor | None,
+    *,
+    scale: float,
+    softmax_off_by_one: bool,
+    blocks: tu.Blocks | None = None,
+) -> tu.Launch:
+    """The forward launch writing ``o`` (and ``lse`` when given); ``blocks`` defaults to ``tu.block_sizes``."""
+    H, R, S, D = k.shape[1], k.shape[2], k.shape[3], k.shape[4]
+    GQ = q.shape[1] // H * q.shape[2]
+    blocks = blocks or tu.block_sizes(GQ, S, D, q.dtype, "fwd" if lse is not None else "decode")
+    save_lse = lse is not None
+    return tu.Launch(
+        _gca_fwd_kernel,
+        (q.shape[0] * H, triton.cdiv(GQ, blocks.BQ)),
+        (
+            q,
+            k,
+            v,
+            weights,
+            o,
+            lse if save_lse else o,  # a placeholder pointer: the kernel never touches it without SAVE_LSE
+            scale * LOG2E,
+            H,
+            GQ,
+            S,
+            D,
+            R,
+        ),
+        dict(OFF_BY_ONE=softmax_off_by_one, SAVE_LSE=save_lse, **blocks.meta(), **tu.kernel_flags(q.dtype)),
+    )
+
+
 def gca_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -101,33 +139,9 @@ def gca_fwd(
 
     Returns ``o [B, HQ, Q, D]`` and, with ``save_lse``, ``lse [B, H, R, G * Q]`` (base 2), else ``None``.
     """
-    B, HQ, Q, D = q.shape
-    H, R, S = k.shape[1], k.shape[2], k.shape[3]
-    GQ = HQ // H * Q
-    blocks = tu.block_sizes(GQ, S, D)
+    B, HQ, Q, _ = q.shape
+    H, R = k.shape[1], k.shape[2]
     o = tu.alloc(q.shape, q.dtype, q.device)
-    lse = tu.alloc((B, H, R, GQ), tu.accumulator_dtype(q.dtype), q.device) if save_lse else None
-    grid = (B * H, triton.cdiv(GQ, blocks.BQ))
-    _gca_fwd_kernel[grid](
-        q,
-        k,
-        v,
-        weights,
-        o,
-        lse if save_lse else o,  # a placeholder pointer: the kernel never touches it without SAVE_LSE
-        scale * LOG2E,
-        H,
-        GQ,
-        S,
-        D,
-        R,
-        OFF_BY_ONE=softmax_off_by_one,
-        SAVE_LSE=save_lse,
-        BQ=blocks.BQ,
-        BS=blocks.BS,
-        BD=blocks.BD,
-        num_warps=blocks.num_warps,
-        num_stages=2,
-        **tu.kernel_flags(q.dtype),
-    )
+    lse = tu.alloc((B, H, R, HQ // H * Q), tu.accumulator_dtype(q.dtype), q.device) if save_lse else None
+    fwd_launch(q, k, v, weights, o, lse, scale=scale, softmax_off_by_one=softmax_off_by_one).run()
     return o, lse

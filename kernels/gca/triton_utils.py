@@ -10,7 +10,8 @@ inputs).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import triton
@@ -26,10 +27,31 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INTERPRETER_ONLY_DTYPES = (torch.float64,)  # fp64 tl.dot/exp2 are only exercised on the CPU interpreter
 
-# Upper bounds of the query-row and memory-slot tiles. Shapes smaller than a cap use the next power of two
-# (at least 16). Tests lower the caps to force several tiles on tiny, interpreter-friendly shapes.
+# Upper bounds of the query-row and memory-slot tiles. Tests lower them to force several tiles on tiny,
+# interpreter-friendly shapes. The per-kernel choices below stay under them.
 MAX_BLOCK_Q = 64
-MAX_BLOCK_S = 64
+MAX_BLOCK_S = 32
+
+# Largest query-row tile per (kernel, padded head dim) for fp16/bf16, and the warps per program. Chosen from the
+# sm_90/sm_80 compile table (docs/results/gpu-compile.md, make test-gpu-compile): the largest tiles that compile
+# without a spill on both targets, preferring >= 3 programs per SM. Memory slots are always MAX_BLOCK_S (32) wide:
+# 64-slot tiles spill on sm_80 (forward, dq, dk/dv at D = 64) or leave one program per SM, and 16-slot tiles buy
+# nothing (a chunk shorter than 32 slots is masked).
+HALF_TILES = {
+    ("fwd", 64): (64, 4),
+    ("decode", 64): (64, 4),
+    ("bwd_dq", 64): (32, 4),
+    ("bwd_dkdv", 64): (64, 4),
+    ("fwd", 128): (32, 8),
+    ("decode", 128): (32, 8),
+    ("bwd_dq", 128): (16, 8),
+    ("bwd_dkdv", 128): (64, 8),
+}
+# fp32 (and interpreter-only fp64) dots are exact IEEE products on the FMA units, not tensor cores: every live
+# tile costs twice the registers, so the tiles are the smallest tl.dot allows. ptxas, left to itself, trades a few
+# spilled bytes for occupancy on these kernels; FULL_REGISTERS lets it use all 255 instead (no spill in the table).
+WIDE_TILE = 16
+FULL_REGISTERS = 255
 
 
 @dataclass(frozen=True)
@@ -40,15 +62,46 @@ class Blocks:
     BS: int
     BD: int
     num_warps: int
+    num_stages: int = 2
+    maxnreg: int | None = None  # registers per thread ptxas may use; None leaves the choice to ptxas
+
+    def meta(self) -> dict[str, int | None]:
+        """The launch keywords these tiles set (constexprs and compile options)."""
+        return dict(
+            BQ=self.BQ,
+            BS=self.BS,
+            BD=self.BD,
+            num_warps=self.num_warps,
+            num_stages=self.num_stages,
+            maxnreg=self.maxnreg,
+        )
 
 
-def block_sizes(GQ: int, S: int, D: int) -> Blocks:
-    """Tile sizes from the problem shape: no autotuning, so the interpreter needs no benchmarker."""
-    BQ = min(MAX_BLOCK_Q, max(16, triton.next_power_of_2(GQ)))
-    BS = min(MAX_BLOCK_S, max(16, triton.next_power_of_2(S)))
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch as the wrappers build it. ``run`` launches it; ``pipeline/gpucheck/kernel_compile.py``
+    compiles the very same arguments ahead of time for a GPU target, without a device."""
+
+    kernel: Any  # a triton JITFunction (an InterpretedFunction under TRITON_INTERPRET=1)
+    grid: tuple[int, ...]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def run(self) -> None:
+        self.kernel[self.grid](*self.args, **self.kwargs)
+
+
+def block_sizes(GQ: int, S: int, D: int, dtype: torch.dtype, kernel: str) -> Blocks:
+    """Tile sizes of ``kernel`` (``fwd``, ``decode``, ``bwd_dq``, ``bwd_dkdv``) from the problem shape and dtype.
+
+    No autotuning, so the interpreter needs no benchmarker. ``S`` does not matter: the slot tile is fixed."""
     BD = max(16, triton.next_power_of_2(D))
-    # D = 128 doubles the per-program accumulators; 8 warps keep register use per thread in budget.
-    return Blocks(BQ=BQ, BS=BS, BD=BD, num_warps=8 if BD > 64 else 4)
+    if dtype in (torch.float32, torch.float64):
+        tile = min(WIDE_TILE, MAX_BLOCK_Q, MAX_BLOCK_S)
+        return Blocks(BQ=tile, BS=tile, BD=BD, num_warps=8 if BD > 64 else 4, maxnreg=FULL_REGISTERS)
+    cap, num_warps = HALF_TILES[(kernel, 64 if BD <= 64 else 128)]
+    BQ = min(cap, MAX_BLOCK_Q, max(16, triton.next_power_of_2(GQ)))
+    return Blocks(BQ=BQ, BS=MAX_BLOCK_S, BD=BD, num_warps=num_warps)
 
 
 def alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

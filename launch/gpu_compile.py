@@ -1,0 +1,13 @@
+"""Every Triton kernel compiled for sm_90 and sm_80 without a GPU (``make test-gpu-compile``):
+``python launch/gpu_compile.py --out docs/results/gpu-compile.md``.
+
+The command line is ``pipeline.gpucheck.kernel_compile``'s (also runnable as
+``python -m pipeline.gpucheck.kernel_compile``).
+"""
+
+import sys
+
+from pipeline.gpucheck.kernel_compile import main
+
+if __name__ == "__main__":
+    sys.exit(main())
