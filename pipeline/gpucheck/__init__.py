@@ -4,5 +4,6 @@ the ``stages`` under one budget with ``runner``).
 ``cli``, ``wheels``, ``stages`` and ``runner`` import only the standard library (and the stdlib-only
 ``data_prep.redaction``) at import time: ``launch/gpu_check.py`` runs them on a machine where deepspeed, omegaconf
 and streaming exist only once the carried wheels are installed. ``kernel_bench`` and ``passkey_probe`` run as
-stages, after that.
+stages, after that. ``kernel_compile`` (``make test-gpu-compile``) compiles the Triton kernels for sm_90/sm_80 on a
+machine without a GPU.
 """
