@@ -9,7 +9,7 @@ PYTEST := $(PY) -m pytest -q
 # The default CPU tier: everything not behind a heavier marker.
 DEFAULT_MARKERS := not slow and not gpu and not dist and not slurm and not multinode
 
-.PHONY: install lint format typecheck test test-slow test-dist test-gpu test-kernels test-reliability test-slurm test-multinode preflight demo demo-16m demo-multihop demo-smoke demo-lm demo-lm-smoke prep bench bench-train bench-kernels bench-cp bench-reader test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv gpu-wheels gpu-check test-gpu-wheels test-gpu-check test-gpu-compile reference-curves
+.PHONY: install lint format typecheck test test-slow test-dist test-gpu test-kernels test-reliability test-slurm test-multinode preflight demo demo-16m demo-multihop demo-smoke demo-lm demo-lm-smoke prep bench bench-train bench-kernels bench-cp bench-reader bench-prep test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv gpu-wheels gpu-check test-gpu-wheels test-gpu-check test-gpu-compile reference-curves
 
 install: $(STAMP)
 
@@ -125,6 +125,11 @@ bench-train: install ds-warmup
 bench-kernels: install
 	$(PY) launch/bench_kernels.py
 
+# Data prep tokens/s vs a raw SentencePiece batch encode of the same texts, 1 and N processes (ARGS: a prep config,
+# overrides; e.g. ARGS="input=books/*.txt").
+bench-prep: install
+	$(PY) launch/bench_prep.py $(ARGS)
+
 # The trainer's data reader (shards decoded in memory) vs the old decompressed copy on disk: tokens/s, bytes written.
 bench-reader: install
 	@test -f data/default/_COMPLETE || $(PY) launch/prep.py --config configs/data/default.yaml
@@ -190,7 +195,7 @@ test-gpu-wheels: install
 	OMP_NUM_THREADS=1 timeout 1800 $(PYTEST) -m gpuwheels tests/gpu_check
 
 # Every Triton kernel compiled for sm_90 and sm_80 without a GPU (docs/gpu-check.md): fails on a compile error, a
-# spill or too much shared memory, and regenerates docs/results/gpu-compile.md (~5 min on 2 cores).
+# spill or too much shared memory, and regenerates docs/results/gpu-compile.md (~20 min on 2 cores).
 test-gpu-compile: install
 	$(PY) launch/gpu_compile.py --out docs/results/gpu-compile.md
 	$(PYTEST) -m gpucompile tests/gpu_check

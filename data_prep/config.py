@@ -81,6 +81,9 @@ class PrepConfig:
     """Documents with fewer tokens are skipped (counted as ``too_short``)."""
     num_proc: int = 1
     """Tokenizer processes (and SentencePiece training threads)."""
+    encode_threads: int = 0
+    """SentencePiece batch-encode threads in each tokenizer process; 0: the CPUs this process may run on divided by
+    ``num_proc`` (at least 1), so ``num_proc`` x threads never oversubscribes the machine. Never changes the output."""
     shard_size_bytes: int = 1 << 26
     """Uncompressed MDS shard size limit."""
     fingerprint: Literal["stat", "content"] = "stat"
@@ -187,6 +190,8 @@ def validate(cfg: PrepConfig) -> None:
         raise _bad("min_tokens", cfg.min_tokens, "must be at least 1 (empty documents are always skipped)")
     if cfg.num_proc < 1:
         raise _bad("num_proc", cfg.num_proc, "must be at least 1")
+    if cfg.encode_threads < 0:
+        raise _bad("encode_threads", cfg.encode_threads, "must be 0 (auto) or a thread count")
     # MDS stores sample offsets as uint32, so a shard must stay below 4 GiB.
     if not 1024 <= cfg.shard_size_bytes < 2**32:
         raise _bad("shard_size_bytes", cfg.shard_size_bytes, "must be in [1024, 2**32)")

@@ -22,6 +22,7 @@ import stat
 import time
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.pool import AsyncResult
 from pathlib import Path
@@ -66,7 +67,7 @@ from data_prep.streaming_compat import ensure_streaming_importable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["check_output", "commit_dataset", "main", "make_work_dir", "select_slice"]
+__all__ = ["check_output", "commit_dataset", "main", "make_work_dir", "select_slice", "tokenizer_sample"]
 
 _BATCH_CHARS = 1 << 21
 """Characters per task sent to a worker: large enough to amortize pickling, small enough to balance."""
@@ -82,16 +83,18 @@ _REPO = Path(__file__).resolve().parents[1]
 # ---- worker side -------------------------------------------------------------------------------------
 
 _worker_processor = None
+_worker_threads = 1
 
 
-def _init_worker(model_proto: bytes) -> None:
-    global _worker_processor
+def _init_worker(model_proto: bytes, num_threads: int) -> None:
+    global _worker_processor, _worker_threads
     _worker_processor = tokenize.load_processor(model_proto)
+    _worker_threads = num_threads
 
 
 def _encode_task(texts: list[str]) -> list[np.ndarray]:
     assert _worker_processor is not None, "worker used before _init_worker"
-    return tokenize.encode_segments(_worker_processor, texts)
+    return tokenize.encode_segments(_worker_processor, texts, _worker_threads)
 
 
 # ---- main side ---------------------------------------------------------------------------------------
@@ -173,24 +176,41 @@ class _SplitWriter:
         return SplitStats(documents=self.documents, pieces=self.pieces, tokens=self.tokens, index_sha256=index_hash)
 
 
-def _results(tasks: Iterator[_Task], model_proto: bytes, num_proc: int) -> Iterator[tuple[_Task, list[np.ndarray]]]:
-    """Encode tasks in order, in-process for num_proc=1, else over a pool with bounded read-ahead."""
+def _results(
+    tasks: Iterator[_Task], model_proto: bytes, num_proc: int, threads: int
+) -> Iterator[tuple[_Task, list[np.ndarray]]]:
+    """Encode tasks in order, each with ``threads`` encode threads, with bounded read-ahead: for num_proc=1 on a
+    thread of this process (SentencePiece releases the GIL while it encodes, so reading the next documents and
+    writing shards overlap with encoding), else over a pool of processes."""
     if num_proc == 1:
         processor = tokenize.load_processor(model_proto)
-        for task in tasks:
-            yield task, tokenize.encode_segments(processor, task.texts)
+        with ThreadPoolExecutor(1) as executor:
+            yield from _in_order(
+                ((t, executor.submit(tokenize.encode_segments, processor, t.texts, threads)) for t in tasks),
+                _TASKS_IN_FLIGHT_PER_PROC,
+            )
         return
     # fork would copy the parent's streaming/transformers state into each worker; spawn starts clean
-    with mp.get_context("spawn").Pool(num_proc, initializer=_init_worker, initargs=(model_proto,)) as pool:
-        pending: deque[tuple[_Task, AsyncResult[list[np.ndarray]]]] = deque()
-        for task in tasks:
-            pending.append((task, pool.apply_async(_encode_task, (task.texts,))))
-            if len(pending) >= num_proc * _TASKS_IN_FLIGHT_PER_PROC:
-                done, result = pending.popleft()
-                yield done, result.get()
-        while pending:
+    with mp.get_context("spawn").Pool(num_proc, initializer=_init_worker, initargs=(model_proto, threads)) as pool:
+        yield from _in_order(
+            ((t, pool.apply_async(_encode_task, (t.texts,))) for t in tasks), num_proc * _TASKS_IN_FLIGHT_PER_PROC
+        )
+
+
+def _in_order(
+    submitted: Iterator[tuple[_Task, Future[list[np.ndarray]] | AsyncResult[list[np.ndarray]]]], in_flight: int
+) -> Iterator[tuple[_Task, list[np.ndarray]]]:
+    """The results of submitted tasks in submission order, at most ``in_flight`` submitted ahead (so a fast reader
+    cannot pull a whole corpus into memory)."""
+    pending: deque[tuple[_Task, Future[list[np.ndarray]] | AsyncResult[list[np.ndarray]]]] = deque()
+    for item in submitted:
+        pending.append(item)
+        if len(pending) >= in_flight:
             done, result = pending.popleft()
-            yield done, result.get()
+            yield done, result.result() if isinstance(result, Future) else result.get()
+    while pending:
+        done, result = pending.popleft()
+        yield done, result.result() if isinstance(result, Future) else result.get()
 
 
 def _write_splits(
@@ -208,7 +228,8 @@ def _write_splits(
     start = time.perf_counter()
     bar = tqdm(desc="tokenize", unit="doc", disable=not cfg.progress, dynamic_ncols=True)
     tasks = _tasks(iter_documents(sources, skips), cfg, is_val, skips)
-    for task, encoded in _results(tasks, model_proto, cfg.num_proc):
+    threads = tokenize.encode_threads(cfg.num_proc, cfg.encode_threads)
+    for task, encoded in _results(tasks, model_proto, cfg.num_proc, threads):
         for doc, ids in zip(task.docs, encoded, strict=True):
             doc.parts.append(ids)
             doc.remaining -= 1
@@ -264,18 +285,23 @@ def tokenizer_model_bytes(sources: list[Source], cfg: PrepConfig, is_val: ValSpl
         except RuntimeError:
             raise ConfigError(f"bad value tokenizer.model={cfg.tokenizer.model!r}: not a SentencePiece model") from None
         return model, False
+    return tokenize.train_tokenizer(tokenizer_sample(sources, cfg, is_val), cfg.tokenizer, cfg.num_proc), True
+
+
+def tokenizer_sample(sources: list[Source], cfg: PrepConfig, is_val: ValSplit) -> Iterator[str]:
+    """The texts the tokenizer is trained on: train documents drawn by an independent hash, about twice
+    ``tokenizer.sample_bytes`` of them (the trainer stops at ``sample_bytes``)."""
     sizes = [s.size_bytes() for s in sources]
     total = sum(s for s in sizes if s is not None) if None not in sizes else None
     # Oversample 2x: compressed files, skipped records and the val share make file sizes overestimate text.
     rate = 1.0 if total is None else min(1.0, 2.0 * cfg.tokenizer.sample_bytes / max(total, 1))
     # Read with a silent throwaway counter: skips are counted and reported once, in the tokenize pass.
     docs = iter_documents(sources, SkipCounter(strict=cfg.strict, quiet=True))
-    sample = (
+    return (
         d.text
         for d in tqdm(docs, desc="tokenizer sample", unit="doc", disable=not cfg.progress)
         if d.text.strip() and _in_train_sample(d, cfg, is_val, rate)
     )
-    return tokenize.train_tokenizer(sample, cfg.tokenizer, num_threads=cfg.num_proc), True
 
 
 def select_slice(sources: list[Source], cfg: PrepConfig) -> list[Source]:

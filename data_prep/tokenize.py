@@ -11,6 +11,7 @@ the work per call stays bounded and a 50 MB document spreads over all processes.
 import hashlib
 import io
 import logging
+import os
 import re
 from collections.abc import Iterable, Iterator
 
@@ -24,7 +25,15 @@ from data_prep.format import TokenizerInfo
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SEGMENT_CHARS", "encode_segments", "load_processor", "segments", "tokenizer_info", "train_tokenizer"]
+__all__ = [
+    "SEGMENT_CHARS",
+    "encode_segments",
+    "encode_threads",
+    "load_processor",
+    "segments",
+    "tokenizer_info",
+    "train_tokenizer",
+]
 
 SEGMENT_CHARS = 1 << 18
 """Target characters per encode call; each call's cost is bounded by this, not by the document length."""
@@ -63,9 +72,22 @@ def load_processor(model_proto: bytes) -> spm.SentencePieceProcessor:
     return spm.SentencePieceProcessor(model_proto=model_proto)
 
 
-def encode_segments(processor: spm.SentencePieceProcessor, texts: list[str]) -> list[np.ndarray]:
-    """Encode each text to a uint32 id array (arrays pickle far faster than lists between processes)."""
-    return [np.asarray(ids, dtype=np.uint32) for ids in processor.encode(texts)]
+def encode_threads(num_proc: int, requested: int = 0) -> int:
+    """Batch-encode threads for each of ``num_proc`` processes: ``requested`` when set, else the CPUs this
+    process may run on divided among the processes (at least 1). SentencePiece's own default (-1) is every core
+    in every process: ``num_proc`` x cores threads."""
+    if requested:
+        return requested
+    return max(1, len(os.sched_getaffinity(0)) // num_proc)
+
+
+def encode_segments(processor: spm.SentencePieceProcessor, texts: list[str], num_threads: int) -> list[np.ndarray]:
+    """Encode the texts with SentencePiece's batch encode on ``num_threads`` threads, each to a uint32 id array
+    (arrays pickle far faster than lists between processes, and numpy output skips building Python ints)."""
+    return [
+        ids.astype(np.uint32, copy=False)
+        for ids in processor.encode(texts, num_threads=num_threads, return_type="numpy")
+    ]
 
 
 def tokenizer_info(model_proto: bytes, trained: bool) -> TokenizerInfo:

@@ -173,6 +173,7 @@ def test_big_vocab_uses_uint32(run_prep, corpus, read_split, tmp_path, join_docu
         (["tokenizer.vocab_sise=4"], r"unknown config key 'tokenizer.vocab_sise'; did you mean 'tokenizer.vocab_size'"),
         (["val_fractoin=0.1"], r"unknown config key 'val_fractoin'; did you mean 'val_fraction'"),
         (["num_proc=two"], r"'num_proc'.*two"),
+        (["encode_threads=-1"], r"encode_threads=-1.*0 \(auto\)"),
         (["val_fraction=1.5"], r"val_fraction=1.5"),
         (["format=csv"], r"'format'.*csv"),
         (["tokenizer.model=/no/such.model"], r"set exactly one"),

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
-from data_prep import shard
+from data_prep import shard, tokenize
 from data_prep.errors import OutputExistsError
 from data_prep.format import COMPLETE_MARKER, SPLITS, IncompleteDatasetError, read_manifest
 from data_prep.split import is_val
@@ -58,11 +58,25 @@ def test_round_trip_and_counts(run_prep, corpus, read_split, tmp_path, join_docu
 
 
 def test_deterministic_across_runs_and_process_counts(run_prep, tmp_path):
+    """The same bytes whatever the processes and SentencePiece's batch-encode threads (the automatic split of the
+    CPUs, one thread, and more threads than texts per call); test_round_trip_and_counts checks the ids against a
+    plain per-document encode."""
     a = run_prep(output=tmp_path / "a", num_proc=1)
     b = run_prep(output=tmp_path / "b", num_proc=2)
+    c = run_prep(output=tmp_path / "c", num_proc=1, encode_threads=1)
+    d = run_prep(output=tmp_path / "d", num_proc=2, encode_threads=8)
     assert _shard_bytes(tmp_path / "a") == _shard_bytes(tmp_path / "b")
+    assert _shard_bytes(tmp_path / "a") == _shard_bytes(tmp_path / "c") == _shard_bytes(tmp_path / "d")
     assert (a.splits, a.tokenizer, a.skipped, a.inputs) == (b.splits, b.tokenizer, b.skipped, b.inputs)
+    assert (a.splits, a.tokenizer) == (c.splits, c.tokenizer) == (d.splits, d.tokenizer)
     assert len(list((tmp_path / "a" / "train").glob("shard.*.mds.zstd"))) > 1
+
+
+def test_encode_threads_share_the_cpus_among_the_processes():
+    cpus = len(os.sched_getaffinity(0))
+    assert tokenize.encode_threads(1) == cpus
+    assert tokenize.encode_threads(cpus) == 1 and tokenize.encode_threads(cpus * 8) == 1
+    assert tokenize.encode_threads(cpus * 8, requested=3) == 3
 
 
 def test_split_is_per_document_content(corpus):
