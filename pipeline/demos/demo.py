@@ -1,5 +1,5 @@
 """``make demo``: prep -> DeepSpeed pretraining (2 CPU ranks) of a GCA model and a sliding-window baseline ->
-passkey and perplexity evaluation far beyond the training length -> one results table.
+passkey, RULER-style and perplexity evaluation far beyond the training length -> one results table.
 
 Every stage is a subprocess running the same command a user could type (printed before it runs: the trainer and
 the eval started by module name, ``deepspeed --module pipeline.cli.train`` and ``python -m pipeline.cli.eval``),
@@ -98,6 +98,12 @@ class DemoConfig:
     are reused and only the new evaluation runs."""
     longest_passkey: list[EvalSlice] = field(default_factory=list)
     multihop: MultihopDemo = field(default_factory=MultihopDemo)
+    ruler_lengths: list[int] = field(default_factory=list)
+    """``--task ruler`` of every model at these lengths (empty: no RULER stage), on ``haystack``."""
+    ruler_samples: int = 1
+    """RULER samples per (task, length)."""
+    ruler_tasks: list[str] = field(default_factory=list)
+    """The RULER tasks (``pipeline.evaluation.ruler.RULER_TASKS``; empty: all of them)."""
 
     def __post_init__(self) -> None:
         named = [m for piece in [*self.passkey, *self.longest_passkey] for m in piece.models or []]
@@ -202,6 +208,17 @@ class Stages:
         ]
         cmd, env = eval_command(export, "ppl", out, keys)
         self.run(f"ppl-{model}", cmd, out / "ppl.json", env)
+        if cfg.ruler_lengths:
+            out = self.run_dir / "eval" / model / "ruler"
+            keys = [
+                f"lengths={cfg.ruler_lengths}",
+                f"samples={cfg.ruler_samples}",
+                f"seed={cfg.seed}",
+                f"data={cfg.haystack}",
+                *([f"ruler_tasks=[{','.join(cfg.ruler_tasks)}]"] if cfg.ruler_tasks else []),
+            ]
+            cmd, env = eval_command(export, "ruler", out, keys)
+            self.run(f"ruler-{model}", cmd, out / "ruler.json", env)
 
 
 def run_demo(config: str, overrides: list[str]) -> None:

@@ -1,4 +1,5 @@
-"""Merge the demo's evaluation outputs into ``passkey.json``, ``ppl.json``, plots and ``results.md``."""
+"""Merge the demo's evaluation outputs into ``passkey.json``, ``ppl.json``, ``ruler.json``, plots and
+``results.md``."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from pipeline.evaluation.plots import plot_ppl_models, short_length  # noqa: E402
+from pipeline.evaluation.ruler import markdown_table  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +212,33 @@ def _multihop_section(run_dir: Path, models: list[str]) -> list[str]:
     ]
 
 
+def collect_ruler(run_dir: Path, models: list[str]) -> list[dict]:
+    """Every model's ``--task ruler`` rows, each with a "model" key (models without a RULER result left out)."""
+    rows = []
+    for model in models:
+        path = run_dir / "eval" / model / "ruler" / "ruler.json"
+        if path.is_file():
+            rows += [{"model": model, **r} for r in _read(path)["results"]]
+    return rows
+
+
+def _ruler_section(rows: list[dict], models: list[str]) -> list[str]:
+    """Per model, the RULER table (string_match_all x 100 per task and length, held-out families marked)."""
+    if not rows:
+        return []
+    n = sorted({r["n"] for r in rows})
+    lines = [
+        "RULER-style tasks (`--task ruler`, docs/evaluation.md): string_match_all x 100, "
+        f"{'/'.join(map(str, n))} sample(s) per cell; held out = a family the training mix never draws.",
+        "",
+    ]
+    for model in models:
+        mine = [r for r in rows if r["model"] == model]
+        if mine:
+            lines += [f"**{model}**", "", markdown_table(mine)]
+    return lines
+
+
 def write_report(
     run_dir: Path, models: list[str], timings: dict[str, float], multihop_models: list[str] | None = None
 ) -> str:
@@ -217,6 +246,9 @@ def write_report(
     ``multihop_models``: the two-hop part's models (a section of its own when they have results)."""
     passkey, train_len = collect_passkey(run_dir, models)
     ppl = collect_ppl(run_dir, models)
+    ruler = collect_ruler(run_dir, models)
+    if ruler:
+        (run_dir / "ruler.json").write_text(json.dumps({"results": ruler}, indent=2))
     (run_dir / "passkey.json").write_text(json.dumps({"train_seq_len": train_len, "results": passkey}, indent=2))
     (run_dir / "ppl.json").write_text(json.dumps({"train_seq_len": train_len, "results": ppl}, indent=2))
     if passkey:
@@ -230,6 +262,7 @@ def write_report(
             "# make demo results",
             "",
             *_passkey_tables(passkey, models, train_len),
+            *_ruler_section(ruler, models),
             *_ppl_table(ppl, models),
             *_multihop_section(run_dir, multihop_models or []),
             "Stage timings.",

@@ -260,3 +260,24 @@ def test_sample_log_keys_ruler_records_by_task_length_and_sample(tmp_path):
     log.add({"task": "ruler_vt", "length": 8, "sample": 1, "string_match_all": 1.0})
     again = SampleLog(tmp_path / "x.jsonl", {"seed": 0}, key=ruler.sample_key)
     assert again.get(("ruler_vt", 8, 1))["string_match_all"] == 1.0 and again.get(("ruler_vt", 8, 0)) is None
+
+
+def test_the_demo_report_shows_each_models_ruler_table(tmp_path):
+    from pipeline.demos.demo_report import collect_ruler, write_report
+
+    rows = {
+        "gca": [
+            {"task": "niah_single_1", "length": 1024, "string_match_all": 1.0, "n": 1},
+            {"task": "ruler_cwe", "length": 1024, "string_match_all": 0.25, "n": 1},
+        ],
+        "baseline": [{"task": "niah_single_1", "length": 1024, "string_match_all": 0.0, "n": 1}],
+    }
+    for model, results in rows.items():
+        (tmp_path / "eval" / model / "ruler").mkdir(parents=True)
+        (tmp_path / "eval" / model / "ruler" / "ruler.json").write_text(json.dumps({"results": results}))
+    assert [r["model"] for r in collect_ruler(tmp_path, ["gca", "baseline", "ablation"])] == ["gca", "gca", "baseline"]
+    report = write_report(tmp_path, ["gca", "baseline"], {})
+    gca, baseline = report.split("**gca**")[1].split("**baseline**")
+    assert "| niah_single_1 | 100.0 |" in gca and "| ruler_cwe (held out) | 25.0 |" in gca
+    assert "| **mean** | 62.5 |" in gca and "| niah_single_1 | 0.0 |" in baseline
+    assert json.loads((tmp_path / "ruler.json").read_text())["results"][0]["model"] == "gca"
