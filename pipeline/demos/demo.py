@@ -112,6 +112,15 @@ class DemoConfig:
             raise ValueError(
                 f"config key 'models' has a wrong value: {unknown} are not among {sorted(MODEL_OVERRIDES)}"
             )
+        from pipeline.evaluation.ruler import RULER_TASKS
+
+        unknown_tasks = [name for name in self.ruler_tasks if name not in RULER_TASKS]
+        if unknown_tasks:
+            raise ValueError(
+                f"config key 'ruler_tasks' has a wrong value: {unknown_tasks} are not among {list(RULER_TASKS)}"
+            )
+        if self.ruler_samples < 1:
+            raise ValueError(f"config key 'ruler_samples' has a wrong value: {self.ruler_samples} must be >= 1")
         if not self.ppl_lengths or not 1 <= self.ppl_score_len < min(self.ppl_lengths):
             raise ValueError(
                 f"config key 'ppl_score_len' has a wrong value: {self.ppl_score_len} must be >= 1 and below the "

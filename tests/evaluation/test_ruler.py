@@ -4,6 +4,7 @@ scorer gives hand-computed scores, streaming agrees with a whole-sequence forwar
 import json
 import re
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from pipeline.evaluation.run import run_eval
 from pipeline.evaluation.runtime import StreamBudget
 from pipeline.evaluation.tokenizer import ByteTokenizer
 
+DEMO_YAML = Path(__file__).resolve().parents[2] / "configs" / "demo" / "demo.yaml"
 TOK = ByteTokenizer()
 CODEC = Codec(TOK.encode, TOK.decode)
 S = 16
@@ -281,3 +283,12 @@ def test_the_demo_report_shows_each_models_ruler_table(tmp_path):
     assert "| niah_single_1 | 100.0 |" in gca and "| ruler_cwe (held out) | 25.0 |" in gca
     assert "| **mean** | 62.5 |" in gca and "| niah_single_1 | 0.0 |" in baseline
     assert json.loads((tmp_path / "ruler.json").read_text())["results"][0]["model"] == "gca"
+
+
+def test_the_demo_refuses_unknown_ruler_tasks_before_running():
+    from pipeline.demos.demo import load_demo_config
+
+    cfg, _ = load_demo_config(DEMO_YAML, [])
+    assert cfg.ruler_lengths[0] == 1024 and cfg.ruler_lengths[-1] == 1 << 20 and cfg.ruler_samples == 1
+    with pytest.raises(ConfigError, match=r"'ruler_tasks' has a wrong value: \['niah_bogus'\] are not among"):
+        load_demo_config(DEMO_YAML, ["ruler_tasks=[niah_single_1,niah_bogus]"])
