@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from model.chunk_store import ChunkStore
 from model.config import GCAConfig
@@ -27,6 +26,7 @@ class SlidingWindowLM(CausalLM):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_baseline_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.init_normal_weights()
 
     def new_stream_state(self, memory: ChunkStore | None = None) -> StreamState:
@@ -62,4 +62,4 @@ class SlidingWindowLM(CausalLM):
             state.n_tokens += input_ids.shape[1]
         if last_logits is not None:
             h = h[:, max(0, h.shape[1] - last_logits) :]
-        return F.linear(self.norm(h), self.embed.weight)
+        return self.lm_head(self.norm(h))

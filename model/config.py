@@ -92,6 +92,9 @@ class GCAConfig:
     """Whether real tokens attend to the landmarks in their sliding window (the paper: yes). ``false`` hides them
     (landmarks still attend to everything in their window): a dense model converted with ``model/convert.py``
     then computes exactly the dense logits on sequences that fit in the window."""
+    tie_embeddings: bool = True
+    """The LM head is the embedding matrix. ``false``: a separate ``head`` projection (untied dense checkpoints, e.g.
+    Llama-3-8B or Mistral-7B, converted with ``model/convert.py``)."""
     qkv_bias: bool = False
     """Biases on the query/key/value projections of the sliding-window attention, the chunk encoder, the GCA query
     and the chunk-memory projections (Qwen2-style checkpoints have them)."""

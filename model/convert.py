@@ -4,8 +4,9 @@ The mapping, for a dense model of ``N`` layers and a GCA layout with ``n_lower_l
 
 * dense layers ``0 .. n_lower_layers - 1`` become the lower sliding-window layers, and the remaining ones the upper
   layers, group after group: every dense weight sits where it computed before (attention, MLP, both norms), the
-  embedding (tied LM head) and the final norm too. Queries and keys are re-ordered per head from the checkpoint's
-  half-split rotary layout to this repository's interleaved pairs, which leaves every product unchanged.
+  embedding, the final norm and the LM head too (tied or not, as in the checkpoint: ``model.tie_embeddings``).
+  Queries and keys are re-ordered per head from the checkpoint's half-split rotary layout to this repository's
+  interleaved pairs, which leaves every product unchanged.
 * the chunk encoder's layer ``e`` is a copy of dense layer ``n_lower_layers + e`` (the first upper layers: they read
   what the encoder reads, the lower stack's output), its keys/values repeated over the query heads (the encoder
   has no grouped-query attention); its output norm is that first upper layer's input norm, and the chunk-memory
@@ -94,11 +95,6 @@ def read_dense_config(directory: str | Path) -> dict[str, Any]:
     rules: list[tuple[bool, str, str]] = [
         (hf.get("hidden_act", "silu") != "silu", "hidden_act", "the GCA MLP is SwiGLU (silu)"),
         (bool(hf.get("mlp_bias", False)), "mlp_bias", "the GCA MLP has no biases"),
-        (
-            not hf.get("tie_word_embeddings", True),
-            "tie_word_embeddings",
-            "the GCA LM head is the embedding matrix (tied); this checkpoint has its own lm_head",
-        ),
         (hf.get("rope_scaling") is not None, "rope_scaling", "only plain RoPE (base rope_theta) converts"),
         (
             kind == "llama" and bool(hf.get("attention_bias", False)),
@@ -142,6 +138,7 @@ def dense_overrides(hf: dict[str, Any]) -> dict[str, Any]:
         "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "rope_theta": float(hf.get("rope_theta", 10000.0)),
         "qkv_bias": hf["model_type"] == "qwen2",
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", True)),
         "position": "rope",
     }
 
@@ -267,7 +264,16 @@ def convert_dense_into(model: GCAForCausalLM, directory: str | Path) -> dict[str
             put(f"{prefix}.mlp.{ours}.weight", take(name), name)
 
     embed = take("model.embed_tokens.weight")
-    put("embed.weight", embed, "model.embed_tokens.weight (also the tied LM head)")
+    if cfg.tie_embeddings:
+        put("embed.weight", embed, "model.embed_tokens.weight (also the tied LM head)")
+        if "lm_head.weight" in dense:  # some tied checkpoints store the head as well: it must be the same matrix
+            if not torch.equal(take("lm_head.weight"), embed):
+                raise ConversionError(
+                    f"{directory}: tie_word_embeddings=true but lm_head.weight differs from model.embed_tokens.weight"
+                )
+    else:
+        put("embed.weight", embed, "model.embed_tokens.weight")
+        put("head.weight", take("lm_head.weight"), "lm_head.weight")
     put("norm.weight", take("model.norm.weight"), "model.norm.weight")
     put("landmark", embed.mean(0), "new: the mean of model.embed_tokens.weight")
     for i in range(cfg.n_lower_layers):

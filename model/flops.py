@@ -49,7 +49,9 @@ def flops_per_token(cfg: GCAConfig, seq_len: int, n_matmul_params: int) -> float
 
 
 def matmul_params(model: torch.nn.Module) -> int:
-    """Parameters that are matmul operands per token: linear weights plus the tied LM head (= the embedding)."""
+    """Parameters that are matmul operands per token: linear weights (an untied LM head among them) plus the tied LM
+    head (= the embedding) when there is no untied one."""
     n = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    n += sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
+    if getattr(model, "head", None) is None:
+        n += sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
     return n

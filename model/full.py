@@ -93,6 +93,7 @@ class FullAttentionLM(CausalLM):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(FullAttentionLayer(cfg) for _ in range(cfg.n_baseline_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.init_normal_weights()
 
     def new_stream_state(self, memory: ChunkStore | None = None) -> StreamState:
@@ -132,4 +133,4 @@ class FullAttentionLM(CausalLM):
             return h.new_empty(input_ids.shape[0], 0, self.cfg.vocab_size)
         if last_logits is not None:
             h = h[:, max(0, h.shape[1] - last_logits) :]
-        return F.linear(self.norm(h), self.embed.weight)
+        return self.lm_head(self.norm(h))

@@ -131,7 +131,7 @@ class RetrievalGroup(nn.Module):
 
 
 class GCAForCausalLM(CausalLM):
-    """GCA (DRT) causal language model with a tied LM head.
+    """GCA (DRT) causal language model with a tied LM head (or an untied ``head``, ``model.tie_embeddings=false``).
 
     ``model(input_ids)`` runs a whole sequence (training and short evaluation); ``model.forward_stream(ids, state)``
     continues a sequence held in a ``StreamState`` (long inputs segment by segment, or decoding token by token).
@@ -146,6 +146,7 @@ class GCAForCausalLM(CausalLM):
         self.encoder = ChunkEncoder(cfg)
         self.groups = nn.ModuleList(RetrievalGroup(cfg, n) for n in cfg.groups)
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         scale_dim = cfg.d_model if cfg.retrieval_scale == "d_model" else cfg.head_dim
         self.retrieval_scale = scale_dim**-0.5
         self.retrieval_stats: dict[str, torch.Tensor] = {}
@@ -251,7 +252,7 @@ class GCAForCausalLM(CausalLM):
             return x.new_empty(B, 0, cfg.vocab_size)
         token_pos = layout.token_pos if last_logits is None else layout.token_pos[max(0, T - last_logits) :]
         h = self.norm(x[:, token_pos])  # [B, T, d_model]
-        return F.linear(h, self.embed.weight)  # tied LM head
+        return self.lm_head(h)
 
     def _encode_chunks(
         self, x: torch.Tensor, layout: StepLayout, state: StreamState | None

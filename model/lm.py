@@ -52,12 +52,15 @@ class CausalLM(nn.Module):
     """Base of the language models: ``forward(input_ids, labels)`` over a whole sequence, the streaming interface
     the evaluation drives (``new_stream_state``, ``forward_stream``, ``window_reach``) and parameter counting.
 
-    A subclass owns an ``embed`` table (tied to its LM head) and implements ``_step(input_ids, state)``, the one
-    code path that turns tokens into logits, with ``state=None`` for a whole sequence, plus the streaming methods.
+    A subclass owns an ``embed`` table (its LM head too, unless ``head`` is set) and implements ``_step(input_ids,
+    state)``, the one code path that turns tokens into logits, with ``state=None`` for a whole sequence, plus the
+    streaming methods.
     """
 
     cfg: GCAConfig
     embed: nn.Embedding
+    head: nn.Linear | None
+    """``None`` when the LM head is the embedding matrix (``model.tie_embeddings``, the default)."""
 
     def forward(
         self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, cp: ContextParallel | None = None
@@ -100,6 +103,10 @@ class CausalLM(nn.Module):
     def window_reach(self) -> int | None:
         """Tokens after ``memory_only`` steps from which logits are exact again (``None``: unsupported)."""
         raise NotImplementedError
+
+    def lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits of final hidden states ``h [..., d_model]``: the tied embedding matrix, or the untied ``head``."""
+        return F.linear(h, self.embed.weight) if self.head is None else self.head(h)
 
     def init_normal_weights(self) -> None:
         """N(0, ``init_std``) for every linear and embedding weight, zero biases (the baselines' whole

@@ -36,10 +36,10 @@ def dense_checkpoint(tmp_path: Path, kind: str, **config) -> tuple[Path, torch.n
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
-        tie_word_embeddings=True,
         rope_theta=500.0,
     )
     torch.manual_seed(0)
+    config = {"tie_word_embeddings": True, **config}
     model = model_cls(config_cls(**{**settings, **config}, attn_implementation="eager")).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -56,10 +56,11 @@ def layout(**overrides) -> GCAConfig:
     return GCAConfig(**{**LAYOUT, "tokens_see_landmarks": False, "swa_backend": "sdpa", **overrides})
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_converted_logits_equal_the_dense_logits_in_the_window(tmp_path, kind):
-    directory, dense = dense_checkpoint(tmp_path, kind)
+@pytest.mark.parametrize("kind,tied", [("llama", True), ("qwen2", True), ("llama", False)])
+def test_converted_logits_equal_the_dense_logits_in_the_window(tmp_path, kind, tied):
+    directory, dense = dense_checkpoint(tmp_path, kind, tie_word_embeddings=tied)
     model, _ = convert_dense(directory, layout())
+    assert (model.head is None) == tied
     ids = torch.randint(0, VOCAB, (2, 110))  # 110 tokens + 13 landmarks = 123 stream positions <= window 128
     with torch.no_grad():
         want = dense(ids).logits
@@ -103,7 +104,6 @@ def edit_config(directory: Path, **changes) -> Path:
         ("llama", {}, {"hidden_act": "gelu"}, "hidden_act="),
         ("llama", {}, {"model_type": "gpt2"}, "model_type="),
         ("llama", {}, {"model_type": "qwen3"}, "q_norm"),
-        ("llama", {"tie_word_embeddings": False}, {}, "tie_word_embeddings="),
         ("llama", {}, {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling="),
         ("llama", {}, {"attention_bias": True}, "attention_bias="),
         ("mistral", {"sliding_window": 16}, {}, "sliding_window="),
@@ -128,6 +128,15 @@ def test_a_layout_that_does_not_fit_names_the_model_key(tmp_path):
         convert_dense_into(other, directory)
     with pytest.raises(ConversionError, match=r"num_hidden_layers=4"):
         convert_dense(directory, layout(groups=[1]))
+
+
+def test_a_tied_checkpoint_with_another_lm_head_is_refused(tmp_path):
+    directory, _ = dense_checkpoint(tmp_path, "llama")
+    weights = load_file(directory / "model.safetensors")
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"] + 1
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConversionError, match="tie_word_embeddings=true but lm_head.weight differs"):
+        convert_dense(directory, layout())
 
 
 def test_an_unknown_checkpoint_tensor_is_refused_not_dropped(tmp_path):

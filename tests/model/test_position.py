@@ -16,7 +16,7 @@ SHAPES = dict(
 )
 VARIANTS = {
     "rope": dict(position="rope"),
-    "rope-hidden": dict(position="rope", tokens_see_landmarks=False),
+    "rope-hidden-untied": dict(position="rope", tokens_see_landmarks=False, tie_embeddings=False),
     "alibi-hidden": dict(tokens_see_landmarks=False),
 }
 

@@ -26,8 +26,7 @@ CONVERTED = {
 """On top of the tests' tiny model (``helpers.TINY_TRAIN_OVERRIDES``): what the dense checkpoint below dictates."""
 
 
-@pytest.fixture(scope="module")
-def dense_dir(tmp_path_factory) -> Path:
+def save_dense(directory: Path, tied: bool) -> Path:
     """A random 2-layer Llama of the tiny trainer model's shapes, saved as a transformers folder."""
     config = transformers.LlamaConfig(
         vocab_size=64,
@@ -36,23 +35,31 @@ def dense_dir(tmp_path_factory) -> Path:
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=2,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tied,
         rms_norm_eps=1e-6,
     )
     torch.manual_seed(0)
-    directory = tmp_path_factory.mktemp("dense") / "llama"
     transformers.LlamaForCausalLM(config).save_pretrained(directory)
     return directory
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory) -> Path:
+    return save_dense(tmp_path_factory.mktemp("dense") / "llama", tied=True)
 
 
 def stage(dense_dir: Path, **extra) -> dict:
     return {**CONVERTED, "checkpoint.init_from": f"hf:{dense_dir}", **extra}
 
 
-def test_stage_one_changes_only_the_new_parameters(tmp_path, tiny_data, overrides, dense_dir):
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_stage_one_changes_only_the_new_parameters(tmp_path, tiny_data, overrides, dense_dir, tied):
     run = tmp_path / "stage1"
-    assert main(None, overrides(run, tiny_data, **stage(dense_dir, **{"optim.trainable": "new"}))) == 0
-    cfg = load_config(None, overrides(run, tiny_data, **stage(dense_dir)))
+    if not tied:
+        dense_dir = save_dense(tmp_path / "untied", tied=False)
+    untie = {} if tied else {"model.tie_embeddings": False}
+    assert main(None, overrides(run, tiny_data, **stage(dense_dir, **{"optim.trainable": "new"}, **untie))) == 0
+    cfg = load_config(None, overrides(run, tiny_data, **stage(dense_dir, **untie)))
     start, _ = convert_dense(dense_dir, cfg.model)
     trained = load_file(run / "export" / "model.safetensors")
     initial = start.state_dict()
