@@ -39,7 +39,10 @@ class TokenizerConfig:
 
 @dataclass(frozen=True)
 class HFConfig:
-    """Options for ``hf:<name>`` inputs (Hugging Face datasets; needs network or a populated HF cache)."""
+    """Options for ``hf:<name>`` inputs, read with the ``datasets`` library: a hub dataset (network or a populated
+    HF cache), a packaged builder over ``data_files`` (``hf:json``, ``hf:parquet``, ``hf:arrow``, ``hf:text``;
+    local paths or ``hf://datasets/<repo>@<revision>/...`` globs), a local data directory, or a
+    ``save_to_disk`` folder."""
 
     config_name: str | None = None
     """The dataset configuration (``load_dataset(name, config_name)``), e.g. ``arxiv``."""
@@ -47,6 +50,13 @@ class HFConfig:
     """Which upstream split to read; our own train/val split is made by `PrepConfig.val_fraction`."""
     revision: str | None = None
     """A git revision of the dataset repository, for reproducibility."""
+    data_files: list[str] = field(default_factory=list, metadata=ONE_OR_LIST)
+    """Files (globs) the dataset is built from (``load_dataset(..., data_files=...)``); empty: the dataset's own."""
+    data_dir: str | None = None
+    """A sub-directory of the dataset repository or local directory to read (``load_dataset(..., data_dir=...)``)."""
+    streaming: bool = True
+    """Read records as they download (``streaming=True``) instead of building the whole dataset in the HF cache
+    first."""
 
 
 @dataclass(frozen=True)

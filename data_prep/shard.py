@@ -57,6 +57,7 @@ from data_prep.sources import (
     BuiltinSource,
     Document,
     FileSource,
+    HFSource,
     SkipCounter,
     Source,
     iter_documents,
@@ -316,6 +317,8 @@ def select_slice(sources: list[Source], cfg: PrepConfig) -> list[Source]:
     """
     if cfg.num_slices == 1:
         return sources
+    if len(sources) == 1 and isinstance(sources[0], HFSource):
+        return [sources[0].sliced(cfg.num_slices, cfg.slice_index)]
     files: list[Source] = []
     for source in sources:
         if isinstance(source, BuiltinSource):
@@ -324,8 +327,8 @@ def select_slice(sources: list[Source], cfg: PrepConfig) -> list[Source]:
             files.append(source)
         else:
             raise ConfigError(
-                f"num_slices={cfg.num_slices} slices local input files; {source.name} cannot be "
-                "sliced (prepare it without num_slices)"
+                f"num_slices={cfg.num_slices} slices local input files, or one hf: input alone; {source.name} "
+                "cannot be sliced beside other inputs (prepare it on its own, or without num_slices)"
             )
     if len(files) < cfg.num_slices:
         raise ConfigError(

@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from data_prep import builtin
 from data_prep.config import PrepConfig
@@ -215,28 +215,76 @@ class FileSource(Source):
 
 
 class HFSource(Source):
-    """A Hugging Face dataset read with ``datasets.load_dataset(..., streaming=True)``."""
+    """A dataset read with the ``datasets`` library (``hf:<name>``; see `data_prep.config.HFConfig`): a
+    ``save_to_disk`` folder with ``datasets.load_from_disk``, anything else with ``datasets.load_dataset`` (a hub
+    name, a packaged builder such as ``json``/``parquet``/``arrow`` over ``hf.data_files``, or a local directory).
 
-    def __init__(self, dataset: str, cfg: PrepConfig) -> None:
+    Sliced for a prep job array (`sliced`): slice ``i`` of ``n`` reads the ``i``-th of ``n`` contiguous runs of
+    the dataset's files (``IterableDataset.shard``; rows for a ``save_to_disk`` folder), so the slices concatenated
+    hold the documents in the order one unsliced run reads them.
+    """
+
+    def __init__(self, dataset: str, cfg: PrepConfig, num_slices: int = 1, slice_index: int = 0) -> None:
         self.dataset = dataset
+        self.cfg = cfg
         self.hf = cfg.hf
         self.text_field = cfg.text_field
+        self.num_slices, self.slice_index = num_slices, slice_index
         config = f"/{cfg.hf.config_name}" if cfg.hf.config_name else ""
-        self.name = f"{HF_PREFIX}{dataset}{config}:{cfg.hf.split}"
+        files = f"[{','.join(cfg.hf.data_files)}]" if cfg.hf.data_files else ""
+        data_dir = f"/{cfg.hf.data_dir}" if cfg.hf.data_dir else ""
+        self.name = f"{HF_PREFIX}{dataset}{config}{data_dir}{files}:{cfg.hf.split}"
+
+    def sliced(self, num_slices: int, slice_index: int) -> "HFSource":
+        """This dataset's part ``slice_index`` of ``num_slices`` (see the class docstring)."""
+        return HFSource(self.dataset, self.cfg, num_slices, slice_index)
 
     def fingerprint(self, content: bool) -> InputFingerprint:
         # A hub dataset is pinned by its revision; content hashing would mean downloading it twice.
         revision = f"@{self.hf.revision}" if self.hf.revision else ""
-        return InputFingerprint(path=redact(self.name + revision))
+        part = f" (slice {self.slice_index} of {self.num_slices})" if self.num_slices > 1 else ""
+        return InputFingerprint(path=redact(self.name + revision + part))
 
-    def documents(self, skips: SkipCounter) -> Iterator[Document]:
+    def _is_saved_dataset(self) -> bool:
+        path = Path(self.dataset)
+        return path.is_dir() and any((path / f).is_file() for f in ("state.json", "dataset_dict.json"))
+
+    def _open(self) -> Any:
         import datasets
 
+        if self._is_saved_dataset():
+            ds = datasets.load_from_disk(self.dataset)
+            if isinstance(ds, datasets.DatasetDict):
+                if self.hf.split not in ds:
+                    raise InputError(f"{self.name}: no split '{self.hf.split}' (splits: {', '.join(ds)}); set hf.split")
+                ds = ds[self.hf.split]
+            if self.num_slices > 1:
+                ds = ds.shard(self.num_slices, self.slice_index, contiguous=True)
+            return ds.to_iterable_dataset() if self.hf.streaming else ds
+        ds = datasets.load_dataset(
+            self.dataset,
+            self.hf.config_name,
+            data_files=list(self.hf.data_files) or None,
+            data_dir=self.hf.data_dir,
+            split=self.hf.split,
+            revision=self.hf.revision,
+            streaming=self.hf.streaming,
+        )
+        if self.num_slices > 1:
+            if self.hf.streaming and ds.num_shards < self.num_slices:
+                raise InputError(
+                    f"{self.name}: num_slices={self.num_slices} is more than the dataset's {ds.num_shards} files; "
+                    f"use at most {ds.num_shards} slices (or hf.streaming=false to slice by rows)"
+                )
+            ds = ds.shard(self.num_slices, self.slice_index, contiguous=True)
+        return ds
+
+    def documents(self, skips: SkipCounter) -> Iterator[Document]:
         try:
-            ds = datasets.load_dataset(
-                self.dataset, self.hf.config_name, split=self.hf.split, revision=self.hf.revision, streaming=True
-            )
-        except Exception as exc:  # network, auth and not-found errors all surface as different types
+            ds = self._open()
+        except InputError:
+            raise
+        except Exception as exc:  # network, auth, not-found and refused-script errors all have their own types
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise InputError(f"{self.name}: cannot load dataset ({type(exc).__name__}: {first})") from None
         for i, record in enumerate(ds):

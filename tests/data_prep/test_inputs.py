@@ -236,31 +236,6 @@ def test_not_a_sentencepiece_model(run_prep, tmp_path):
         run_prep(**{"tokenizer__model": tmp_path / "bad.model"})
 
 
-def test_hf_source_without_network(run_prep, monkeypatch, tmp_path, corpus):
-    """hf:<name> goes through datasets.load_dataset; a fake stands in for the hub here."""
-    import datasets
-
-    calls = []
-
-    def fake_load_dataset(name, config_name, split, revision, streaming):
-        calls.append((name, config_name, split, revision, streaming))
-        if name == "missing/dataset":
-            raise FileNotFoundError("Couldn't find a dataset script or data files\nmore detail")
-        return iter([{"text": t} for t in corpus[1][:30]] + [{"text": None}])
-
-    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    manifest = run_prep(inputs=["hf:some/books"], **{"hf__config_name": "en", "hf__revision": "abc123"})
-    assert calls[-1] == ("some/books", "en", "train", "abc123", True)
-    assert manifest.skipped == {"bad_field_type": 1} and manifest.inputs[0].path == "hf:some/books/en:train@abc123"
-    assert sum(s.documents for s in manifest.splits.values()) == 30
-    with pytest.raises(
-        InputError,
-        match=r"^hf:missing/dataset:train: cannot load dataset \(FileNotFoundError: "
-        r"Couldn't find a dataset script or data files\)$",
-    ):
-        run_prep(output=tmp_path / "o2", inputs=["hf:missing/dataset"])
-
-
 def test_excluded_files_never_reach_the_dataset(run_prep, corpus, read_split, tmp_path, join_documents):
     """`exclude` holds files out: the dataset holds exactly the documents of the other files (train + val)."""
     root, _ = corpus
