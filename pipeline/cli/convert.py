@@ -1,0 +1,58 @@
+"""Convert a dense checkpoint into a GCA export: ``python -m pipeline.cli.convert --dense <transformers dir> --out
+<dir> [model.<key>=<value> ...]``.
+
+The dense model's shapes come from its ``config.json`` (``model.convert.dense_overrides``); the overrides choose the
+layout (``model.n_lower_layers``, ``model.groups``, ``model.n_encoder_layers``, ``model.chunk_size``,
+``model.top_k``, ``model.window``, ...; the defaults otherwise, with ``model.tokens_see_landmarks=false`` so the
+export computes the dense logits inside the window). The export is a normal one (``model.load_pretrained``, the eval
+jobs, ``checkpoint.init_from=<dir>``, ``transformers``' Auto classes) and carries the dense folder's SentencePiece
+``tokenizer.model`` when it has one. Exit status: 0 done, 2 a bad argument or checkpoint (nothing is written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import yaml
+
+from model.config import ConfigError, GCAConfig
+from model.convert import ConversionError, convert_dense
+from pipeline.train.export import write_export
+
+
+def parse_layout(overrides: list[str]) -> GCAConfig:
+    """``model.<key>=<value>`` strings (YAML values) on top of ``tokens_see_landmarks=false``."""
+    values: dict[str, object] = {"tokens_see_landmarks": False}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.startswith("model."):
+            raise ConfigError(f"{item!r}: expected model.<key>=<value>")
+        values[key.removeprefix("model.")] = yaml.safe_load(raw)
+    return GCAConfig.from_dict({**GCAConfig().to_dict(), **values})
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dense", type=Path, required=True, help="a transformers folder (config.json + safetensors)")
+    p.add_argument("--out", type=Path, required=True, help="new directory for the GCA export")
+    p.add_argument("overrides", nargs="*", help="model.<key>=<value> layout keys")
+    args = p.parse_args(argv)
+    try:
+        if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
+            raise FileExistsError(f"--out {args.out} exists and is not an empty directory; choose a new one")
+        model, source = convert_dense(args.dense, parse_layout(args.overrides))
+        tokenizer = args.dense / "tokenizer.model"
+        sentencepiece = tokenizer.read_bytes() if tokenizer.is_file() else None
+        out = write_export(model, args.out, step=None, seq_len=None, tokenizer=sentencepiece)
+    except (ConfigError, ConversionError, FileExistsError, TypeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    new = sum(origin.startswith("new") for origin in source.values())
+    print(f"{out} ({len(source)} GCA tensors, {new} new)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
