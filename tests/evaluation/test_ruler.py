@@ -292,3 +292,28 @@ def test_the_demo_refuses_unknown_ruler_tasks_before_running():
     assert cfg.ruler_lengths[0] == 1024 and cfg.ruler_lengths[-1] == 1 << 20 and cfg.ruler_samples == 1
     with pytest.raises(ConfigError, match=r"'ruler_tasks' has a wrong value: \['niah_bogus'\] are not among"):
         load_demo_config(DEMO_YAML, ["ruler_tasks=[niah_single_1,niah_bogus]"])
+
+
+def test_the_training_mix_holds_the_aggregation_families_out():
+    from pipeline.data.mix import RetrievalMix
+
+    for family in ("cwe", "fwe"):
+        with pytest.raises(ValueError, match=rf"data\.retrieval_mix\.families: unknown \['{family}'\]"):
+            RetrievalMix(CODEC, seq_len=1024, chunk_size=S, fraction=0.1, families={family: 1.0})
+
+
+def test_the_command_line_runs_ruler_and_prints_its_rows(tiny_export, tmp_path, capsys):
+    from pipeline.cli.eval import main
+
+    args = ["--checkpoint", str(tiny_export), "--task", "ruler", "--out", str(tmp_path / "out")]
+    assert main([*args, "lengths=[256]", "samples=1", "progress=false", "ruler_tasks=[niah_single_1]"]) == 0
+    printed = capsys.readouterr().out
+    assert "task=niah_single_1 family=single held_out=False length=256 string_match_all=" in printed
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "ruler.json",
+        "ruler.md",
+        "ruler.png",
+        "ruler.samples.jsonl",
+    ]
+    assert main([*args, "ruler_tasks=[nope]"]) == 2
+    assert "error: ruler_tasks=['nope']: need distinct names among" in capsys.readouterr().err
