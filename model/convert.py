@@ -124,11 +124,27 @@ def read_dense_config(directory: str | Path) -> dict[str, Any]:
     return hf
 
 
+DENSE_KEYS = (
+    "arch",
+    "vocab_size",
+    "d_model",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_hidden",
+    "norm_eps",
+    "rope_theta",
+    "qkv_bias",
+    "tie_embeddings",
+    "position",
+)
+"""The ``model.*`` keys a dense checkpoint decides (``dense_overrides``); the others are the GCA layout's."""
+
+
 def dense_overrides(hf: dict[str, Any]) -> dict[str, Any]:
     """The ``model.*`` values a converted model must have, from a checked ``config.json`` (``read_dense_config``);
     the layout keys (``n_lower_layers``, ``groups``, ``n_encoder_layers``, ``chunk_size``, ``top_k``,
     ``window``) stay the caller's."""
-    return {
+    values = {
         "arch": "gca",
         "vocab_size": hf["vocab_size"],
         "d_model": hf["hidden_size"],
@@ -141,6 +157,8 @@ def dense_overrides(hf: dict[str, Any]) -> dict[str, Any]:
         "tie_embeddings": bool(hf.get("tie_word_embeddings", True)),
         "position": "rope",
     }
+    assert tuple(values) == DENSE_KEYS
+    return values
 
 
 def check_fits(cfg: GCAConfig, directory: str | Path) -> dict[str, Any]:

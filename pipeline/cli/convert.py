@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from model.config import ConfigError, GCAConfig
-from model.convert import ConversionError, convert_dense
+from model.convert import DENSE_KEYS, ConversionError, convert_dense
 from pipeline.train.export import write_export
 
 
@@ -29,7 +29,10 @@ def parse_layout(overrides: list[str]) -> GCAConfig:
         key, sep, raw = item.partition("=")
         if not sep or not key.startswith("model."):
             raise ConfigError(f"{item!r}: expected model.<key>=<value>")
-        values[key.removeprefix("model.")] = yaml.safe_load(raw)
+        name = key.removeprefix("model.")
+        if name in DENSE_KEYS:
+            raise ConfigError(f"{key} comes from the dense checkpoint's config.json; give only layout keys")
+        values[name] = yaml.safe_load(raw)
     return GCAConfig.from_dict({**GCAConfig().to_dict(), **values})
 
 

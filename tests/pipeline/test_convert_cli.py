@@ -55,4 +55,6 @@ def test_the_converted_export_loads_natively_and_in_transformers(tmp_path, tiny_
     assert main(["--dense", str(tmp_path / "dense"), "--out", str(tmp_path / "bad"), "model.windows=8"]) == 2
     err = capsys.readouterr().err
     assert "model.windows" in err and err.count("\n") == 1
+    assert main(["--dense", str(tmp_path / "dense"), "--out", str(tmp_path / "bad"), "model.d_model=64"]) == 2
+    assert "model.d_model comes from the dense checkpoint" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
