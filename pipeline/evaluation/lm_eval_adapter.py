@@ -6,7 +6,14 @@ pretrained=<export>,trust_remote_code=True``; see ``pipeline.hf``), which scores
 whole-sequence forward and cuts documents longer than its ``max_length`` into windows. This adapter is kept for what
 that path cannot do: every request is streamed through ``forward_stream`` segment by segment, with chunk K/V moved
 to disk past ``offload_mb``, so a document of millions of tokens is scored in one pass (no windows, every token
-conditioned on the whole prefix) with bounded memory. Every sequence starts with the tokenizer's EOS as a start
+conditioned on the whole prefix) with bounded memory.
+
+``loglikelihood`` requests are split and encoded by lm-eval's own ``TemplateLM`` exactly as the stock ``hf`` model
+does it (trailing whitespace of the context moves to the continuation, the pair is encoded whole and the
+continuation is what follows the context's encoding; an empty context becomes the prefix token: BOS when the
+tokenizer has one, else EOS), so on a request that fits the stock model's ``max_length`` both score the same
+tokens under the same condition (``tests/hf/test_lm_eval_adapter_vs_stock.py``); longer ones are not truncated
+here. ``loglikelihood_rolling`` and ``generate_until`` start every sequence with the tokenizer's EOS as a start
 token (a newline for the byte tokenizer, which has none), so the first real token is scored too.
 
 Importing this module registers the model (lm-eval 0.4.13 has no plugin hook for models, hence the
@@ -19,7 +26,7 @@ import logging
 
 import torch
 import torch.nn.functional as F
-from lm_eval.api.model import LM
+from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
@@ -30,7 +37,7 @@ log = logging.getLogger(__name__)
 
 
 @register_model("gca")
-class GCALM(LM):
+class GCALM(TemplateLM):
     """Model args: ``checkpoint`` (export dir), ``device``, ``segment``, ``max_gen_toks``, ``offload_mb``,
     ``attn_backend``; ``batch_size`` / ``max_batch_size`` are accepted and ignored (one request at a time)."""
 
@@ -66,6 +73,8 @@ class GCALM(LM):
         self.budget = StreamBudget(segment=int(segment), offload_mb=int(offload_mb))
         self.max_gen_toks = int(max_gen_toks)
         self.start_id = self.tok.eos_id if self.tok.eos_id is not None else self.tok.encode("\n")[0]
+        sp = getattr(self.tok, "sp", None)  # a SentencePiece model may define a BOS, as the export's HF files do
+        self._prefix_id = sp.bos_id() if sp is not None and sp.bos_id() >= 0 else self.start_id
 
     @property
     def tokenizer_name(self) -> str:
@@ -86,14 +95,24 @@ class GCALM(LM):
                 greedy = greedy and bool((logp.argmax(-1) == target).all())
         return total, greedy
 
-    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+    @property
+    def eot_token_id(self) -> int:
+        return self.start_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        """What an empty context becomes (lm-eval's stock ``hf`` rule: BOS if the tokenizer has one, else EOS)."""
+        return self._prefix_id
+
+    def tok_encode(self, string: str, **kwargs) -> list[int]:
+        return self.tok.encode(string)  # no special tokens, as the stock hf model encodes for a causal LM
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """Score each ``(request, context_enc, continuation_enc)`` of ``TemplateLM.loglikelihood``: the
+        continuation's tokens conditioned on the whole context, streamed whatever its length."""
         out = []
-        for req in tqdm(requests, disable=disable_tqdm, desc="gca loglikelihood"):
-            context, continuation = req.args
-            # Encode separately so the continuation tokens are exactly the ones scored.
-            ctx = [self.start_id] + self.tok.encode(context)
-            cont = self.tok.encode(continuation)
-            out.append(self._logprobs(ctx + cont, len(ctx)))
+        for _, ctx, cont in tqdm(requests, disable=disable_tqdm, desc="gca loglikelihood"):
+            out.append(self._logprobs(list(ctx) + list(cont), len(ctx)))
         return out
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:

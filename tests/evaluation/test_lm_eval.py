@@ -32,7 +32,7 @@ def _hand_logprob(model, ids, first):
 def test_loglikelihood_matches_full_forward(lm):
     req = SimpleNamespace(args=("The river is", " wide and calm."))
     ((score, greedy),) = lm.loglikelihood([req], disable_tqdm=True)
-    ctx = [ord("\n")] + list(b"The river is")
+    ctx = list(b"The river is")  # lm-eval's split: no start token before a non-empty context
     ids = ctx + list(b" wide and calm.")
     assert score == pytest.approx(_hand_logprob(lm.model, ids, len(ctx)), rel=1e-5)
     assert greedy is False  # a random model does not argmax this continuation
