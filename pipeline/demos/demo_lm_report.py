@@ -126,8 +126,14 @@ def mix_claims(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _recall_cell(row: dict) -> str:
+    nearest = f" / {row['far_recall_nearest']:.3f}" if row.get("far_recall_nearest") is not None else ""
+    return f"{row['far_recall']:.3f} / {row['far_recall_random']:.3f}{nearest} ({row['far_recall_tokens']})"
+
+
 def far_recall_table(rows: list[dict], models: list[str]) -> str | None:
-    """Per GCA model and context length: far recall, the random picks' rate and the tokens it is measured on."""
+    """Per GCA model and context length: far recall, the random picks' rate, the recency rule's (when the row has
+    it) and the tokens it is measured on."""
     cells = {
         (r["model"], r["length"]): r
         for r in rows
@@ -141,12 +147,7 @@ def far_recall_table(rows: list[dict], models: list[str]) -> str | None:
         "|---|" + "---|" * len(lengths),
     ]
     for model in [m for m in models if any(key[0] == m for key in cells)]:
-        row = [
-            f"{c['far_recall']:.3f} / {c['far_recall_random']:.3f} ({c['far_recall_tokens']})"
-            if (c := cells.get((model, n)))
-            else "-"
-            for n in lengths
-        ]
+        row = [_recall_cell(c) if (c := cells.get((model, n))) else "-" for n in lengths]
         lines.append(f"| {model} | " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -283,8 +284,9 @@ def write_demo_lm_report(run_dir: Path, models: list[str], timings: dict[str, fl
                 "## Far recall",
                 "",
                 "For each scored token that completes a 4-token sequence whose earlier occurrence lies beyond the "
-                "sliding-window reach: how often the retrieved chunks held that occurrence, vs the rate of uniformly "
-                "random picks among the visible chunks (and the number of such tokens).",
+                "sliding-window reach: how often the retrieved chunks held that occurrence / the rate of uniformly "
+                "random picks among the visible chunks / the rate of the recency rule that takes the top-k chunks "
+                "nearest beyond the reach, reading nothing (and the number of such tokens).",
                 "",
                 recall,
                 "",

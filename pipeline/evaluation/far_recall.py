@@ -15,6 +15,11 @@ sliding-window reach ``W = (n_lower_layers + n_upper_layers) * window`` (``slidi
   ``far_recall_random`` = their mean of ``1 - C(V - m, k) / C(V, k)``, the chance that ``k`` picks drawn uniformly
   without replacement from the ``V`` visible chunks hit ``T_t`` (``random_hit_rate``). Both average over the
   retrieval groups (each group's row is judged alike; ``far_recall_g<i>`` per group when there are several).
+- ``far_recall_nearest`` = the same fraction for a fixed rule that reads nothing: the ``k`` visible chunks nearest
+  to ``p`` among those that can hold a far occurrence (chunk ids ``<= min((p - W - 1) // S, c - 2)``, counting
+  down; ``nearest_far_chunks``). Text repeats itself locally (code above all), so this recency rule is a much
+  stronger baseline than uniform picks: a retriever that beats random but not it has learned "just beyond the
+  window", not which chunk holds the repeat.
 
 n-grams are matched exactly (``np.unique`` over the sliding windows), hit tests are binary searches, so a 64K-token
 context costs milliseconds.
@@ -134,6 +139,15 @@ def far_targets(
     )
 
 
+def nearest_far_chunks(targets: FarTargets, *, chunk_size: int, reach: int, top_k: int) -> np.ndarray:
+    """``[M, top_k]`` the recency rule's picks for each target (module docstring): the ``top_k`` nearest visible
+    chunks that lie wholly or partly beyond the sliding reach of the target's input position, ``-1`` past chunk 0."""
+    p = targets.position - 1
+    nearest = np.minimum((p - reach - 1) // chunk_size, targets.visible - 1)
+    picks = nearest[:, None] - np.arange(top_k)[None, :]
+    return np.where(picks >= 0, picks, -1)
+
+
 def random_hit_rate(visible: np.ndarray, chunks: np.ndarray, top_k: int) -> np.ndarray:
     """``1 - C(V - m, k) / C(V, k)`` with ``k = min(top_k, V)``: the chance that ``k`` chunks drawn uniformly without
     replacement among ``V`` visible ones include at least one of ``m`` target chunks (``1 <= m <= V``).
@@ -174,6 +188,8 @@ class FarRecall:
     """Targets with a far occurrence."""
     random: float = 0.0
     """Sum of their ``random_hit_rate``."""
+    nearest: int = 0
+    """Targets the recency rule (``nearest_far_chunks``) would have served."""
     hits: list[int] = field(default_factory=list)
     """Per retrieval group: targets whose row held a target chunk."""
 
@@ -190,13 +206,15 @@ class FarRecall:
         """Far recall of one sequence ``tokens`` (positions counted from the start of the recorded forward or stream,
         which numbers the chunks) from the retrievals ``picks`` recorded for it (``GCAForCausalLM.picks`` or
         ``StreamState.picks``), batch row ``batch_row``; ``scored`` as in ``far_targets``."""
-        targets = far_targets(tokens, chunk_size=cfg.chunk_size, reach=sliding_reach(cfg), n=n, scored=scored)
+        reach = sliding_reach(cfg)
+        targets = far_targets(tokens, chunk_size=cfg.chunk_size, reach=reach, n=n, scored=scored)
         hits = [
             int(targets.hits(picked_chunks(picks, g, targets.row, batch_row, cfg.top_k)).sum())
             for g in range(len(cfg.groups))
         ]
         random = float(random_hit_rate(targets.visible, targets.chunks, cfg.top_k).sum())
-        return FarRecall(tokens=len(targets), random=random, hits=hits)
+        nearest = nearest_far_chunks(targets, chunk_size=cfg.chunk_size, reach=reach, top_k=cfg.top_k)
+        return FarRecall(tokens=len(targets), random=random, nearest=int(targets.hits(nearest).sum()), hits=hits)
 
     @staticmethod
     def empty(n_groups: int) -> FarRecall:
@@ -207,24 +225,28 @@ class FarRecall:
         if len(self.hits) != len(other.hits):
             raise ValueError(f"far recall of {len(self.hits)} and {len(other.hits)} retrieval groups do not add up")
         return FarRecall(
-            self.tokens + other.tokens, self.random + other.random, [a + b for a, b in zip(self.hits, other.hits)]
+            self.tokens + other.tokens,
+            self.random + other.random,
+            self.nearest + other.nearest,
+            [a + b for a, b in zip(self.hits, other.hits)],
         )
 
     def as_sums(self) -> list[float]:
-        """``[tokens, random, *hits]``: what ranks sum (``from_sums`` reads it back)."""
-        return [float(self.tokens), self.random, *map(float, self.hits)]
+        """``[tokens, random, nearest, *hits]``: what ranks sum (``from_sums`` reads it back)."""
+        return [float(self.tokens), self.random, float(self.nearest), *map(float, self.hits)]
 
     @staticmethod
     def from_sums(sums: Sequence[float]) -> FarRecall:
-        return FarRecall(round(sums[0]), float(sums[1]), [round(h) for h in sums[2:]])
+        return FarRecall(round(sums[0]), float(sums[1]), round(sums[2]), [round(h) for h in sums[3:]])
 
     def metrics(self, prefix: str = "") -> dict[str, float | int | None]:
-        """``{prefix}far_recall``, ``{prefix}far_recall_random`` (None when no target qualified),
-        ``{prefix}far_recall_tokens`` and, with several groups, ``{prefix}far_recall_g<i>``."""
+        """``{prefix}far_recall``, ``{prefix}far_recall_random``, ``{prefix}far_recall_nearest`` (each None when no
+        target qualified), ``{prefix}far_recall_tokens`` and, with several groups, ``{prefix}far_recall_g<i>``."""
         out: dict[str, float | int | None] = {}
         qualified = self.tokens > 0 and bool(self.hits)
         out[f"{prefix}far_recall"] = sum(self.hits) / (len(self.hits) * self.tokens) if qualified else None
         out[f"{prefix}far_recall_random"] = self.random / self.tokens if self.tokens else None
+        out[f"{prefix}far_recall_nearest"] = self.nearest / self.tokens if self.tokens else None
         out[f"{prefix}far_recall_tokens"] = self.tokens
         if len(self.hits) > 1:
             for g, h in enumerate(self.hits):

@@ -132,8 +132,9 @@ def context_ppl(
 ) -> list[dict]:
     """One row per length: ``{"kind": "context", "length", "ppl", "nll", "tokens", "documents", "seconds",
     "tokens_per_s"}`` (``nll``: mean per scored token; ``tokens``: scored tokens; ``tokens_per_s``: tokens
-    streamed through the model per second); for a GCA model also ``far_recall``, ``far_recall_random`` (None when
-    no scored token qualified), ``far_recall_tokens`` and with several groups ``far_recall_g<i>``
+    streamed through the model per second); for a GCA model also ``far_recall``, ``far_recall_random``,
+    ``far_recall_nearest`` (None when no scored token qualified), ``far_recall_tokens`` and with several groups
+    ``far_recall_g<i>``
     (``FarRecall.metrics``) over the scored tokens.
 
     Args:

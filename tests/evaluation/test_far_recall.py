@@ -19,6 +19,7 @@ from model.retrieval import RetrievalRows
 from pipeline.evaluation.far_recall import (
     FarRecall,
     far_targets,
+    nearest_far_chunks,
     picked_chunks,
     random_hit_rate,
     sliding_reach,
@@ -131,20 +132,46 @@ def test_random_rate_is_the_fraction_of_hitting_pick_sets(top_k):
             assert got == pytest.approx(hitting / len(subsets), abs=1e-12), (V, m, top_k)
 
 
+@pytest.mark.parametrize("vocab,length,chunk_size,reach,n", CASES[:5])
+@pytest.mark.parametrize("top_k", [1, 3])
+def test_nearest_rule_matches_a_naive_scan(vocab, length, chunk_size, reach, n, top_k):
+    """The recency rule's picks, by scanning every chunk: the top_k largest visible chunk ids holding a position
+    more than ``reach`` before the input position; its hits, against the naive targets."""
+    tokens = np.random.default_rng(length + top_k).integers(0, vocab, length)
+    targets = far_targets(tokens, chunk_size=chunk_size, reach=reach, n=n)
+    picks = nearest_far_chunks(targets, chunk_size=chunk_size, reach=reach, top_k=top_k)
+    naive = naive_targets(tokens, chunk_size=chunk_size, reach=reach, n=n)
+    assert len(naive) == len(targets) > 0
+    hits = 0
+    for i, t in enumerate(targets.position.tolist()):
+        p = t - 1
+        usable = [j for j in range(p // chunk_size - 1) if j * chunk_size <= p - reach - 1]
+        want = sorted(usable, reverse=True)[:top_k]
+        assert picks[i].tolist() == want + [-1] * (top_k - len(want)), t
+        hits += bool(set(want) & naive[t])
+    assert int(targets.hits(picks).sum()) == hits
+
+
 def test_sums_add_and_read_back():
-    a = FarRecall(tokens=10, random=2.5, hits=[4, 6])
-    b = FarRecall(tokens=30, random=7.5, hits=[10, 2])
+    a = FarRecall(tokens=10, random=2.5, nearest=3, hits=[4, 6])
+    b = FarRecall(tokens=30, random=7.5, nearest=9, hits=[10, 2])
     total = FarRecall.empty(2) + a + b
-    assert total == FarRecall(40, 10.0, [14, 8])
+    assert total == FarRecall(40, 10.0, 12, [14, 8])
     assert FarRecall.from_sums(total.as_sums()) == total
     assert total.metrics("retrieval/") == {
         "retrieval/far_recall": 22 / 80,
         "retrieval/far_recall_random": 0.25,
+        "retrieval/far_recall_nearest": 12 / 40,
         "retrieval/far_recall_tokens": 40,
         "retrieval/far_recall_g0": 14 / 40,
         "retrieval/far_recall_g1": 8 / 40,
     }
-    assert FarRecall.empty(1).metrics() == {"far_recall": None, "far_recall_random": None, "far_recall_tokens": 0}
+    assert FarRecall.empty(1).metrics() == {
+        "far_recall": None,
+        "far_recall_random": None,
+        "far_recall_nearest": None,
+        "far_recall_tokens": 0,
+    }
     with pytest.raises(ValueError, match="groups"):
         _ = a + FarRecall.empty(1)
 

@@ -154,6 +154,8 @@ def test_mix_claims_state_the_numbers_that_decide_them():
     table = far_recall_table(rows, ["gca_mix", "gca_random"])
     assert "| gca_mix | 0.300 / 0.100 (40) | 0.200 / 0.020 (40) | 0.012 / 0.010 (40) |" in table
     assert "gca_random" not in table  # no far recall recorded for it here
+    with_rule = far_recall_table([{**rows[0], "far_recall_nearest": 0.4}], ["gca_mix"])
+    assert "| gca_mix | 0.300 / 0.100 / 0.400 (40) |" in with_rule
     assert mix_claims([row("gca", 1024, 9.0)]) == []  # no gca_mix: nothing to claim
 
 

@@ -14,7 +14,12 @@ from pipeline.train.callbacks import PeriodicEval
 from pipeline.train.config import load_config
 from pipeline.train.trainer import Trainer, main
 
-KEYS = {"retrieval/far_recall", "retrieval/far_recall_random", "retrieval/far_recall_tokens"}
+KEYS = {
+    "retrieval/far_recall",
+    "retrieval/far_recall_random",
+    "retrieval/far_recall_nearest",
+    "retrieval/far_recall_tokens",
+}
 
 
 def eval_events(run: Path) -> list[dict]:

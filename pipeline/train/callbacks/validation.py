@@ -24,11 +24,11 @@ class EvalError(RuntimeError):
 class PeriodicEval(Callback):
     """Evaluates after every ``train.eval_every``-th step, on the same sequences every time, without moving the
     training RNG; the result goes to the ``on_eval`` hooks: the loss, and for GCA models ``retrieval/far_recall``,
-    ``retrieval/far_recall_random`` and ``retrieval/far_recall_tokens`` (per group ``retrieval/far_recall_g<i>`` too
-    with several groups) over every predicted token of those sequences, summed over the ranks. A failed pass saves
-    the finished step first, so a relaunch loses nothing, then raises `EvalError` on every rank. Registered before
-    the stop decision and the checkpoint cadence, as the step boundary has always run them: evaluate, then decide,
-    then save."""
+    ``retrieval/far_recall_random``, ``retrieval/far_recall_nearest`` and ``retrieval/far_recall_tokens`` (per
+    group ``retrieval/far_recall_g<i>`` too with several groups) over every predicted token of those sequences,
+    summed over the ranks. A failed pass saves the finished step first, so a relaunch loses nothing, then raises
+    `EvalError` on every rank. Registered before the stop decision and the checkpoint cadence, as the step boundary
+    has always run them: evaluate, then decide, then save."""
 
     def __init__(self, every: int) -> None:
         self.every = every
