@@ -130,11 +130,14 @@ def sample_rng(grid: RulerGrid, name: str, length: int, sample: int) -> np.rando
 def check_grid(
     grid: RulerGrid, sources: dict[str, TokenSource], tokenizer: SentencePieceTokenizer | ByteTokenizer, chunk_size: int
 ) -> None:
-    """Build every task's first sample at the shortest length, before any model work.
+    """Build every task's first sample at the shortest length, and check that ``data`` holds the longest, before
+    any evaluation.
 
     Raises:
         ValueError: a task does not fit the shortest length (naming both) or ``data`` is too short.
     """
+    if not sources["data"].unbounded and any(RULER_TASKS[name].noise is False for name in grid.tasks):
+        sources["data"].window(max(grid.lengths), np.random.default_rng(0))  # raises naming data and the length
     length = min(grid.lengths)
     for name in grid.tasks:
         try:

@@ -254,7 +254,12 @@ def test_bad_ruler_settings_are_one_line_errors_before_any_work(tiny_export, tmp
         run_eval(str(tiny_export), "ruler", tmp_path / "a", ["ruler_tasks=[niah_bogus]"])
     with pytest.raises(ConfigError, match="ruler_tasks: ruler_cwe at length 256: .*no room for 2 rounds"):
         run_eval(str(tiny_export), "ruler", tmp_path / "b", ["lengths=[256]", "ruler_tasks=[ruler_cwe]"])
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("Only a few words.")
+    with pytest.raises(ConfigError, match=rf"data={docs} holds 17 tokens, fewer than the 4096 haystack tokens"):
+        run_eval(str(tiny_export), "ruler", tmp_path / "c", [f"data={docs}", "lengths=[256,4096]"])
+    assert not any((tmp_path / name).exists() for name in "abc")
 
 
 def test_sample_log_keys_ruler_records_by_task_length_and_sample(tmp_path):
