@@ -37,6 +37,8 @@ TIMEOUT_ENV = "PIPE_COLLECTIVE_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600
 EXIT_HUNG = 124
 """Exit code of a process the watchdog ended (the code ``timeout(1)`` uses)."""
+BACKSTOP_GRACE_S = 10.0
+"""How long after the watchdog's deadline its C-level backstop (``faulthandler``) ends a process whose GIL is held."""
 
 
 class CollectiveError(RuntimeError):
@@ -92,11 +94,17 @@ class Watchdog:
     On expiry it logs ``what``, dumps every thread's stack to stderr (where the rank is stuck) and calls
     ``os._exit(EXIT_HUNG)``: a stuck rank cannot be unwound from another thread, and its peers have already
     failed their collectives with a timeout error.
+
+    That thread needs the GIL, which C code can hold for as long as it runs (a kernel or extension that never
+    releases it). So each ``arm`` also sets the stdlib's C-level backstop, ``faulthandler.dump_traceback_later``,
+    ``backstop_grace_s`` later: it needs no GIL, dumps every thread's stack and exits with status 1 if the Python
+    watchdog has not ended the process by then. ``disarm`` cancels it. It is process-wide: one per process.
     """
 
-    def __init__(self, collective_timeout: float, rank: int) -> None:
+    def __init__(self, collective_timeout: float, rank: int, backstop_grace_s: float = BACKSTOP_GRACE_S) -> None:
         # Longer than the collective timeout, so the ranks waiting on a stuck peer fail first, with a Python error.
         self.timeout_s, self.rank = 1.5 * collective_timeout, rank
+        self.backstop_grace_s = backstop_grace_s
         self._cond = threading.Condition()
         self._deadline: float | None = None
         self._what = ""
@@ -107,16 +115,19 @@ class Watchdog:
     def arm(self, what: str) -> None:
         with self._cond:
             self._deadline, self._what = time.monotonic() + self.timeout_s, what
+            faulthandler.dump_traceback_later(self.timeout_s + self.backstop_grace_s, exit=True, file=sys.stderr)
             self._cond.notify()
 
     def disarm(self) -> None:
         with self._cond:
             self._deadline = None
+            faulthandler.cancel_dump_traceback_later()
             self._cond.notify()
 
     def close(self) -> None:
         with self._cond:
             self._closed, self._deadline = True, None
+            faulthandler.cancel_dump_traceback_later()
             self._cond.notify()
         self._thread.join(timeout=5)
 
