@@ -63,6 +63,12 @@ RULES: tuple[Rule, ...] = (
     Rule(("train.global_batch",), "refused", "which sequences make up each step"),
     Rule(("data.shuffle", "data.shuffle_window"), "refused", "the data order"),
     Rule(("train.max_steps", "schedule.*"), "warned", "the learning-rate schedule"),
+    Rule(
+        ("optim.trainable", "optim.lr_scale"),
+        "refused",
+        "the optimizer's parameter groups, which the checkpoint's optimizer state must fit (start the next stage "
+        "from an export: checkpoint.init_from)",
+    ),
     Rule(("optim.*", "train.grad_clip"), "warned", "the optimizer update"),
     Rule(("precision.*",), "warned", "the numerics of every step"),
     Rule(

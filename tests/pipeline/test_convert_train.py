@@ -99,6 +99,15 @@ def test_stage_two_trains_everything_from_the_conversion(tmp_path, tiny_data, ov
     assert all(p.requires_grad for p in trainer.engine.module.parameters())
 
 
+def test_resuming_with_other_trainable_parameters_is_refused(tmp_path, tiny_data, overrides, dense_dir, caplog):
+    run = tmp_path / "run"
+    first = stage(dense_dir, **{"optim.trainable": "new", "train.max_steps": 3})
+    assert main(None, overrides(run, tiny_data, **first)) == 0
+    caplog.clear()
+    assert main(None, overrides(run, tiny_data, **{**first, "optim.trainable": "all", "train.max_steps": 4})) == 2
+    assert "optim.trainable" in caplog.text and "parameter groups" in caplog.text
+
+
 def test_per_role_learning_rates():
     model = GCAForCausalLM(GCAConfig(vocab_size=64, d_model=32, n_heads=2, n_kv_heads=2, ffn_hidden=64))
     plain = build_optimizer(model, OptimConfig())

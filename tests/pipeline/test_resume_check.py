@@ -80,6 +80,7 @@ REFUSED = {
     "train.seq_len": ("train.seq_len", 32, "64 -> 32"),
     "train.global_batch": ("train.global_batch", 8, "4 -> 8"),
     "data.shuffle": ("data.shuffle_window", 16, "8 -> 16"),
+    "optim.trainable": ("optim.trainable", "new", "all -> new"),
 }
 WARNED = {
     "train.max_steps": ("train.max_steps", 6, "5 -> 6"),
