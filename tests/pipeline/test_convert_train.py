@@ -201,3 +201,23 @@ def test_a_converted_model_trains_on_two_ranks_and_resumes_exactly(
     )
     for name, tensor in initial.state_dict().items():
         assert torch.equal(w_got[name], tensor) == (parameter_role(name) == "dense"), name
+
+
+def test_the_tinyllama_recipe_fits_a_checkpoint_of_tinyllamas_shapes(tmp_path, tiny_data):
+    """configs/cpt/tinyllama.yaml loads against a config.json of TinyLlama-1.1B's published shapes (no weights are
+    read when a config is loaded)."""
+    repo = Path(__file__).resolve().parents[2]
+    config = transformers.LlamaConfig(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
+    config.save_pretrained(tmp_path / "tinyllama")
+    extra = [f"checkpoint.init_from=hf:{tmp_path / 'tinyllama'}", f"run_dir={tmp_path / 'run'}"]
+    cfg = load_config(repo / "configs/cpt/tinyllama.yaml", [*extra, f"data.path={tiny_data}"])
+    assert cfg.optim.trainable == "new" and cfg.model.n_lower_layers + sum(cfg.model.groups) == 22
