@@ -94,7 +94,7 @@ class GCAConfig:
     then computes exactly the dense logits on sequences that fit in the window."""
     tie_embeddings: bool = True
     """The LM head is the embedding matrix. ``false``: a separate ``head`` projection (untied dense checkpoints, e.g.
-    Llama-3-8B or Mistral-7B, converted with ``model/convert.py``)."""
+    Llama-3-8B or Mistral-7B-v0.3, converted with ``model/convert.py``)."""
     qkv_bias: bool = False
     """Biases on the query/key/value projections of the sliding-window attention, the chunk encoder, the GCA query
     and the chunk-memory projections (Qwen2-style checkpoints have them)."""
