@@ -1,7 +1,7 @@
 """Stock lm-eval's RULER generators on a tiny export with the network cut off: the ``hf`` model and the project's
 streaming adapter (``--model gca``) run ``ruler_vt_offline`` and ``ruler_fwe_offline``
 (``configs/eval/lm_eval/ruler_offline``) on the same documents; lm-eval's scores are RULER's string_match_all of
-what each generated, and the adapter's generations are the native model's greedy continuations."""
+what each generated, and each one's generations are the native model's greedy continuations of its input."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 import sentencepiece as spm
 import torch
 from helpers import tiny_config
+from transformers import AutoTokenizer
 
 from data_prep.config import TokenizerConfig
 from data_prep.tokenize import train_tokenizer
@@ -129,6 +130,7 @@ def test_stock_lm_eval_ruler_tasks_run_offline_and_agree_with_the_adapter(tmp_pa
         assert len(samples[name]) == 4  # 2 tasks x --limit 2
 
     tok = SentencePieceTokenizer(export / "tokenizer.model")
+    hf_tok = AutoTokenizer.from_pretrained(export, trust_remote_code=True)
     for key, hf in samples["hf"].items():
         gca = samples["gca"][key]
         # The same documents: lm-eval generated them from the export's tokenizer in both runs.
@@ -137,8 +139,12 @@ def test_stock_lm_eval_ruler_tasks_run_offline_and_agree_with_the_adapter(tmp_pa
         for row in (hf, gca):  # lm-eval's score is RULER's string_match_all of what was generated
             prediction = ruler.postprocess(row["resps"][0][0])
             assert row["2048"] == pytest.approx(ruler.match_all(prediction, row["doc"]["outputs"]))
-        # The adapter streams [EOS] + the prompt and decodes greedily: the native model's greedy continuation.
+        # Both are the native model's greedy continuation of what they were given: the stock hf model encodes the
+        # prompt without special tokens (it fits its max_length of 2048 with the answer's room, so nothing is cut),
+        # the adapter streams the tokenizer's EOS first as its start token, so their texts differ by that token.
         args = gca["arguments"]["gen_args_0"]
-        prompt = [tok.eos_id, *tok.encode(args["arg_0"])]
-        expected = tok.decode(_greedy(model, prompt, args["arg_1"]["max_gen_toks"], tok.eos_id))
-        assert gca["resps"][0][0] == expected
+        prompt, budget = tok.encode(args["arg_0"]), args["arg_1"]["max_gen_toks"]
+        assert len(prompt) + budget <= 2048
+        hf_text = hf_tok.decode(_greedy(model, prompt, budget, tok.eos_id), skip_special_tokens=True)
+        assert hf["resps"][0][0] == hf_text  # decoded as lm-eval's hf model decodes (byte pieces render differently)
+        assert gca["resps"][0][0] == tok.decode(_greedy(model, [tok.eos_id, *prompt], budget, tok.eos_id))
