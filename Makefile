@@ -9,7 +9,7 @@ PYTEST := $(PY) -m pytest -q
 # The default CPU tier: everything not behind a heavier marker.
 DEFAULT_MARKERS := not slow and not gpu and not dist and not slurm and not multinode
 
-.PHONY: install lint format typecheck test test-slow test-dist test-gpu test-kernels test-reliability test-slurm test-multinode preflight demo demo-16m demo-multihop demo-smoke demo-lm demo-lm-smoke prep bench bench-train bench-kernels bench-cp bench-reader bench-prep test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv gpu-wheels gpu-check test-gpu-wheels test-gpu-check test-gpu-compile reference-curves
+.PHONY: install lint format typecheck test test-slow test-dist test-gpu test-kernels test-reliability test-slurm test-multinode preflight demo demo-16m demo-multihop demo-smoke demo-lm demo-lm-smoke demo-cpt demo-cpt-smoke prep bench bench-train bench-kernels bench-cp bench-reader bench-prep test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv gpu-wheels gpu-check test-gpu-wheels test-gpu-check test-gpu-compile reference-curves
 
 install: $(STAMP)
 
@@ -171,6 +171,15 @@ demo-lm: install ds-warmup
 
 demo-lm-smoke: install ds-warmup
 	$(PY) launch/demo_lm.py --config configs/demo_lm/smoke.yaml $(ARGS)
+
+# Continued pretraining (docs/cpt.md): a tiny dense Llama trained -> converted into GCA -> two training stages with
+# the retrieval-task mix -> passkey 1K..1M and perplexity by context against the dense model ->
+# runs/demo_cpt/results.md. Interrupted? Run it again: it continues.
+demo-cpt: install ds-warmup
+	$(PY) launch/demo_cpt.py --config configs/demo_cpt/demo_cpt.yaml $(ARGS)
+
+demo-cpt-smoke: install ds-warmup
+	$(PY) launch/demo_cpt.py --config configs/demo_cpt/smoke.yaml $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)
