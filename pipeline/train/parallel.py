@@ -347,11 +347,23 @@ class DeepSpeedEngine:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint under {directory / 'deepspeed'}")
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded weights on rank 0 (a collective gather under ZeRO-3; other ranks get ``{}``)."""
-        if self.cfg.parallel.zero_stage == 3:
-            state = self.model._zero3_consolidated_16bit_state_dict()
-            return _clean(state) if self.info.is_main and state else {}
-        return _clean(self.module.state_dict()) if self.info.is_main else {}
+        """Unsharded fp32 weights on rank 0, as the FSDP export writes them (other ranks get ``{}``).
+
+        Each parameter comes from DeepSpeed's public ``safe_get_full_fp32_param``: the optimizer's fp32 master copy
+        (a collective gather of the partitions under ZeRO-3, so every rank calls it in the same order), not the
+        16-bit copy the module computes with under bf16. Without a master copy (no ZeRO, no mixed precision) the
+        parameter itself is fp32. Buffers are never partitioned and are taken from the module."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        params = dict(self.module.named_parameters())
+        state: dict[str, torch.Tensor] = {}
+        for name, value in self.module.state_dict().items():
+            if name in params:
+                full = safe_get_full_fp32_param(params[name])
+                value = params[name] if full is None else full
+            if self.info.is_main:
+                state[name] = value.detach().float().cpu().clone()
+        return _clean(state) if self.info.is_main else {}
 
 
 def build_engine(model: nn.Module, cfg: TrainConfig, info: DistInfo, bf16: bool) -> TorchEngine | DeepSpeedEngine:
