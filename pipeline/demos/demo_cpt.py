@@ -36,6 +36,7 @@ from pipeline.demos.demo_lm import (
     EVAL_DOCS,
     EVAL_DOCS_INDEX,
     PREP_MODULE,
+    ROOT,
     check_earlier_outputs,
     exclude_patterns,
     holdout_files,
@@ -45,7 +46,6 @@ from pipeline.demos.runner import StageRunner, eval_command, train_command
 
 log = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parents[2]
 DENSE_MODULE = "pipeline.demos.dense_llama"
 CONVERT_MODULE = "pipeline.cli.convert"
 MODELS = ("dense", "converted", "stage1", "stage2")
