@@ -52,6 +52,8 @@ MODELS = ("dense", "converted", "stage1", "stage2")
 """What is evaluated, in the order it exists."""
 LAYOUT_KEYS = ("n_lower_layers", "groups", "n_encoder_layers", "chunk_size", "top_k", "window")
 """The GCA layout keys ``train_config`` chooses; the conversions take them from there (one source)."""
+EVAL_ORDER = ("stage2", "dense", "converted", "stage1")
+"""The final model's numbers first: an interrupted run has the headline comparison soonest."""
 DENSE_CHECK = "dense_check.json"
 
 
@@ -267,8 +269,6 @@ def run_demo_cpt(config: str, overrides: list[str]) -> None:
             convert_command(dense_dir, exports["converted"], layout),
             exports["converted"] / "model.safetensors",
         )
-        evaluate(stages, cfg, "dense", run_dir)
-        evaluate(stages, cfg, "converted", run_dir)
         for stage, init, extra in (
             ("stage1", f"hf:{dense_dir}", cfg.stage1),
             ("stage2", str(exports["stage1"]), cfg.stage2),
@@ -276,7 +276,8 @@ def run_demo_cpt(config: str, overrides: list[str]) -> None:
             keys = [f"run_dir={run_dir / stage}", f"data.path={data}", f"checkpoint.init_from={init}"]
             cmd, env = train_command(cfg.ranks, cfg.train_config, [*keys, *extra, *cfg.train_overrides])
             stages.run(f"train-{stage}", cmd, exports[stage] / "model.safetensors", env)
-            evaluate(stages, cfg, stage, run_dir)
+        for model in EVAL_ORDER:
+            evaluate(stages, cfg, model, run_dir)
     except StageError as err:
         raise DemoCPTError(f"{err}; run the same command again to continue") from None
     sys.stdout.write(write_demo_cpt_report(run_dir, stages.timings) + "\n")
