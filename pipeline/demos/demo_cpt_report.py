@@ -76,7 +76,13 @@ def training_summary(run_dir: Path) -> dict[str, dict]:
         steps = [r for r in records if "loss" in r and "event" not in r]
         if steps:
             last = [r["loss"] for r in steps[-3:]]
-            summary[stage] = {"steps": steps[-1]["step"], "final_loss": sum(last) / len(last)}
+            summary[stage] = {
+                "steps": steps[-1]["step"],
+                "first_loss": steps[0]["loss"],
+                "final_loss": sum(last) / len(last),
+                # how sharp the first group's top-k retrieval weights are at the end (uniform: ln top_k)
+                "retrieval_entropy": steps[-1].get("retrieval_entropy_g0"),
+            }
     return summary
 
 
@@ -133,12 +139,15 @@ def write_demo_cpt_report(run_dir: Path, timings: dict[str, float]) -> str:
             [
                 m,
                 str(t["steps"]),
+                "—" if t.get("first_loss") is None else f"{t['first_loss']:.3f}",
                 f"{t['final_loss']:.3f}",
                 "—" if t.get("val_loss") is None else f"{t['val_loss']:.3f}",
+                "—" if t.get("retrieval_entropy") is None else f"{t['retrieval_entropy']:.3f}",
             ]
             for m, t in training.items()
         ]
-        parts.append(_table(["model", "steps", "loss (last steps)", "val loss"], body))
+        header = ["model", "steps", "first loss", "loss (last steps)", "val loss", "retrieval entropy (last step)"]
+        parts.append(_table(header, body))
     if ppl:
         parts += ["", "## Perplexity of the same held-out tokens by context", "", ppl_table(ppl)]
     if passkey:

@@ -21,7 +21,7 @@ from pipeline.demos.demo_cpt import (
     layout_overrides,
     load_demo_cpt_config,
 )
-from pipeline.demos.demo_cpt_report import passkey_rows, ppl_rows, write_demo_cpt_report
+from pipeline.demos.demo_cpt_report import passkey_rows, ppl_rows, training_summary, write_demo_cpt_report
 
 transformers = pytest.importorskip("transformers")
 
@@ -164,3 +164,16 @@ def test_the_report_pools_passkey_depths_by_samples_and_marks_what_is_missing(tm
     assert "1.50e-06" in markdown and "| train-dense | 12 |" in markdown
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["dense_check"]["max_abs_diff"] == 1.5e-6 and len(saved["passkey"]) == 2
+
+
+def test_the_training_summary_reads_both_trainers_logs(tmp_path):
+    steps = [{"step": i, "loss": loss} for i, loss in enumerate([8.0, 7.0, 6.0, 5.0, 4.0, 3.0], start=1)]
+    _write(tmp_path / "dense_hf/train_log.json", {"steps": steps, "tokens": 96, "val_loss": 3.5, "seconds": 2.0})
+    metrics = [{"event": "start"}, {"step": 1, "loss": 6.0, "retrieval_entropy_g0": 1.38}]
+    metrics += [{"event": "eval", "step": 2, "loss": 9.0}, {"step": 2, "loss": 5.0, "retrieval_entropy_g0": 1.2}]
+    (tmp_path / "stage1").mkdir()
+    (tmp_path / "stage1/metrics.jsonl").write_text("\n".join(json.dumps(m) for m in metrics) + "\n")
+    summary = training_summary(tmp_path)
+    assert summary["dense"]["final_loss"] == pytest.approx((7 + 6 + 5 + 4 + 3) / 5)
+    assert summary["dense"]["val_loss"] == 3.5 and "stage2" not in summary
+    assert summary["stage1"] == {"steps": 2, "first_loss": 6.0, "final_loss": 5.5, "retrieval_entropy": 1.2}
