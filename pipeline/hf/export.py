@@ -42,7 +42,9 @@ def _tokenizer_bytes(directory: Path, export: dict) -> bytes | None:
     except FileNotFoundError:
         log.warning("%s names tokenizer %s, which is missing: no Hugging Face tokenizer files", directory, name)
     except UnsafeDatasetError as err:
-        log.warning("%s: tokenizer %s not read (%s): no Hugging Face tokenizer files", directory, name, err)
+        # The message, not the exception: a kept log record (pytest's, a buffering handler) would hold its traceback
+        # and through it the caller's frames, the trainer among them.
+        log.warning("%s: tokenizer %s not read (%s): no Hugging Face tokenizer files", directory, name, str(err))
     return None
 
 
@@ -71,7 +73,7 @@ def write_hf_files(directory: str | os.PathLike) -> Path:
         try:
             write_tokenizer_files(root, tokenizer)
         except UnsupportedTokenizerError as err:
-            log.warning("%s: no Hugging Face tokenizer files (%s); the model itself loads", root, err)
+            log.warning("%s: no Hugging Face tokenizer files (%s); the model itself loads", root, str(err))
             tokenizer = None
     if tokenizer is not None and export.get("tokenizer") != TOKENIZER_MODEL:
         export["tokenizer"] = TOKENIZER_MODEL  # AutoTokenizer and the native loader read the same file
