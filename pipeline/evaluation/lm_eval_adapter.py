@@ -130,9 +130,12 @@ class GCALM(TemplateLM):
             until = [until] if isinstance(until, str) else list(until)
             sampling = bool(kwargs.get("do_sample", False))
             ids, text = [], ""
+            # As the stock hf model does: the prompt without special tokens (a start token only for an empty one),
+            # so both generate from the same ids where both can run.
+            prompt = self.tok.encode(context) or [self.start_id]
             for token in generate(
                 self.model,
-                [self.start_id] + self.tok.encode(context),
+                prompt,
                 int(kwargs.get("max_gen_toks", self.max_gen_toks)),
                 sampling=Sampling(
                     temperature=float(kwargs.get("temperature", 1.0)) if sampling else 0.0,

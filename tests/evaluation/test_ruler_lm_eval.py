@@ -139,12 +139,11 @@ def test_stock_lm_eval_ruler_tasks_run_offline_and_agree_with_the_adapter(tmp_pa
         for row in (hf, gca):  # lm-eval's score is RULER's string_match_all of what was generated
             prediction = ruler.postprocess(row["resps"][0][0])
             assert row["2048"] == pytest.approx(ruler.match_all(prediction, row["doc"]["outputs"]))
-        # Both are the native model's greedy continuation of what they were given: the stock hf model encodes the
-        # prompt without special tokens (it fits its max_length of 2048 with the answer's room, so nothing is cut),
-        # the adapter streams the tokenizer's EOS first as its start token, so their texts differ by that token.
+        # Both are the native model's greedy continuation of the same ids: the prompt without special tokens (it
+        # fits the stock model's max_length of 2048 with the answer's room, so nothing is cut), the adapter streaming.
         args = gca["arguments"]["gen_args_0"]
         prompt, budget = tok.encode(args["arg_0"]), args["arg_1"]["max_gen_toks"]
         assert len(prompt) + budget <= 2048
-        hf_text = hf_tok.decode(_greedy(model, prompt, budget, tok.eos_id), skip_special_tokens=True)
-        assert hf["resps"][0][0] == hf_text  # decoded as lm-eval's hf model decodes (byte pieces render differently)
-        assert gca["resps"][0][0] == tok.decode(_greedy(model, [tok.eos_id, *prompt], budget, tok.eos_id))
+        greedy = _greedy(model, prompt, budget, tok.eos_id)
+        assert hf["resps"][0][0] == hf_tok.decode(greedy, skip_special_tokens=True)  # as lm-eval's hf model decodes
+        assert gca["resps"][0][0] == tok.decode(greedy)  # the same ids (byte pieces render differently in hf)

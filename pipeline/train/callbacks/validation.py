@@ -49,7 +49,7 @@ class PeriodicEval(Callback):
 
     def post_train(self, trainer: Trainer) -> None:
         if self._reader is not None:
-            self._reader.close()  # its private shard cache goes now, not whenever the reader is collected
+            self._reader.close()  # the shards it holds in memory go now, not whenever it is collected
             self._reader = None
 
     @torch.no_grad()
