@@ -64,6 +64,7 @@ def training_summary(run_dir: Path) -> dict[str, dict]:
         summary["dense"] = {
             "steps": len(log["steps"]),
             "tokens": log["tokens"],
+            "first_loss": log["steps"][0]["loss"],
             "final_loss": sum(last) / len(last),
             "val_loss": log["val_loss"],
             "seconds": log["seconds"],

@@ -175,5 +175,5 @@ def test_the_training_summary_reads_both_trainers_logs(tmp_path):
     (tmp_path / "stage1/metrics.jsonl").write_text("\n".join(json.dumps(m) for m in metrics) + "\n")
     summary = training_summary(tmp_path)
     assert summary["dense"]["final_loss"] == pytest.approx((7 + 6 + 5 + 4 + 3) / 5)
-    assert summary["dense"]["val_loss"] == 3.5 and "stage2" not in summary
+    assert summary["dense"]["val_loss"] == 3.5 and summary["dense"]["first_loss"] == 8.0 and "stage2" not in summary
     assert summary["stage1"] == {"steps": 2, "first_loss": 6.0, "final_loss": 5.5, "retrieval_entropy": 1.2}
