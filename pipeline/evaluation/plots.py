@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -47,46 +48,54 @@ def plot_ppl_models(rows_by_model: dict[str, list[dict]], train_seq_len: int | N
 
 def plot_passkey(rows: list[dict], train_seq_len: int | None, title: str, path: Path) -> None:
     """NIAH-style heatmap: depth (rows) x length (columns), colour = accuracy."""
-    lengths = sorted({r["length"] for r in rows})
     depths = sorted({r["depth"] for r in rows})
-    grid = np.full((len(depths), len(lengths)), np.nan)
-    for r in rows:
-        grid[depths.index(r["depth"]), lengths.index(r["length"])] = r["accuracy"]
-    fig, ax = plt.subplots(figsize=(max(5.0, 2.0 + 0.8 * len(lengths)), max(3.5, 1.5 + 0.45 * len(depths))))
-    image = ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
-    for i in range(len(depths)):
-        for j in range(len(lengths)):
-            if not np.isnan(grid[i, j]):
-                ax.text(j, i, f"{100 * grid[i, j]:.0f}", ha="center", va="center", fontsize=8)
-    ax.set_xticks(range(len(lengths)), [short_length(n) + ("*" if n == train_seq_len else "") for n in lengths])
-    ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
-    ax.set_xlabel("context length (tokens; * = training length)")
-    ax.set_ylabel("needle depth")
-    ax.set_title(title)
-    fig.colorbar(image, ax=ax, label="accuracy")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120, format="png")  # the path may be a temp name
-    plt.close(fig)
+    cells = {(r["depth"], r["length"]): r["accuracy"] for r in rows}
+    labels = [f"{d:.0%}" for d in depths]
+    _heatmap(
+        cells, depths, labels, train_seq_len, title, path, ylabel="needle depth", colour="accuracy", width=(5.0, 2.0)
+    )
 
 
 def plot_ruler(rows: list[dict], train_seq_len: int | None, title: str, path: Path) -> None:
     """RULER heatmap: task (rows) x length (columns), colour = ``string_match_all``."""
-    lengths = sorted({r["length"] for r in rows})
     tasks = list(dict.fromkeys(r["task"] for r in rows))
-    grid = np.full((len(tasks), len(lengths)), np.nan)
-    for r in rows:
-        grid[tasks.index(r["task"]), lengths.index(r["length"])] = r["string_match_all"]
-    fig, ax = plt.subplots(figsize=(max(5.5, 3.0 + 0.8 * len(lengths)), max(3.5, 1.5 + 0.45 * len(tasks))))
+    cells = {(r["task"], r["length"]): r["string_match_all"] for r in rows}
+    _heatmap(cells, tasks, tasks, train_seq_len, title, path, ylabel=None, colour="string_match_all", width=(5.5, 3.0))
+
+
+def _heatmap(
+    cells: dict[tuple[Any, int], float],
+    keys: list,
+    labels: list[str],
+    train_seq_len: int | None,
+    title: str,
+    path: Path,
+    *,
+    ylabel: str | None,
+    colour: str,
+    width: tuple[float, float],
+) -> None:
+    """Rows ``keys`` (shown as ``labels``) x context lengths, each cell's score in [0, 1] coloured and written as a
+    percentage; the training length's column is starred. ``width``: the figure's least width and its width before
+    0.8 inch a length column (inches)."""
+    lengths = sorted({n for _, n in cells})
+    grid = np.full((len(keys), len(lengths)), np.nan)
+    for (key, length), value in cells.items():
+        grid[keys.index(key), lengths.index(length)] = value
+    least, base = width
+    fig, ax = plt.subplots(figsize=(max(least, base + 0.8 * len(lengths)), max(3.5, 1.5 + 0.45 * len(keys))))
     image = ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
-    for i in range(len(tasks)):
+    for i in range(len(keys)):
         for j in range(len(lengths)):
             if not np.isnan(grid[i, j]):
                 ax.text(j, i, f"{100 * grid[i, j]:.0f}", ha="center", va="center", fontsize=8)
     ax.set_xticks(range(len(lengths)), [short_length(n) + ("*" if n == train_seq_len else "") for n in lengths])
-    ax.set_yticks(range(len(tasks)), tasks)
+    ax.set_yticks(range(len(keys)), labels)
     ax.set_xlabel("context length (tokens; * = training length)")
+    if ylabel is not None:
+        ax.set_ylabel(ylabel)
     ax.set_title(title)
-    fig.colorbar(image, ax=ax, label="string_match_all")
+    fig.colorbar(image, ax=ax, label=colour)
     fig.tight_layout()
     fig.savefig(path, dpi=120, format="png")  # the path may be a temp name
     plt.close(fig)
