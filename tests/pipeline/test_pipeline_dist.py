@@ -94,7 +94,12 @@ def test_two_ranks_match_one_process_and_resume_exactly(
     eval_ref, eval_got = last_eval(reference), last_eval(straight)
     assert eval_got["val_loss"] == pytest.approx(eval_ref["val_loss"], rel=2e-5)
     assert eval_ref["retrieval/far_recall_tokens"] > 0
-    for key in ("retrieval/far_recall", "retrieval/far_recall_random", "retrieval/far_recall_tokens"):
+    for key in (
+        "retrieval/far_recall",
+        "retrieval/far_recall_random",
+        "retrieval/far_recall_nearest",
+        "retrieval/far_recall_tokens",
+    ):
         assert eval_got[key] == pytest.approx(eval_ref[key], rel=1e-9), key
     w_ref, w_got = load_file(reference / "export/model.safetensors"), load_file(straight / "export/model.safetensors")
     for name in w_ref:
