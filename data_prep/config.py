@@ -90,10 +90,12 @@ class PrepConfig:
     min_tokens: int = 1
     """Documents with fewer tokens are skipped (counted as ``too_short``)."""
     num_proc: int = 1
-    """Tokenizer processes (and SentencePiece training threads)."""
+    """Tokenizer workers: prep encodes on ``num_proc`` x ``encode_threads`` threads of its one process (SentencePiece
+    releases the GIL, so threads scale like processes without pickling), and trains the tokenizer on ``num_proc``
+    threads."""
     encode_threads: int = 0
-    """SentencePiece batch-encode threads in each tokenizer process; 0: the CPUs this process may run on divided by
-    ``num_proc`` (at least 1), so ``num_proc`` x threads never oversubscribes the machine. Never changes the output."""
+    """Encode threads per tokenizer worker; 0: the CPUs this process may run on divided by ``num_proc`` (at least 1),
+    so the encode threads never oversubscribe the machine. Never changes the output."""
     shard_size_bytes: int = 1 << 26
     """Uncompressed MDS shard size limit."""
     fingerprint: Literal["stat", "content"] = "stat"

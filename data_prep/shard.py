@@ -14,7 +14,6 @@ else is refused before any work, naming the path.
 import errno
 import hashlib
 import logging
-import multiprocessing as mp
 import os
 import platform
 import shutil
@@ -24,7 +23,6 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from multiprocessing.pool import AsyncResult
 from pathlib import Path
 
 import numpy as np
@@ -70,32 +68,17 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["check_output", "commit_dataset", "main", "make_work_dir", "select_slice", "tokenizer_sample"]
 
-_BATCH_CHARS = 1 << 21
-"""Characters per task sent to a worker: large enough to amortize pickling, small enough to balance."""
-_TASKS_IN_FLIGHT_PER_PROC = 4
-"""Bounded read-ahead, so a fast reader cannot pull a whole corpus into memory."""
+_BATCH_CHARS = 1 << 18
+"""Characters per encode call: a few thousand calls a second cost nothing, and the last call of a run is the time the
+other encode threads sit idle at its end, so calls are kept short."""
+_TASKS_IN_FLIGHT_PER_WORKER = 8
+"""Bounded read-ahead (a few MB of text per thread), so a fast reader cannot pull a whole corpus into memory, while
+every encode thread has its next call queued when this thread is busy writing a shard."""
 _WORK_MARKER = ".prep-work"
 """Empty file created in every work directory right after it: proof that a leftover ``.<name>.tmp-<pid>`` is
 prep's own and may be deleted. Removed from the finished dataset after the rename."""
 _INDEX = "index.json"
 _REPO = Path(__file__).resolve().parents[1]
-
-
-# ---- worker side -------------------------------------------------------------------------------------
-
-_worker_processor = None
-_worker_threads = 1
-
-
-def _init_worker(model_proto: bytes, num_threads: int) -> None:
-    global _worker_processor, _worker_threads
-    _worker_processor = tokenize.load_processor(model_proto)
-    _worker_threads = num_threads
-
-
-def _encode_task(texts: list[str]) -> list[np.ndarray]:
-    assert _worker_processor is not None, "worker used before _init_worker"
-    return tokenize.encode_segments(_worker_processor, texts, _worker_threads)
 
 
 # ---- main side ---------------------------------------------------------------------------------------
@@ -177,41 +160,37 @@ class _SplitWriter:
         return SplitStats(documents=self.documents, pieces=self.pieces, tokens=self.tokens, index_sha256=index_hash)
 
 
-def _results(
-    tasks: Iterator[_Task], model_proto: bytes, num_proc: int, threads: int
-) -> Iterator[tuple[_Task, list[np.ndarray]]]:
-    """Encode tasks in order, each with ``threads`` encode threads, with bounded read-ahead: for num_proc=1 on a
-    thread of this process (SentencePiece releases the GIL while it encodes, so reading the next documents and
-    writing shards overlap with encoding), else over a pool of processes."""
-    if num_proc == 1:
-        processor = tokenize.load_processor(model_proto)
-        with ThreadPoolExecutor(1) as executor:
-            yield from _in_order(
-                ((t, executor.submit(tokenize.encode_segments, processor, t.texts, threads)) for t in tasks),
-                _TASKS_IN_FLIGHT_PER_PROC,
-            )
-        return
-    # fork would copy the parent's streaming/transformers state into each worker; spawn starts clean
-    with mp.get_context("spawn").Pool(num_proc, initializer=_init_worker, initargs=(model_proto, threads)) as pool:
+def _results(tasks: Iterator[_Task], model_proto: bytes, workers: int) -> Iterator[tuple[_Task, list[np.ndarray]]]:
+    """Encode tasks in order on ``workers`` threads of this process, one single-threaded encode call per task at a
+    time on each, with bounded read-ahead.
+
+    SentencePiece releases the GIL while it encodes, so threads scale over the cores like processes would, without
+    starting processes or pickling texts and ids between them, and this thread reads the next documents and writes
+    shards meanwhile. One encode thread per call (not one call spread over all of them) keeps every core busy
+    across task boundaries: a multi-threaded call ends on its slowest segment with the other threads idle.
+    """
+    processor = tokenize.load_processor(model_proto)
+    with ThreadPoolExecutor(workers, thread_name_prefix="encode") as executor:
         yield from _in_order(
-            ((t, pool.apply_async(_encode_task, (t.texts,))) for t in tasks), num_proc * _TASKS_IN_FLIGHT_PER_PROC
+            ((t, executor.submit(tokenize.encode_segments, processor, t.texts, 1)) for t in tasks),
+            workers * _TASKS_IN_FLIGHT_PER_WORKER,
         )
 
 
 def _in_order(
-    submitted: Iterator[tuple[_Task, Future[list[np.ndarray]] | AsyncResult[list[np.ndarray]]]], in_flight: int
+    submitted: Iterator[tuple[_Task, Future[list[np.ndarray]]]], in_flight: int
 ) -> Iterator[tuple[_Task, list[np.ndarray]]]:
     """The results of submitted tasks in submission order, at most ``in_flight`` submitted ahead (so a fast reader
     cannot pull a whole corpus into memory)."""
-    pending: deque[tuple[_Task, Future[list[np.ndarray]] | AsyncResult[list[np.ndarray]]]] = deque()
+    pending: deque[tuple[_Task, Future[list[np.ndarray]]]] = deque()
     for item in submitted:
         pending.append(item)
         if len(pending) >= in_flight:
             done, result = pending.popleft()
-            yield done, result.result() if isinstance(result, Future) else result.get()
+            yield done, result.result()
     while pending:
         done, result = pending.popleft()
-        yield done, result.result() if isinstance(result, Future) else result.get()
+        yield done, result.result()
 
 
 def _write_splits(
@@ -229,8 +208,8 @@ def _write_splits(
     start = time.perf_counter()
     bar = tqdm(desc="tokenize", unit="doc", disable=not cfg.progress, dynamic_ncols=True)
     tasks = _tasks(iter_documents(sources, skips), cfg, is_val, skips)
-    threads = tokenize.encode_threads(cfg.num_proc, cfg.encode_threads)
-    for task, encoded in _results(tasks, model_proto, cfg.num_proc, threads):
+    workers = cfg.num_proc * tokenize.encode_threads(cfg.num_proc, cfg.encode_threads)
+    for task, encoded in _results(tasks, model_proto, workers):
         for doc, ids in zip(task.docs, encoded, strict=True):
             doc.parts.append(ids)
             doc.remaining -= 1
