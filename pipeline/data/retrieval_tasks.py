@@ -10,7 +10,13 @@ is evaluated cannot drift.
 Families (RULER's names where it has the task):
 
 - ``single``: one pass-key needle, asked for (``pipeline.data.needle``'s texts and layout).
-- ``multikey``: ``needles`` key/value needles with distinct names, one asked for.
+- ``multikey``: ``needles`` key/value needles with distinct names, one asked for. Two shapes only the eval uses
+  (RULER's ``niah_single_3`` and ``niah_multikey_2/3``; the trainer's mix keeps the default shape):
+  ``value_kind="uuid"`` makes every value a random UUID (``8-4-4-4-12`` hex digits) and ``name_kind="uuid"``
+  every name, and ``needle_haystack=True`` fills the whole context before the question with needles of that form
+  (``needles`` is then unused: as many as fit, each with its own name and value), laid back to back, with the
+  haystack's text only padding the few tokens left free at the start; the asked one is the needle at the drawn
+  depth among them.
 - ``multivalue``: ``values`` needles of one name with distinct values, all asked for, in the order they appear.
 - ``multiquery``: ``needles`` needles with distinct names, ``queries`` of them asked for, in the question's order.
 - ``vt`` (variable tracking): ``chains`` chains ``A = 48213``, ``B = A``, ``C = B`` (``hops`` copies after the
@@ -33,9 +39,9 @@ length (the haystack's text only pads the few tokens the list leaves free, at th
   word ``...``; the answer lists the ``frequent_words`` next most frequent words, most frequent first. Its
   vocabulary grows with the sequence (one word per 50 tokens, at least ``frequent_words + 2``), as RULER's does.
 
-Every family but ``single`` puts each needle in chunks that no other needle or the question touches, so one
-retrieved chunk never brings two needles. ``depth`` (0: the start, 1: right before the question)
-places the first asked needle; ``vt`` places its statements at random chunks (its chains must keep their order,
+Every family but ``single`` (and ``multikey``'s ``needle_haystack``, whose context is all needles) puts each
+needle in chunks that no other needle or the question touches, so one retrieved chunk never brings two needles.
+``depth`` (0: the start, 1: right before the question) places the first asked needle; ``vt`` places its statements at random chunks (its chains must keep their order,
 so no single statement can be put at a given depth).
 """
 
@@ -43,6 +49,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+import uuid
 
 import numpy as np
 
@@ -102,6 +110,13 @@ number's text, then its word's (`` 1. kalomi``)."""
 NOISE_WORD = "..."
 """fwe: the most frequent word of all, which the question leaves out (RULER's)."""
 ANSWER_SEPARATOR = ", "
+UUID_TEMPLATES = {
+    "needle": " One of the special magic uuids for {name} is {key}. ",
+    "question": " What is the special magic uuid for {name}? The special magic uuid for {name} is",
+}
+"""``multikey``'s texts when ``value_kind="uuid"`` (the eval passes them as the ``NeedleSpec``'s templates)."""
+VALUE_KINDS = ("number", "uuid")
+NAME_KINDS = ("word", "uuid")
 
 
 @dataclass(frozen=True)
@@ -130,6 +145,12 @@ class TaskShape:
     """fwe: the most frequent words asked for (the noise word ``...`` not counted)."""
     zipf_alpha: float = 2.0
     """fwe: the exponent of the words' Zipf counts (above 1)."""
+    value_kind: str = "number"
+    """multikey: ``number`` (``key_digits`` digits) or ``uuid`` values."""
+    name_kind: str = "word"
+    """multikey: ``word`` (made-up names) or ``uuid`` names."""
+    needle_haystack: bool = False
+    """multikey: the context is needles only, as many as fit (``needles`` unused)."""
 
     def check(self) -> None:
         """Raises ValueError naming the field when a count cannot make a sample."""
@@ -143,6 +164,10 @@ class TaskShape:
             raise ValueError(
                 f"common_repeats={self.common_repeats} must exceed uncommon_repeats={self.uncommon_repeats}"
             )
+        if self.value_kind not in VALUE_KINDS:
+            raise ValueError(f"value_kind={self.value_kind!r} is not one of {VALUE_KINDS}")
+        if self.name_kind not in NAME_KINDS:
+            raise ValueError(f"name_kind={self.name_kind!r} is not one of {NAME_KINDS}")
         if not self.zipf_alpha > 1.0:
             raise ValueError(f"zipf_alpha={self.zipf_alpha} must be > 1 (the Zipf sum diverges otherwise)")
 
@@ -231,8 +256,13 @@ class _Context:
     names: set[str] = field(default_factory=set)
 
     def new_key(self) -> str:
-        """A key of ``key_digits`` digits not used in this sample yet (a distractor never equals an answer)."""
+        """A key of ``key_digits`` digits (a UUID for ``value_kind="uuid"``) not used in this sample yet (a
+        distractor never equals an answer)."""
+        if self.shape.value_kind == "uuid":
+            return _new_uuid(self.rng, self.keys)
         digits = self.shape.key_digits
+        if len(self.keys) >= 9 * 10 ** (digits - 1):  # the loop below would never end
+            raise ValueError(f"a sample needs more than the {len(self.keys)} distinct keys of {digits} digits")
         while True:
             key = str(int(self.rng.integers(10 ** (digits - 1), 10**digits)))
             if key not in self.keys:
@@ -264,14 +294,81 @@ def _single(c: _Context) -> TaskSample:
     )
 
 
+def _new_uuid(rng: np.random.Generator, taken: set[str]) -> str:
+    """A random (version 4) UUID not in ``taken`` (added to it), drawn from ``rng``."""
+    while True:
+        text = str(uuid.UUID(bytes=rng.bytes(16), version=4))
+        if text not in taken:
+            taken.add(text)
+            return text
+
+
+def _multikey_name(c: _Context, syllables: int = 3) -> str:
+    return _new_uuid(c.rng, c.names) if c.shape.name_kind == "uuid" else new_name(c.rng, c.names, syllables)
+
+
 def _multikey(c: _Context) -> TaskSample:
+    if c.shape.needle_haystack:
+        return _needle_haystack(c)
     key = c.new_key()
-    asked = new_name(c.rng, c.names)
+    asked = _multikey_name(c)
     needle, question, answer = needle_parts(c.spec, c.encode, c.codec.decode, key, name=asked)
     distractors = [c.new_key() for _ in range(c.shape.needles - 1)]
-    others = [c.encode(render(c.spec, "needle", name=new_name(c.rng, c.names), key=k)) for k in distractors]
+    others = [c.encode(render(c.spec, "needle", name=_multikey_name(c), key=k)) for k in distractors]
     layout = _lay_out_apart(c, [needle, *others], question, len(answer))
     return _sample(c, "multikey", layout, answer, [key], tuple(distractors), [needle, *others], range(1))
+
+
+def _needle_haystack(c: _Context) -> TaskSample:
+    """``multikey`` with ``needle_haystack``: needles back to back up to the question, the asked one at the drawn
+    depth among them (``room``: the latest start it could have)."""
+    S, length = c.chunk_size, len(c.haystack)
+    # Names of enough syllables that four times the needles that can fit have names to draw from (so drawing a new
+    # one stays quick); the shortest needle text bounds how many fit.
+    shortest = len(c.encode(render(c.spec, "needle", name="Ka", key="0")))
+    syllables = 3
+    while len(SYLLABLES) ** syllables < 4 * (length // max(shortest, 1) + 1):
+        syllables += 1
+    key = c.new_key()
+    asked = _multikey_name(c, syllables)
+    needle, question, answer = needle_parts(c.spec, c.encode, c.codec.decode, key, name=asked)
+    answer_start, question_start = _question_spot(length, S, len(question), len(answer))
+    others: list[list[int]] = []
+    distractors: list[str] = []
+    total = len(needle)
+    while True:
+        value = c.new_key()
+        ids = c.encode(render(c.spec, "needle", name=_multikey_name(c, syllables), key=value))
+        if total + len(ids) > question_start:
+            break
+        others.append(ids)
+        distractors.append(value)
+        total += len(ids)
+    if not others:
+        raise ValueError(
+            f"a sequence of {length} tokens has no room for two needles before a question of {len(question)} tokens"
+        )
+    at = round(c.draw_depth() * len(others))
+    needles = [*others[:at], needle, *others[at:]]
+    start = question_start - total
+    out = c.haystack.copy()
+    out[start:question_start] = [t for ids in needles for t in ids]
+    out[question_start:answer_start] = question
+    out[answer_start : answer_start + len(answer)] = answer
+    needle_start = start + sum(len(ids) for ids in others[:at])
+    return TaskSample(
+        ids=out,
+        family="multikey",
+        answer_start=answer_start,
+        answer_len=len(answer),
+        needle_start=needle_start,
+        needle_len=len(needle),
+        room=question_start - len(needle),
+        key=key,
+        answers=(key,),
+        distractors=tuple(distractors),
+        asked_chunks=frozenset(chunks_of(needle_start, len(needle), S)),
+    )
 
 
 def _multihop(c: _Context) -> TaskSample:

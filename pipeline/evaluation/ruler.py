@@ -1,12 +1,13 @@
 """RULER-style long-context suite (``--task ruler``; docs/evaluation.md): RULER's synthetic task families, each
 sample built by the trainer's own builder (``pipeline.data.retrieval_tasks.build_task``), streamed like passkey.
 
-``RULER_TASKS`` names each task as lm-eval's ``ruler`` group does and gives it RULER's counts (4 keys, 4 values,
-4 queries, one chain of 4 hops, 10 common words, 3 frequent words). The texts are the project's own (the ones the
-trainer's retrieval mix writes), not RULER's wording. A sample of ``length`` tokens is a haystack window of the
-run's ``data`` (``niah_single_1``: always RULER's noise text, ``haystack.NOISE``) with the task written over it;
-the needle depth is drawn per sample, as RULER draws it. Every sample is seeded by (seed, length, the task's place in
-``RULER_TASKS``, sample), so a run of fewer tasks or lengths gets the same samples.
+``RULER_TASKS`` names each task as lm-eval's ``ruler`` group does and gives it RULER's counts and kinds (4 keys,
+4 values, 4 queries, one chain of 4 hops, 10 common words, 3 frequent words, UUID values, haystacks made of
+needles). The texts are the project's own (the ones the trainer's retrieval mix writes), not RULER's wording. A
+sample of ``length`` tokens is a haystack window of the run's ``data`` (``niah_single_1``: always RULER's noise
+text, ``haystack.NOISE``) with the task written over it; the needle depth is drawn per sample, as RULER draws it.
+Every sample is seeded by (seed, length, the task's place in ``RULER_TASKS``, sample), so a run of fewer tasks or
+lengths gets the same samples.
 
 Prediction: the input stops right before the answer and the model decodes as many tokens greedily as the
 reference answer has (``passkey.predict_answer``: streamed, chunk memory on disk past ``offload_mb``). Scores are
@@ -27,7 +28,7 @@ import numpy as np
 
 from model import CausalLM
 from pipeline.data.needle import NeedleSpec
-from pipeline.data.retrieval_tasks import AGGREGATION_FAMILIES, TaskSample, TaskShape
+from pipeline.data.retrieval_tasks import AGGREGATION_FAMILIES, UUID_TEMPLATES, TaskSample, TaskShape
 from pipeline.evaluation.haystack import TokenSource
 from pipeline.evaluation.passkey import build_sample, predict_answer
 from pipeline.evaluation.plots import short_length
@@ -61,9 +62,15 @@ RULER_TASKS = {
     "ruler_vt": RulerTask("vt", TaskShape(chains=1, hops=4)),
     "ruler_cwe": RulerTask("cwe", TaskShape(common_words=10, common_repeats=30, uncommon_repeats=3)),
     "ruler_fwe": RulerTask("fwe", TaskShape(frequent_words=3, zipf_alpha=2.0)),
+    # Appended after the first eight, so that their places in this table, hence their samples, stay as they were.
+    "niah_single_3": RulerTask("multikey", TaskShape(needles=1, queries=1, value_kind="uuid")),
+    "niah_multikey_2": RulerTask("multikey", TaskShape(needle_haystack=True)),
+    "niah_multikey_3": RulerTask("multikey", TaskShape(needle_haystack=True, name_kind="uuid", value_kind="uuid")),
 }
-"""The tasks ``--task ruler`` runs, in report order. Not here: ``niah_single_3`` and ``niah_multikey_2/3`` (UUID
-values and haystacks made of needles, which the builder does not make) and the QA tasks (SQuAD/HotpotQA data)."""
+"""The tasks ``--task ruler`` runs, in report order (new tasks go at the end: a task's place seeds its samples).
+``niah_single_3``: one needle of a made-up name and a UUID value in the data's text; ``niah_multikey_2``: a context
+made only of name/number needles, one asked; ``niah_multikey_3``: the same with UUID names and values (all three
+``multikey`` shapes the trainer's mix never draws). Not here: the QA tasks (their SQuAD/HotpotQA data)."""
 
 
 @dataclass(frozen=True)
@@ -117,7 +124,8 @@ def build_ruler_sample(
     """
     task = RULER_TASKS[name]
     source = sources["noise" if task.noise else "data"]
-    spec = NeedleSpec(variant=task.family, key_digits=key_digits)
+    texts = UUID_TEMPLATES if task.shape.value_kind == "uuid" else {}
+    spec = NeedleSpec(variant=task.family, key_digits=key_digits, **texts)
     shape = replace(task.shape, key_digits=key_digits)
     return build_sample(source, tokenizer, spec, length=length, depth=None, rng=rng, chunk_size=chunk_size, shape=shape)
 

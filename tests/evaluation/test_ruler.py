@@ -97,12 +97,20 @@ def test_aggregation_families_refuse_too_short_sequences():
         build_task("cwe", _filler(256, 0), CODEC, np.random.default_rng(0), chunk_size=S)
     with pytest.raises(ValueError, match="common_repeats=3 must exceed uncommon_repeats=3"):
         TaskShape(common_repeats=3).check()
+    with pytest.raises(ValueError, match=r"value_kind='hex' is not one of \('number', 'uuid'\)"):
+        TaskShape(value_kind="hex").check()
+    with pytest.raises(ValueError, match=r"name_kind='number' is not one of \('word', 'uuid'\)"):
+        TaskShape(name_kind="number").check()
 
 
 NUMBER = re.compile(r"\b\d{5}\b")
 
 
-@pytest.mark.parametrize("name", [n for n in ruler.RULER_TASKS if n not in ("ruler_cwe", "ruler_fwe")])
+UUID_TASKS = ("niah_single_3", "niah_multikey_2", "niah_multikey_3")
+"""Tasks with UUIDs or a haystack made of needles (checked by their own test below)."""
+
+
+@pytest.mark.parametrize("name", [n for n in ruler.RULER_TASKS if n not in ("ruler_cwe", "ruler_fwe", *UUID_TASKS)])
 def test_every_niah_and_vt_task_reads_back_as_ruler_defines_it(name):
     """Decoded, the context holds the task's needles (RULER's counts) and the answers are the asked ones."""
     task = ruler.RULER_TASKS[name]
@@ -132,6 +140,53 @@ def test_every_niah_and_vt_task_reads_back_as_ruler_defines_it(name):
             assert set(sample.answers) <= set(keys)
             assert len(sample.answers) == {"single": 1, "multikey": 1, "multivalue": 4, "multiquery": 4}[task.family]
         assert answer.strip() == ", ".join(sample.answers)
+
+
+UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}"
+NEEDLE_TEXT = {
+    "niah_multikey_2": re.compile(r" One of the special magic numbers for ([A-Z][a-z]+) is (\d{5})\. "),
+    "niah_multikey_3": re.compile(rf" One of the special magic uuids for ({UUID}) is ({UUID})\. "),
+}
+
+
+@pytest.mark.parametrize("name", UUID_TASKS)
+@pytest.mark.parametrize("length", [1024, 4096])
+def test_uuid_and_needle_haystack_tasks_read_back_as_ruler_defines_them(name, length):
+    """niah_single_3: one UUID value among the data's text; niah_multikey_2/3: a context of needles only (names and
+    values all distinct; words and numbers, or UUIDs), the asked one's value the answer. Parsed from the decoded
+    text, independently of the builder."""
+    sources = {"data": TokenSource("builtin", TOK, 0), "noise": TokenSource("noise", TOK, 0)}
+    grid = ruler.RulerGrid([name], [length], 1, seed=5)
+    depths = []
+    for s in range(4):
+        sample = ruler.build_ruler_sample(
+            name, sources, TOK, length=length, rng=ruler.sample_rng(grid, name, length, s), chunk_size=32
+        )
+        assert len(sample.ids) == length
+        text = TOK.decode(sample.ids[: sample.answer_start].tolist())
+        before_question, question = text.split(" What is the special magic")
+        (asked_name,) = set(re.findall(r" for (\S+?)(?:\?| is$)", question))
+        answer = TOK.decode(sample.ids[sample.answer_start : sample.answer_start + sample.answer_len].tolist())
+        assert answer.strip() == sample.key and sample.answers == (sample.key,)
+        if name == "niah_single_3":
+            needle = f" One of the special magic uuids for {asked_name} is {sample.key}. "
+            assert re.fullmatch(UUID, sample.key) and needle in before_question
+            assert re.findall(UUID, text) == [sample.key]
+            assert re.fullmatch(r"[A-Z][a-z]+", asked_name)
+            continue
+        needles = list(NEEDLE_TEXT[name].finditer(before_question))
+        pad = before_question[: needles[0].start()]
+        assert "".join(m.group(0) for m in needles) == before_question[len(pad) :]  # nothing but needles after
+        assert len(TOK.encode(pad)) < len(TOK.encode(needles[0].group(0)))  # the pad is shorter than one needle
+        names = [m.group(1) for m in needles]
+        values = [m.group(2) for m in needles]
+        assert len(set(names)) == len(names) and len(set(values)) == len(values)
+        assert len(needles) >= 2
+        assert dict(zip(names, values))[asked_name] == sample.key
+        assert set(sample.distractors) == set(values) - {sample.key}
+        depths.append(names.index(asked_name) / (len(names) - 1))
+    if name != "niah_single_3":
+        assert max(depths) - min(depths) > 0.2  # the asked needle's place is drawn per sample
 
 
 def test_scores_are_ruler_string_match_on_hand_made_predictions():
