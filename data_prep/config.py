@@ -15,6 +15,7 @@ from omegaconf import MISSING
 
 from data_prep import schema
 from data_prep.errors import ConfigError
+from data_prep.format import HF_TOKENIZER_JSON
 from data_prep.redaction import redact, restore_env_interpolations
 from data_prep.schema import INTERNAL, ONE_OR_LIST, load_schema
 
@@ -23,8 +24,15 @@ __all__ = ["HFConfig", "PrepConfig", "TokenizerConfig", "load_config", "to_conta
 
 @dataclass(frozen=True)
 class TokenizerConfig:
-    """Which SentencePiece model produces the tokens. Set exactly one of `model` and `vocab_size`."""
+    """Which tokenizer produces the tokens: a SentencePiece model (``type=sentencepiece``: set exactly one of `model`
+    and `vocab_size`) or a Hugging Face ``tokenizer.json`` (``type=hf``: set `path`)."""
 
+    type: Literal["sentencepiece", "hf"] = "sentencepiece"
+    """``sentencepiece``: train one or use `model`; ``hf``: the ``tokenizer.json`` in `path` (a dense model's own
+    tokenizer, e.g. Llama-3 or Qwen2), read offline with the ``tokenizers`` library."""
+    path: str | None = None
+    """``type=hf``: a folder holding ``tokenizer.json`` (and optionally ``tokenizer_config.json``, whose
+    ``bos_token`` / ``eos_token`` / ``unk_token`` / ``pad_token`` name the special ids); nothing is downloaded."""
     model: str | None = None
     """Path to an existing SentencePiece ``.model`` file."""
     vocab_size: int | None = None
@@ -178,7 +186,11 @@ def validate(cfg: PrepConfig) -> None:
     if any(not pattern for pattern in cfg.exclude):
         raise _bad("exclude", cfg.exclude, "empty pattern")
     tok = cfg.tokenizer
-    if (tok.model is None) == (tok.vocab_size is None):
+    if tok.type == "hf":
+        _validate_hf_tokenizer(tok)
+    elif tok.path is not None:
+        raise _bad("tokenizer.path", tok.path, "is read only with tokenizer.type=hf (a Hugging Face tokenizer folder)")
+    elif (tok.model is None) == (tok.vocab_size is None):
         raise ConfigError(
             "set exactly one of 'tokenizer.model' (an existing SentencePiece model) and "
             f"'tokenizer.vocab_size' (train one); got model={tok.model!r}, vocab_size={tok.vocab_size!r}"
@@ -213,9 +225,36 @@ def validate(cfg: PrepConfig) -> None:
         raise _bad("num_slices", cfg.num_slices, "must be at least 1")
     if not 0 <= cfg.slice_index < cfg.num_slices:
         raise _bad("slice_index", cfg.slice_index, f"must be in [0, num_slices={cfg.num_slices})")
+    if cfg.num_slices > 1 and tok.type == "hf":
+        raise ConfigError(
+            f"num_slices={cfg.num_slices} with tokenizer.type=hf is not supported yet: prepare the data in one run "
+            "(num_slices=1)"
+        )
     if cfg.num_slices > 1 and tok.model is None:
         # Every slice must produce ids from the same tokenizer, or the merged dataset would mix vocabularies.
         raise ConfigError(
             f"num_slices={cfg.num_slices} needs a shared tokenizer: set 'tokenizer.model' (launch/slurm/prep.sbatch "
             "trains one on the whole input first with `launch/slurm/prep_slices.py tokenizer`)"
         )
+
+
+def _validate_hf_tokenizer(tok: TokenizerConfig) -> None:
+    """``tokenizer.type=hf``: `path` names a folder with a readable ``tokenizer.json`` (and ``tokenizer_config.json``
+    if any), checked here so that a bad one stops prep before any work; SentencePiece keys are refused (they would be
+    silently ignored). Prep reads the files again for the run itself (``data_prep.tokenize.hf_prep_tokenizer``)."""
+    from data_prep.hf_tokenizer import read_folder  # the tokenizers library, only when it is used
+
+    for key, value in (("model", tok.model), ("vocab_size", tok.vocab_size)):
+        if value is not None:
+            raise ConfigError(
+                f"tokenizer.{key}={value!r} cannot be combined with tokenizer.type=hf, which tokenizes with the "
+                f"tokenizer.json in tokenizer.path={tok.path!r}; drop tokenizer.{key}"
+            )
+    if tok.path is None:
+        raise ConfigError("tokenizer.type=hf needs tokenizer.path=<a folder holding tokenizer.json>")
+    folder = Path(tok.path)
+    if not folder.is_dir():
+        raise _bad("tokenizer.path", tok.path, "is not a directory (a folder holding tokenizer.json)")
+    if not (folder / HF_TOKENIZER_JSON).is_file():
+        raise _bad("tokenizer.path", tok.path, f"holds no {HF_TOKENIZER_JSON} (a Hugging Face fast tokenizer file)")
+    read_folder(tok.path)

@@ -5,7 +5,8 @@ A prepared dataset is a directory::
     <output>/
       train/            MDS dataset (index.json + shard.NNNNN.mds.zstd)
       val/              MDS dataset, same columns
-      tokenizer.model   the SentencePiece model the tokens come from
+      tokenizer.model   the SentencePiece model the tokens come from, or
+      tokenizer.json    a Hugging Face tokenizer (``tokenizer.type=hf``), with its tokenizer_config.json if it had one
       manifest.json     `Manifest` below, as JSON
       _COMPLETE         sha256 hex of manifest.json's bytes; written last, before the directory is renamed
 
@@ -41,6 +42,9 @@ __all__ = [
     "DOC_ID",
     "EMPTY_SPLIT_SHA256",
     "FORMAT_VERSION",
+    "HF_TOKENIZER_CONFIG",
+    "HF_TOKENIZER_FILENAMES",
+    "HF_TOKENIZER_JSON",
     "MANIFEST_FILENAME",
     "PIECE",
     "SPLITS",
@@ -66,6 +70,11 @@ PIECE = "piece"
 SPLITS = ("train", "val")
 MANIFEST_FILENAME = "manifest.json"
 TOKENIZER_FILENAME = "tokenizer.model"
+HF_TOKENIZER_JSON = "tokenizer.json"
+HF_TOKENIZER_CONFIG = "tokenizer_config.json"
+HF_TOKENIZER_FILENAMES = (HF_TOKENIZER_JSON, HF_TOKENIZER_CONFIG)
+"""What a dataset prepared with ``tokenizer.type=hf`` holds in place of `TOKENIZER_FILENAME` (the config only when
+the tokenizer's folder had one)."""
 COMPLETE_MARKER = "_COMPLETE"
 EMPTY_SPLIT_SHA256 = ""
 """`SplitStats.index_sha256` of a split with no documents, whose directory is not written."""
@@ -117,10 +126,11 @@ class SplitStats:
 
 @dataclass(frozen=True)
 class TokenizerInfo:
-    """The tokenizer the `TOKENS` ids come from (a copy is at ``<output>/tokenizer.model``)."""
+    """The tokenizer the `TOKENS` ids come from (a copy is at ``<output>/tokenizer.model``, or ``tokenizer.json``
+    for `type` ``hf``)."""
 
     sha256: str
-    """sha256 of the serialized SentencePiece model."""
+    """sha256 of the serialized SentencePiece model (of ``tokenizer.json`` for `type` ``hf``)."""
     vocab_size: int
     model_type: str
     """SentencePiece model type, e.g. ``"bpe"`` or ``"unigram"``."""
@@ -133,6 +143,13 @@ class TokenizerInfo:
     """-1 when the model has no EOS piece."""
     pad_id: int
     """-1 when the model has no PAD piece."""
+    type: str = "sentencepiece"
+    """``sentencepiece`` (the ids come from ``tokenizer.model``) or ``hf`` (from a Hugging Face ``tokenizer.json``,
+    copied as ``<output>/tokenizer.json`` with its ``tokenizer_config.json`` when it had one; ``sha256`` is the
+    ``tokenizer.json``'s, `model_type` its model's, the special ids as ``data_prep.hf_tokenizer.special_ids`` chose
+    them). Manifests written before HF tokenizers read as ``sentencepiece``."""
+    config_sha256: str = ""
+    """``hf``: sha256 of the copied ``tokenizer_config.json``; ``""`` when there is none (and for SentencePiece)."""
 
 
 @dataclass(frozen=True)

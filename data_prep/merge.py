@@ -205,9 +205,13 @@ def prepare_tokenizer(cfg: PrepConfig, num_slices: int = 1) -> Path:
         OutputExistsError: the output exists, or an earlier sliced run left ``<output>.slices`` (unless
             ``overwrite=true``, which removes those slices); ``<output>.slices`` or the output is not provably
             prep's, or holds something prep did not write (nothing is deleted then).
-        ConfigError: more slices than input files, or as in `data_prep.shard.main`.
+        ConfigError: more slices than input files, ``tokenizer.type=hf``, or as in `data_prep.shard.main`.
         InputError: as in `data_prep.shard.main`.
     """
+    if cfg.tokenizer.type == "hf":
+        raise ConfigError(
+            "tokenizer.type=hf is not supported by a sliced run yet: prepare the data in one run (launch/prep.py)"
+        )
     out, root = Path(cfg.output).absolute(), slices_root(cfg)
     sources = resolve_sources(cfg)
     check_output(out, cfg, sources)

@@ -20,7 +20,7 @@ import shutil
 import stat
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +37,7 @@ from data_prep.format import (
     DOC_ID,
     EMPTY_SPLIT_SHA256,
     FORMAT_VERSION,
+    HF_TOKENIZER_FILENAMES,
     MANIFEST_FILENAME,
     PIECE,
     SPLITS,
@@ -99,7 +100,9 @@ class _Task:
     texts: list[str]
 
 
-def _tasks(docs: Iterator[Document], cfg: PrepConfig, is_val: ValSplit, skips: SkipCounter) -> Iterator[_Task]:
+def _tasks(
+    docs: Iterator[Document], cfg: PrepConfig, is_val: ValSplit, skips: SkipCounter, segment: Callable[[str], list[str]]
+) -> Iterator[_Task]:
     batch_docs: list[_Doc] = []
     batch_texts: list[str] = []
     size = 0
@@ -109,7 +112,7 @@ def _tasks(docs: Iterator[Document], cfg: PrepConfig, is_val: ValSplit, skips: S
             skips.skip("empty", doc.where)
             continue
         split = "val" if is_val(doc.text) else "train"
-        parts = tokenize.segments(doc.text, tokenize.SEGMENT_CHARS)
+        parts = segment(doc.text)
         entry = _Doc(doc_id, split, doc.where, len(parts), [])
         for part in parts:
             batch_docs.append(entry)
@@ -207,7 +210,7 @@ def _write_splits(
     tokens_done = 0
     start = time.perf_counter()
     bar = tqdm(desc="tokenize", unit="doc", disable=not cfg.progress, dynamic_ncols=True)
-    tasks = _tasks(iter_documents(sources, skips), cfg, is_val, skips)
+    tasks = _tasks(iter_documents(sources, skips), cfg, is_val, skips, tokenize.segmenter(model_proto))
     workers = cfg.num_proc * tokenize.encode_threads(cfg.num_proc, cfg.encode_threads)
     for task, encoded in _results(tasks, model_proto, workers):
         for doc, ids in zip(task.docs, encoded, strict=True):
@@ -261,7 +264,7 @@ def tokenizer_model_bytes(sources: list[Source], cfg: PrepConfig, is_val: ValSpl
     if cfg.tokenizer.model is not None:
         model = Path(cfg.tokenizer.model).read_bytes()
         try:
-            tokenize.load_processor(model)
+            tokenize.load_sentencepiece(model)
         except RuntimeError:
             raise ConfigError(f"bad value tokenizer.model={cfg.tokenizer.model!r}: not a SentencePiece model") from None
         return model, False
@@ -324,6 +327,7 @@ def _software() -> dict[str, str]:
     return {
         "python": platform.python_version(),
         "sentencepiece": version("sentencepiece"),
+        "tokenizers": version("tokenizers"),
         "mosaicml-streaming": version("mosaicml-streaming"),
     }
 
@@ -399,9 +403,8 @@ def dataset_paths(root: Path) -> list[Path]:
     dirs: list[Path] = []
     other: list[Path] = []
     for entry in sorted(root.iterdir()):
-        if entry.name in (MANIFEST_FILENAME, COMPLETE_MARKER, TOKENIZER_FILENAME, _WORK_MARKER) and is_plain_file(
-            entry
-        ):
+        prep_files = (MANIFEST_FILENAME, COMPLETE_MARKER, TOKENIZER_FILENAME, *HF_TOKENIZER_FILENAMES, _WORK_MARKER)
+        if entry.name in prep_files and is_plain_file(entry):
             files.append(entry)
         elif entry.name in SPLITS and _is_dir(entry):
             ours, theirs = _split_paths(entry)
@@ -554,11 +557,12 @@ def _check_output_location(out: Path, cfg: PrepConfig, sources: list[Source]) ->
                 f"output={out} contains the input {path}; writing the dataset there could delete it: "
                 "choose an output outside the input"
             )
-    if cfg.tokenizer.model is not None and is_within(Path(cfg.tokenizer.model), resolved):
-        raise ConfigError(
-            f"output={out} contains tokenizer.model={cfg.tokenizer.model}, which replacing the "
-            "output would delete; copy the model elsewhere first"
-        )
+    for key, given in (("model", cfg.tokenizer.model), ("path", cfg.tokenizer.path)):
+        if given is not None and is_within(Path(given), resolved):
+            raise ConfigError(
+                f"output={out} contains tokenizer.{key}={given}, which replacing the "
+                "output would delete; copy the tokenizer elsewhere first"
+            )
 
 
 def check_output(out: Path, cfg: PrepConfig, sources: list[Source]) -> None:
@@ -637,11 +641,15 @@ def main(cfg: PrepConfig) -> Manifest:
 
 def _prepare(sources: list[Source], is_val: ValSplit, cfg: PrepConfig, tmp: Path) -> Manifest:
     """Tokenizer and splits into ``tmp``; the manifest describing them."""
-    model_proto, trained = tokenizer_model_bytes(sources, cfg, is_val)
-    fsync_write(tmp / TOKENIZER_FILENAME, model_proto)
-    info = tokenize.tokenizer_info(model_proto, trained)
+    if cfg.tokenizer.type == "hf":
+        tokenizer = tokenize.hf_prep_tokenizer(str(cfg.tokenizer.path))
+    else:
+        tokenizer = tokenize.sentencepiece_prep_tokenizer(*tokenizer_model_bytes(sources, cfg, is_val))
+    for name, data in tokenizer.files.items():
+        fsync_write(tmp / name, data)
+    info = tokenizer.info
     skips = SkipCounter(strict=cfg.strict)
-    splits = _write_splits(sources, cfg, is_val, model_proto, info.vocab_size, tmp, skips)
+    splits = _write_splits(sources, cfg, is_val, tokenizer.model, info.vocab_size, tmp, skips)
     return Manifest(
         format_version=FORMAT_VERSION,
         token_dtype=token_dtype_for_vocab(info.vocab_size),

@@ -1,36 +1,47 @@
-"""SentencePiece: train a model on a corpus sample, and encode documents in bounded segments.
+"""Prep's tokenizers: train a SentencePiece model on a corpus sample, or take one (or a Hugging Face
+``tokenizer.json``, ``data_prep.hf_tokenizer``), and encode documents in bounded segments.
 
 A trained model is lossless: identity normalization, no dummy prefix, whitespace kept as-is, byte
 fallback for unseen characters, so ``decode(encode(text)) == text`` for any text. Long documents are
 encoded in segments of about `SEGMENT_CHARS` characters, cut just before a space that follows a
 non-space character. SentencePiece never merges across such a point (it pre-splits words at whitespace),
 so the concatenated segment encodings equal the encoding of the whole document for our models, while
-the work per call stays bounded and a 50 MB document spreads over all processes.
+the work per call stays bounded and a 50 MB document spreads over all processes. A Hugging Face tokenizer is cut
+only where that is provably exact (`segmenter`).
 """
 
 import hashlib
 import io
+import json
 import logging
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2
 
+from data_prep import hf_tokenizer
 from data_prep.config import TokenizerConfig
 from data_prep.errors import ConfigError, InputError
-from data_prep.format import TokenizerInfo
+from data_prep.format import TOKENIZER_FILENAME, TokenizerInfo
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "SEGMENT_CHARS",
+    "PrepTokenizer",
     "encode_segments",
     "encode_threads",
+    "hf_prep_tokenizer",
     "load_processor",
+    "load_sentencepiece",
+    "segmenter",
     "segments",
+    "sentencepiece_prep_tokenizer",
     "tokenizer_info",
     "train_tokenizer",
 ]
@@ -43,11 +54,13 @@ pieces (``":\\n"``) can be learned; SentencePiece drops sentences over ``max_sen
 _SPLIT_POINT = re.compile(r"(?<=\S) ")
 
 
-def segments(text: str, max_chars: int = SEGMENT_CHARS) -> list[str]:
+def segments(text: str, max_chars: int = SEGMENT_CHARS, cut_hard: bool = True) -> list[str]:
     """Cut ``text`` into consecutive pieces of about ``max_chars`` characters at safe split points.
 
     A safe point is just before a space preceded by a non-space. A stretch of ``max_chars`` characters
     without one (base64, CJK text) is cut hard; for our lossless models the decoded text is still exact.
+    Without ``cut_hard`` such a stretch runs on to the next safe point instead (a hard cut splits a
+    pre-token of a Hugging Face byte-level BPE, whose ids then differ from the whole text's).
     """
     if len(text) <= max_chars:
         return [text]
@@ -59,6 +72,11 @@ def segments(text: str, max_chars: int = SEGMENT_CHARS) -> list[str]:
         cut = None
         for m in _SPLIT_POINT.finditer(text, start + max_chars // 2, window_end):
             cut = m.start()
+        if cut is None and not cut_hard:
+            later = _SPLIT_POINT.search(text, window_end)
+            if later is None:
+                break
+            cut = later.start()
         if cut is None:
             cut = window_end
         out.append(text[start:cut])
@@ -67,9 +85,31 @@ def segments(text: str, max_chars: int = SEGMENT_CHARS) -> list[str]:
     return out
 
 
-def load_processor(model_proto: bytes) -> spm.SentencePieceProcessor:
-    """A SentencePiece processor from a serialized model."""
+Processor = spm.SentencePieceProcessor | hf_tokenizer.HFEncoder
+
+
+def load_sentencepiece(model_proto: bytes) -> spm.SentencePieceProcessor:
+    """A SentencePiece processor from a serialized model (RuntimeError when it is not one)."""
     return spm.SentencePieceProcessor(model_proto=model_proto)
+
+
+def load_processor(model_proto: bytes) -> Processor:
+    """The encoder of a serialized SentencePiece model, or of a Hugging Face ``tokenizer.json``."""
+    if hf_tokenizer.is_tokenizer_json(model_proto):
+        return hf_tokenizer.HFEncoder(model_proto)
+    return load_sentencepiece(model_proto)
+
+
+def segmenter(model_proto: bytes) -> Callable[[str], list[str]]:
+    """How prep cuts a document for this tokenizer: `segments` for SentencePiece; for a ``tokenizer.json``,
+    segments without hard cuts where `hf_tokenizer.segment_safe` allows, else the whole document."""
+    if not hf_tokenizer.is_tokenizer_json(model_proto):
+        return partial(segments, max_chars=SEGMENT_CHARS)
+    unsafe = hf_tokenizer.segment_safe(json.loads(model_proto))
+    if unsafe is not None:
+        logger.info("encoding each document in one call: segments could encode differently (%s)", unsafe)
+        return lambda text: [text]
+    return partial(segments, max_chars=SEGMENT_CHARS, cut_hard=False)
 
 
 def encode_threads(num_proc: int, requested: int = 0) -> int:
@@ -81,9 +121,12 @@ def encode_threads(num_proc: int, requested: int = 0) -> int:
     return max(1, len(os.sched_getaffinity(0)) // num_proc)
 
 
-def encode_segments(processor: spm.SentencePieceProcessor, texts: list[str], num_threads: int) -> list[np.ndarray]:
+def encode_segments(processor: Processor, texts: list[str], num_threads: int) -> list[np.ndarray]:
     """Encode the texts with SentencePiece's batch encode on ``num_threads`` threads, each to a uint32 id array
-    (arrays pickle far faster than lists between processes, and numpy output skips building Python ints)."""
+    (arrays pickle far faster than lists between processes, and numpy output skips building Python ints). A
+    Hugging Face tokenizer's ``encode_batch`` picks its own threads (``RAYON_NUM_THREADS``)."""
+    if isinstance(processor, hf_tokenizer.HFEncoder):
+        return processor.encode(texts)
     return [
         ids.astype(np.uint32, copy=False)
         for ids in processor.encode(texts, num_threads=num_threads, return_type="numpy")
@@ -91,10 +134,10 @@ def encode_segments(processor: spm.SentencePieceProcessor, texts: list[str], num
 
 
 def tokenizer_info(model_proto: bytes, trained: bool) -> TokenizerInfo:
-    """Describe a serialized model for the manifest."""
+    """Describe a serialized SentencePiece model for the manifest."""
     proto = sentencepiece_model_pb2.ModelProto()
     proto.ParseFromString(model_proto)
-    sp = load_processor(model_proto)
+    sp = spm.SentencePieceProcessor(model_proto=model_proto)
     model_type = sentencepiece_model_pb2.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type).lower()
     return TokenizerInfo(
         sha256=hashlib.sha256(model_proto).hexdigest(),
@@ -106,6 +149,45 @@ def tokenizer_info(model_proto: bytes, trained: bool) -> TokenizerInfo:
         eos_id=sp.eos_id(),
         pad_id=sp.pad_id(),
     )
+
+
+@dataclass(frozen=True)
+class PrepTokenizer:
+    """What a prep run tokenizes with: the bytes its encoder loads (`load_processor`), the files it writes beside the
+    splits, and the manifest's description."""
+
+    model: bytes
+    """A serialized SentencePiece model or a ``tokenizer.json``."""
+    files: dict[str, bytes]
+    info: TokenizerInfo
+
+
+def sentencepiece_prep_tokenizer(model_proto: bytes, trained: bool) -> PrepTokenizer:
+    """A SentencePiece model, written as ``tokenizer.model``."""
+    return PrepTokenizer(model_proto, {TOKENIZER_FILENAME: model_proto}, tokenizer_info(model_proto, trained))
+
+
+def hf_prep_tokenizer(path: str) -> PrepTokenizer:
+    """``tokenizer.type=hf``: the folder's ``tokenizer.json`` (and ``tokenizer_config.json`` when there is one),
+    read once and copied beside the splits byte for byte.
+
+    Raises:
+        ConfigError: the folder's files cannot be read or parsed (one line naming ``tokenizer.path``).
+    """
+    files, tokenizer = hf_tokenizer.read_folder(path)
+    written = {hf_tokenizer.TOKENIZER_JSON: files.tokenizer_json}
+    if files.config is not None:
+        written[hf_tokenizer.TOKENIZER_CONFIG] = files.config
+    info = TokenizerInfo(**hf_tokenizer.describe(files, tokenizer))
+    logger.info(
+        "Hugging Face tokenizer %s: %s, %d ids, eos %d, bos %d",
+        path,
+        info.model_type,
+        info.vocab_size,
+        info.eos_id,
+        info.bos_id,
+    )
+    return PrepTokenizer(files.tokenizer_json, written, info)
 
 
 def _training_sentences(texts: Iterable[str], budget_bytes: int) -> Iterator[str]:
@@ -208,5 +290,6 @@ def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig, num_threads: int
     proto.ParseFromString(writer.getvalue())
     proto.trainer_spec.ClearField("num_threads")
     model = proto.SerializeToString()
-    logger.info("trained a %s tokenizer with %d pieces", cfg.model_type, load_processor(model).get_piece_size())
+    pieces = spm.SentencePieceProcessor(model_proto=model).get_piece_size()
+    logger.info("trained a %s tokenizer with %d pieces", cfg.model_type, pieces)
     return model

@@ -132,6 +132,75 @@ def train_test_tokenizer(lines: Iterable[str], vocab_size: int, **options: objec
     return out.getvalue()
 
 
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+r"""Llama-3's pre-tokenizer regex, as its ``tokenizer.json`` holds it (Qwen2's has ``\p{N}`` for ``\p{N}{1,3}``)."""
+HF_SPECIALS = ["<|end_of_text|>", "<|begin_of_text|>"]
+SPACE = "\u2581"
+
+
+def hf_test_tokenizer(texts: Iterable[str], vocab_size: int, kind: str = "llama3"):
+    """A ``tokenizers`` BPE trained in memory on ``texts`` (``vocab_size`` at most), laid out like a real model's
+    ``tokenizer.json``:
+
+    - ``llama3``: Llama-3's regex ``Split`` then ``ByteLevel`` (byte-level BPE, no normalizer);
+    - ``qwen2``: the same with Qwen2's single-digit regex and an NFC normalizer;
+    - ``llama2``: a SentencePiece-style BPE in the layout of Llama-2's ``tokenizer.json``: spaces become ``▁`` and a
+      ``Prepend("▁")`` normalizer puts one before the text of every encode call, byte fallback.
+
+    ``HF_SPECIALS`` are its first ids (special added tokens); ``<unk> <s> </s>`` for ``llama2``."""
+    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
+    from tokenizers.models import BPE
+
+    if kind == "llama2":
+        tok = Tokenizer(BPE(unk_token="<unk>", byte_fallback=True))
+        # trained on words (a pre-tokenizer), then given the normalizers Llama-2's file holds and no pre-tokenizer
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE, prepend_scheme="first")
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False
+        )
+        tok.train_from_iterator(texts, trainer)
+        tok.pre_tokenizer = None
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), normalizers.Replace(" ", SPACE)])
+        tok.decoder = decoders.Sequence(
+            [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        )
+        return tok
+    tok = Tokenizer(BPE())
+    pattern = LLAMA3_SPLIT if kind == "llama3" else LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    if kind == "qwen2":
+        tok.normalizer = normalizers.NFC()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=HF_SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def save_hf_tokenizer(directory: Path, tokenizer, config: Mapping[str, object] | None = None) -> Path:
+    """``tokenizer.json`` (and ``tokenizer_config.json`` when ``config`` is given) in ``directory``, as a model
+    folder holds them."""
+    import json
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    if config is not None:
+        (directory / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    return directory
+
+
 # ---------------------------------------------------------------- tolerances
 
 EXACT: Mapping[str, float] = {"rtol": 0.0, "atol": 0.0}

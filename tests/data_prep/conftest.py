@@ -86,7 +86,7 @@ def run_prep(corpus: tuple[Path, list[str]], tmp_path: Path) -> RunPrep:
             "shard_size_bytes": 16384,  # several shards even for a tiny corpus
         }
         settings.update({k.replace("__", "."): v for k, v in overrides.items()})
-        if "tokenizer.model" in settings:
+        if "tokenizer.model" in settings or "tokenizer.path" in settings:
             settings.pop("tokenizer.vocab_size")
         dotlist = [f"output={output or tmp_path / 'out'}", f"input={json.dumps(inputs or [str(corpus[0])])}"]
         dotlist += [f"{k}={v}" for k, v in settings.items()]

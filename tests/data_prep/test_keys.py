@@ -98,7 +98,11 @@ def test_prep_keys_shows_docstring_default_and_nested_keys(capsys, tmp_path, mon
     assert listed["input"][1] == "[]"  # a default_factory, shown as its value
     assert listed["tokenizer.model"][:2] == ("str | None", "null")
     assert listed["tokenizer.model_type"][:2] == ("Literal['bpe', 'unigram']", '"bpe"')
-    assert "[tokenizer]\n    Which SentencePiece model produces the tokens." in text  # the section's class doc
+    assert listed["tokenizer.type"][:2] == ("Literal['sentencepiece', 'hf']", '"sentencepiece"')
+    assert listed["tokenizer.path"][:2] == ("str | None", "null")
+    assert (
+        "[tokenizer]\n    Which tokenizer produces the tokens: a SentencePiece model" in text
+    )  # the section's class doc
     assert "env_interpolations" not in text  # INTERNAL
     assert list(tmp_path.iterdir()) == []  # no work done: nothing written
 
