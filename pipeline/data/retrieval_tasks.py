@@ -332,7 +332,7 @@ def _needle_haystack(c: _Context) -> TaskSample:
     key = c.new_key()
     asked = _multikey_name(c, syllables)
     needle, question, answer = needle_parts(c.spec, c.encode, c.codec.decode, key, name=asked)
-    answer_start, question_start = _question_spot(length, S, len(question), len(answer))
+    answer_start, question_start = question_spot(length, S, len(question), len(answer))
     others: list[list[int]] = []
     distractors: list[str] = []
     total = len(needle)
@@ -442,7 +442,7 @@ def _vt(c: _Context) -> TaskSample:
             f"a variable-tracking statement takes {longest} tokens, more than chunk_size={S}: each must fit in "
             "one chunk so that the chains keep their order"
         )
-    answer_start, question_start = _question_spot(len(c.haystack), S, len(question), len(answer))
+    answer_start, question_start = question_spot(len(c.haystack), S, len(question), len(answer))
     free = list(range(question_start // S))  # chunks that end before the question's first chunk
     count = sum(len(statements) for _, _, statements in chains)
     if len(free) < count:
@@ -492,7 +492,7 @@ class _Apart:
     room: int
 
 
-def _question_spot(length: int, chunk_size: int, question_len: int, answer_len: int) -> tuple[int, int]:
+def question_spot(length: int, chunk_size: int, question_len: int, answer_len: int) -> tuple[int, int]:
     """(answer start, question start): the answer starts one token into the last chunk that leaves it room, so the
     question's last token is that chunk's first (as ``needle.place_needle``)."""
     S = chunk_size
@@ -510,7 +510,7 @@ def _lay_out_apart(c: _Context, needles: list[list[int]], question: list[int], a
     """Needles each in chunks no other needle or the question touches: ``needles[0]`` in the chunk at the drawn
     depth, the others at random free spots (``needle.free_spot``); then the question and room for the answer."""
     S, length = c.chunk_size, len(c.haystack)
-    answer_start, question_start = _question_spot(length, S, len(question), answer_len)
+    answer_start, question_start = question_spot(length, S, len(question), answer_len)
     limit = question_start // S * S  # needles end before the question's first chunk
     room = limit - len(needles[0])
     if room < 0:
@@ -597,7 +597,7 @@ def _cwe(c: _Context) -> TaskSample:
     texts, shape, S, length = AGGREGATION_TEMPLATES["cwe"], c.shape, c.chunk_size, len(c.haystack)
     common = [_new_word(c) for _ in range(shape.common_words)]
     question = c.encode(texts["question"].format(count=shape.common_words))
-    _, limit = _question_spot(length, S, len(question), len(_answer_ids(c, question, common)[1]))
+    _, limit = question_spot(length, S, len(question), len(_answer_ids(c, question, common)[1]))
     word_ids = {w: c.encode(texts["word"].format(word=w)) for w in common}
     number_len = max(len(c.encode(texts["number"].format(number=n))) for n in (1, limit))
     round_len = sum(len(ids) + number_len for ids in word_ids.values())
@@ -615,7 +615,7 @@ def _cwe(c: _Context) -> TaskSample:
     items = [items[i] for i in c.rng.permutation(len(items)).tolist()]
     in_order = list(dict.fromkeys(w for w in items if w in word_ids))  # the common words by first appearance
     question, answer = _answer_ids(c, question, in_order)
-    answer_start, question_start = _question_spot(length, S, len(question), len(answer))
+    answer_start, question_start = question_spot(length, S, len(question), len(answer))
     # An item goes in if it fits; an uncommon one only while the common items still to come keep room enough.
     reserve = max(len(ids) for ids in word_ids.values()) + number_len + 2
     common_left = repeats * shape.common_words
@@ -645,7 +645,7 @@ def _fwe(c: _Context) -> TaskSample:
     vocab = [NOISE_WORD] + [_new_word(c) for _ in range(max(asked + 2, length // 50) - 1)]
     question = c.encode(texts["question"].format(count=asked))
     question, answer = _answer_ids(c, question, vocab[1 : 1 + asked])
-    answer_start, question_start = _question_spot(length, S, len(question), len(answer))
+    answer_start, question_start = question_spot(length, S, len(question), len(answer))
     word_ids = [np.asarray(c.encode(texts["word"].format(word=w)), dtype=np.int64) for w in vocab]
     lens = np.asarray([len(ids) for ids in word_ids])
     share = np.arange(1, len(vocab) + 1, dtype=np.float64) ** -shape.zipf_alpha / _zeta(shape.zipf_alpha)

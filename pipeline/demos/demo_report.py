@@ -223,12 +223,12 @@ def collect_ruler(run_dir: Path, models: list[str]) -> list[dict]:
 
 
 def _ruler_section(rows: list[dict], models: list[str]) -> list[str]:
-    """Per model, the RULER table (string_match_all x 100 per task and length, held-out families marked)."""
+    """Per model, the RULER table (each task's RULER score x 100 per task and length, held-out families marked)."""
     if not rows:
         return []
     n = sorted({r["n"] for r in rows})
     lines = [
-        "RULER-style tasks (`--task ruler`, docs/evaluation.md): string_match_all x 100, "
+        "RULER-style tasks (`--task ruler`, docs/evaluation.md): string_match_all x 100 (QA: string_match_part), "
         f"{'/'.join(map(str, n))} sample(s) per cell; held out = a family the training mix never draws.",
         "",
     ]

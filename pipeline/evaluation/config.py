@@ -11,7 +11,7 @@ from data_prep.schema import ConfigError, load_schema
 from pipeline.data.needle import NeedleSpec, check_templates
 from pipeline.data.retrieval_tasks import FAMILIES
 from pipeline.evaluation.passkey import PasskeyGrid
-from pipeline.evaluation.ruler import RULER_TASKS, RulerGrid
+from pipeline.evaluation.ruler import RULER_TASKS, SYNTHETIC_TASKS, RulerGrid
 from pipeline.evaluation.runtime import StreamBudget, check_device
 
 TASKS = ("ppl", "passkey", "ruler")
@@ -57,9 +57,15 @@ class EvalConfig(NeedleSpec):
     restart: bool = False
     """passkey, ruler: discard the samples an earlier run finished in ``--out`` (``<task>.samples.jsonl``) instead
     of resuming from them; a run whose settings differ from theirs is refused without it."""
-    ruler_tasks: list[str] = field(default_factory=lambda: list(RULER_TASKS))
-    """ruler: the tasks to run (``pipeline.evaluation.ruler.RULER_TASKS``, lm-eval's names); ``samples`` per task
-    and length; ``data`` is their haystack (``noise``: RULER's noise text); ``key_digits`` sizes their keys."""
+    ruler_tasks: list[str] = field(default_factory=lambda: list(SYNTHETIC_TASKS))
+    """ruler: the tasks to run (``pipeline.evaluation.ruler.RULER_TASKS``, lm-eval's names; default: all but the QA
+    ones); ``samples`` per task and length; ``data`` is their haystack (``noise``: RULER's noise text);
+    ``key_digits`` sizes their keys."""
+    qa_squad: str | None = None
+    """ruler: a local SQuAD JSON file (e.g. ``dev-v2.0.json``) that ``ruler_qa_squad`` draws its questions and
+    documents from."""
+    qa_hotpot: str | None = None
+    """ruler: a local HotpotQA JSON file (e.g. ``hotpot_dev_distractor_v1.json``) for ``ruler_qa_hotpot``."""
 
 
 MAX_KEY_DIGITS = 18
@@ -121,6 +127,14 @@ def validate(cfg: EvalConfig, chunk_size: int | None = None, task: str | None = 
             f"ruler_tasks={cfg.ruler_tasks}: need distinct names among {list(RULER_TASKS)}"
             + (f" ({unknown} unknown)" if unknown else "")
         )
+    for name in cfg.ruler_tasks:
+        qa = RULER_TASKS[name].qa
+        if qa is not None and getattr(cfg, f"qa_{qa}") is None:
+            raise ConfigError(f"ruler_tasks has {name}, which reads a local {qa} file: set qa_{qa}=<path to it>")
+    for key in ("qa_squad", "qa_hotpot"):
+        path = getattr(cfg, key)
+        if path is not None and not Path(path).is_file():
+            raise ConfigError(f"{key}={path!r} is not a file")
     if cfg.variant not in FAMILIES:
         raise ConfigError(f"variant={cfg.variant!r} is not one of {FAMILIES}")
     if cfg.variant == "multiquery" and cfg.queries > cfg.needles:
@@ -149,7 +163,8 @@ def passkey_grid(cfg: EvalConfig) -> PasskeyGrid:
 
 def ruler_grid(cfg: EvalConfig) -> RulerGrid:
     """The samples ``--task ruler`` runs."""
-    return RulerGrid(list(cfg.ruler_tasks), cfg.lengths, cfg.samples, cfg.seed, cfg.key_digits)
+    qa_files = {fmt: path for fmt, path in (("squad", cfg.qa_squad), ("hotpot", cfg.qa_hotpot)) if path is not None}
+    return RulerGrid(list(cfg.ruler_tasks), cfg.lengths, cfg.samples, cfg.seed, cfg.key_digits, qa_files)
 
 
 def stream_budget(cfg: EvalConfig) -> StreamBudget:

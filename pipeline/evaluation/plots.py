@@ -57,10 +57,10 @@ def plot_passkey(rows: list[dict], train_seq_len: int | None, title: str, path: 
 
 
 def plot_ruler(rows: list[dict], train_seq_len: int | None, title: str, path: Path) -> None:
-    """RULER heatmap: task (rows) x length (columns), colour = ``string_match_all``."""
+    """RULER heatmap: task (rows) x length (columns), colour = each task's ``score`` (its RULER metric)."""
     tasks = list(dict.fromkeys(r["task"] for r in rows))
-    cells = {(r["task"], r["length"]): r["string_match_all"] for r in rows}
-    _heatmap(cells, tasks, tasks, train_seq_len, title, path, ylabel=None, colour="string_match_all", width=(5.5, 3.0))
+    cells = {(r["task"], r["length"]): r["score"] for r in rows}
+    _heatmap(cells, tasks, tasks, train_seq_len, title, path, ylabel=None, colour="score", width=(5.5, 3.0))
 
 
 def _heatmap(

@@ -13,7 +13,9 @@ Prediction: the input stops right before the answer and the model decodes as man
 reference answer has (``passkey.predict_answer``: streamed, chunk memory on disk past ``offload_mb``). Scores are
 RULER's, on the decoded text after ``postprocess``, with ``refs`` the sample's answers (the asked values, names or
 words): ``string_match_all`` = (references found in the prediction, case-insensitive substring) / (references);
-``string_match_part`` = 1 if any reference is found, else 0; each row holds their means over its samples.
+``string_match_part`` = 1 if any reference is found, else 0; each row holds their means over its samples, and as
+``score`` the task's own RULER metric (``RulerTask.metric``: ``string_match_part`` for QA, whose references are
+alternative answers; ``string_match_all`` for the rest).
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ import logging
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from model import CausalLM
 from pipeline.data.needle import NeedleSpec
-from pipeline.data.retrieval_tasks import AGGREGATION_FAMILIES, UUID_TEMPLATES, TaskSample, TaskShape
+from pipeline.data.qa_task import build_qa, load_qa
+from pipeline.data.retrieval_tasks import AGGREGATION_FAMILIES, UUID_TEMPLATES, Codec, TaskSample, TaskShape
 from pipeline.evaluation.haystack import TokenSource
 from pipeline.evaluation.passkey import build_sample, predict_answer
 from pipeline.evaluation.plots import short_length
@@ -39,18 +42,25 @@ from pipeline.evaluation.tokenizer import ByteTokenizer, SentencePieceTokenizer
 log = logging.getLogger(__name__)
 
 SAMPLES_FILE = "ruler.samples.jsonl"
-SETTING_KEYS = ("data", "seed", "segment", "device", "attn_backend", "key_digits")
+SETTING_KEYS = ("data", "seed", "segment", "device", "attn_backend", "key_digits", "qa_squad", "qa_hotpot")
 """Eval keys a ruler sample's outcome depends on (``resume.SETTING_KEYS``' reasoning; ``ruler_tasks``, ``lengths``
 and ``samples`` choose samples, each record names its own)."""
 
 
 @dataclass(frozen=True)
 class RulerTask:
-    """One RULER task: the family that builds it, its counts and whether its haystack is always the noise text."""
+    """One RULER task: the family that builds it, its counts, whether its haystack is always the noise text, and
+    for a QA task the format of the local file its questions come from (``pipeline.data.qa_task.QA_FORMATS``)."""
 
     family: str
     shape: TaskShape
     noise: bool = False
+    qa: str | None = None
+
+    @property
+    def metric(self) -> str:
+        """RULER's score for the task: every reference found, or (QA: references are alternatives) any one."""
+        return "string_match_part" if self.qa else "string_match_all"
 
 
 RULER_TASKS = {
@@ -66,11 +76,18 @@ RULER_TASKS = {
     "niah_single_3": RulerTask("multikey", TaskShape(needles=1, queries=1, value_kind="uuid")),
     "niah_multikey_2": RulerTask("multikey", TaskShape(needle_haystack=True)),
     "niah_multikey_3": RulerTask("multikey", TaskShape(needle_haystack=True, name_kind="uuid", value_kind="uuid")),
+    "ruler_qa_squad": RulerTask("qa", TaskShape(), qa="squad"),
+    "ruler_qa_hotpot": RulerTask("qa", TaskShape(), qa="hotpot"),
 }
 """The tasks ``--task ruler`` runs, in report order (new tasks go at the end: a task's place seeds its samples).
 ``niah_single_3``: one needle of a made-up name and a UUID value in the data's text; ``niah_multikey_2``: a context
 made only of name/number needles, one asked; ``niah_multikey_3``: the same with UUID names and values (all three
-``multikey`` shapes the trainer's mix never draws). Not here: the QA tasks (their SQuAD/HotpotQA data)."""
+``multikey`` shapes the trainer's mix never draws); ``ruler_qa_squad`` / ``ruler_qa_hotpot``: questions and
+documents of a local SQuAD / HotpotQA file (``pipeline.data.qa_task``), run only when named, with the file given."""
+SYNTHETIC_TASKS = [name for name, task in RULER_TASKS.items() if task.qa is None]
+"""The tasks that need no data file: what ``--task ruler`` and the demo run by default."""
+HELD_OUT_FAMILIES = (*AGGREGATION_FAMILIES, "qa")
+"""Families the trainer's mix never draws."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +99,8 @@ class RulerGrid:
     samples: int
     seed: int
     key_digits: int = 5
+    qa_files: dict[str, str] = field(default_factory=dict)
+    """QA format (``squad``, ``hotpot``) -> the local file its tasks read."""
 
 
 def sample_key(record: dict) -> tuple[str, int, int]:
@@ -115,17 +134,33 @@ def build_ruler_sample(
     rng: np.random.Generator,
     chunk_size: int,
     key_digits: int = 5,
+    qa_files: dict[str, str] | None = None,
 ) -> TaskSample:
     """Task ``name``'s sample of ``length`` tokens over a window of ``sources["data"]`` (``sources["noise"]`` for
-    a noise task), by ``passkey.build_sample`` (so by ``build_task``), depth drawn from ``rng``.
+    a noise task), by ``passkey.build_sample`` (so by ``build_task``; QA tasks by ``qa_task.build_qa`` from their
+    file in ``qa_files``), depth drawn from ``rng``.
 
     Raises:
-        ValueError: ``length`` cannot hold the task (the message says why).
+        ValueError: ``length`` cannot hold the task (the message says why); a QA task's file is not given or cannot
+            be read.
     """
     task = RULER_TASKS[name]
     source = sources["noise" if task.noise else "data"]
-    texts = UUID_TEMPLATES if task.shape.value_kind == "uuid" else {}
-    spec = NeedleSpec(variant=task.family, key_digits=key_digits, **texts)
+    if task.qa is not None:
+        path = (qa_files or {}).get(task.qa)
+        if path is None:
+            raise ValueError(f"{name} reads its questions from a local file: set qa_{task.qa}=<file>")
+        window = source.window(length, rng).astype(np.int64)
+        return build_qa(
+            load_qa(path, task.qa), window, Codec(tokenizer.encode, tokenizer.decode), rng, chunk_size=chunk_size
+        )
+    uuid = task.shape.value_kind == "uuid"
+    spec = NeedleSpec(
+        variant=task.family,
+        key_digits=key_digits,
+        needle=UUID_TEMPLATES["needle"] if uuid else None,
+        question=UUID_TEMPLATES["question"] if uuid else None,
+    )
     shape = replace(task.shape, key_digits=key_digits)
     return build_sample(source, tokenizer, spec, length=length, depth=None, rng=rng, chunk_size=chunk_size, shape=shape)
 
@@ -157,6 +192,7 @@ def check_grid(
                 rng=sample_rng(grid, name, length, 0),
                 chunk_size=chunk_size,
                 key_digits=grid.key_digits,
+                qa_files=grid.qa_files,
             )
         except ValueError as err:
             raise ValueError(f"ruler_tasks: {name} at length {length}: {err}") from None
@@ -172,9 +208,9 @@ def evaluate_ruler(
     progress: Callable[[int, int], Callable[[int], None]] | None = None,
     finished: SampleLog | None = None,
 ) -> list[dict]:
-    """Rows ``{"task", "family", "held_out", "length", "string_match_all", "string_match_part", "n", "seconds",
-    "tokens_per_s"}`` per (task, length), lengths outermost. ``held_out``: the trainer's mix never draws the
-    family. ``finished`` and ``progress`` as ``passkey.evaluate_passkey``'s."""
+    """Rows ``{"task", "family", "held_out", "length", "string_match_all", "string_match_part", "metric", "score",
+    "n", "seconds", "tokens_per_s"}`` per (task, length), lengths outermost. ``held_out``: the trainer's mix never
+    draws the family. ``finished`` and ``progress`` as ``passkey.evaluate_passkey``'s."""
     rows = []
     for length in grid.lengths:
         keys = [(name, length, s) for name in grid.tasks for s in range(grid.samples)]
@@ -198,21 +234,26 @@ def evaluate_ruler(
                         finished.add(record)
                 records.append(record)
             seconds = sum(r["seconds"] for r in records)
-            family = RULER_TASKS[name].family
+            task = RULER_TASKS[name]
+            means = {
+                metric: round(sum(r[metric] for r in records) / len(records), 6)
+                for metric in ("string_match_all", "string_match_part")
+            }
             rows.append(
                 {
                     "task": name,
-                    "family": family,
-                    "held_out": family in AGGREGATION_FAMILIES,
+                    "family": task.family,
+                    "held_out": task.family in HELD_OUT_FAMILIES,
                     "length": length,
-                    "string_match_all": round(sum(r["string_match_all"] for r in records) / len(records), 6),
-                    "string_match_part": round(sum(r["string_match_part"] for r in records) / len(records), 6),
+                    **means,
+                    "metric": task.metric,
+                    "score": means[task.metric],
                     "n": len(records),
                     "seconds": round(seconds, 3),
                     "tokens_per_s": round(len(records) * length / max(seconds, 1e-3), 1),
                 }
             )
-            log.info("ruler %s length=%d: string_match_all %.3f", name, length, rows[-1]["string_match_all"])
+            log.info("ruler %s length=%d: %s %.3f", name, length, task.metric, rows[-1]["score"])
     return rows
 
 
@@ -236,6 +277,7 @@ def _run_sample(
         rng=sample_rng(grid, name, length, s),
         chunk_size=model.cfg.chunk_size,
         key_digits=grid.key_digits,
+        qa_files=grid.qa_files,
     )
     streamed = 0
 
@@ -264,16 +306,16 @@ def _run_sample(
         name,
         length,
         s,
-        record["string_match_all"],
+        record[RULER_TASKS[name].metric],
         sample.key,
         prediction,
     )
     return record
 
 
-def markdown_table(rows: list[dict], metric: str = "string_match_all") -> str:
-    """``rows`` as a markdown table: a line per task (held-out ones marked), a column per length, ``metric`` x 100,
-    and a last line with the mean over the tasks at each length."""
+def markdown_table(rows: list[dict], metric: str = "score") -> str:
+    """``rows`` as a markdown table: a line per task (held-out ones marked), a column per length, ``metric`` x 100
+    (``score``: each task's RULER metric), and a last line with the mean over the tasks at each length."""
     lengths = sorted({r["length"] for r in rows})
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     cell = {(r["task"], r["length"]): r[metric] for r in rows}
@@ -282,7 +324,7 @@ def markdown_table(rows: list[dict], metric: str = "string_match_all") -> str:
         "|---|" + "---:|" * len(lengths),
     ]
     for task in tasks:
-        label = task + (" (held out)" if RULER_TASKS[task].family in AGGREGATION_FAMILIES else "")
+        label = task + (" (held out)" if RULER_TASKS[task].family in HELD_OUT_FAMILIES else "")
         values = [f"{100 * cell[task, n]:.1f}" if (task, n) in cell else "-" for n in lengths]
         lines.append(f"| {label} | " + " | ".join(values) + " |")
     means = []

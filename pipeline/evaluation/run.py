@@ -105,7 +105,8 @@ def run_eval(checkpoint: str, task: str, out: str | Path, overrides: list[str], 
     if task == "ppl":
         plot = functools.partial(plot_ppl, rows, train_seq_len, f"perplexity: {title}")
     elif task == "ruler":
-        plot = functools.partial(plot_ruler, rows, train_seq_len, f"RULER (string_match_all): {title}")
+        heading = f"RULER (string_match_all; QA: string_match_part): {title}"
+        plot = functools.partial(plot_ruler, rows, train_seq_len, heading)
         table = out / "ruler.md"
         try:
             _replace_atomically(table, lambda tmp: tmp.write_text(ruler.markdown_table(rows)))

@@ -110,7 +110,7 @@ UUID_TASKS = ("niah_single_3", "niah_multikey_2", "niah_multikey_3")
 """Tasks with UUIDs or a haystack made of needles (checked by their own test below)."""
 
 
-@pytest.mark.parametrize("name", [n for n in ruler.RULER_TASKS if n not in ("ruler_cwe", "ruler_fwe", *UUID_TASKS)])
+@pytest.mark.parametrize("name", [n for n in ruler.SYNTHETIC_TASKS if n not in ("ruler_cwe", "ruler_fwe", *UUID_TASKS)])
 def test_every_niah_and_vt_task_reads_back_as_ruler_defines_it(name):
     """Decoded, the context holds the task's needles (RULER's counts) and the answers are the asked ones."""
     task = ruler.RULER_TASKS[name]
@@ -329,10 +329,10 @@ def test_the_demo_report_shows_each_models_ruler_table(tmp_path):
 
     rows = {
         "gca": [
-            {"task": "niah_single_1", "length": 1024, "string_match_all": 1.0, "n": 1},
-            {"task": "ruler_cwe", "length": 1024, "string_match_all": 0.25, "n": 1},
+            {"task": "niah_single_1", "length": 1024, "score": 1.0, "n": 1},
+            {"task": "ruler_cwe", "length": 1024, "score": 0.25, "n": 1},
         ],
-        "baseline": [{"task": "niah_single_1", "length": 1024, "string_match_all": 0.0, "n": 1}],
+        "baseline": [{"task": "niah_single_1", "length": 1024, "score": 0.0, "n": 1}],
     }
     for model, results in rows.items():
         (tmp_path / "eval" / model / "ruler").mkdir(parents=True)
