@@ -4,9 +4,10 @@ holds, read from local SQuAD or HotpotQA files (nothing is downloaded).
 A sample of ``length`` tokens is laid out like the other families of ``pipeline.data.retrieval_tasks`` (the
 question's last token opens a chunk, the answer follows it): the question's own documents (SQuAD: the paragraph it
 was asked on; HotpotQA: the ten paragraphs that come with it, two of them holding the supporting facts) and
-distractor documents drawn at random from the rest of the file, in random order and numbered, fill the context
-back to back up to the question; the haystack's text pads what is left at the start (less than one document, or
-more when the file has too few documents for the length). As in RULER, the documents are each file's distinct
+distractor documents (SQuAD: first the other paragraphs of the question's article, as RULER takes them, then
+paragraphs drawn at random from the rest of the file), shuffled and numbered, fill the context back to back up to
+the question; the haystack's text pads what is left at the start (less than one document, or more when the file
+has too few documents for the length). As in RULER, the documents are each file's distinct
 paragraphs, the references are every answer given for the question, and a prediction is scored with
 ``string_match_part`` (any reference found in it). The trainer's mix never draws this family (held out).
 
@@ -47,6 +48,9 @@ class QAQuestion:
     """Every distinct reference answer, the first one written after the question in the sample's ids."""
     gold: tuple[int, ...]
     """Indices into ``QASet.documents`` of the documents that come with the question."""
+    related: tuple[int, ...] = ()
+    """SQuAD: the other paragraphs of the question's article, the first distractors (RULER's choice: the hardest
+    ones)."""
 
 
 @dataclass(frozen=True)
@@ -69,26 +73,26 @@ def _malformed(path: Path, fmt: str, what: str) -> ValueError:
 def _read_squad(path: Path, data: object) -> QASet:
     if not isinstance(data, dict) or not isinstance(data.get("data"), list):
         raise _malformed(path, "squad", 'no top-level "data" list')
-    documents: list[str] = []
     index: dict[str, int] = {}
     questions = []
     try:
         for article in data["data"]:
             for paragraph in article["paragraphs"]:
-                context = paragraph["context"]
-                if not isinstance(context, str):
+                if not isinstance(paragraph["context"], str):
                     raise TypeError("context")
-                if context not in index:
-                    index[context] = len(documents)
-                    documents.append(context)
+                index.setdefault(paragraph["context"], len(index))
+            article_docs = list(dict.fromkeys(index[p["context"]] for p in article["paragraphs"]))
+            for paragraph in article["paragraphs"]:
+                doc = index[paragraph["context"]]
+                related = tuple(d for d in article_docs if d != doc)
                 for qa in paragraph["qas"]:
                     answers = tuple(dict.fromkeys(a["text"] for a in qa.get("answers", []) if a["text"].strip()))
                     if qa.get("is_impossible") or not answers:
                         continue
-                    questions.append(QAQuestion(str(qa["question"]).strip(), answers, (index[context],)))
+                    questions.append(QAQuestion(str(qa["question"]).strip(), answers, (doc,), related))
     except (KeyError, TypeError, AttributeError) as err:
         raise _malformed(path, "squad", f"a record without the field {err}") from None
-    return QASet(str(path), tuple(documents), tuple(questions))
+    return QASet(str(path), tuple(index), tuple(questions))
 
 
 def _read_hotpot(path: Path, data: object) -> QASet:
@@ -164,7 +168,8 @@ def build_qa(qa: QASet, haystack: np.ndarray, codec: Codec, rng: np.random.Gener
     answer_start, question_start = question_spot(length, S, len(question), answer_len)
     header = codec.encode(HEADER)
     gold = set(item.gold)
-    others = [i for i in rng.permutation(len(qa.documents)).tolist() if i not in gold]
+    related = [item.related[k] for k in rng.permutation(len(item.related)).tolist()]
+    others = related + [i for i in rng.permutation(len(qa.documents)).tolist() if i not in gold.union(related)]
     picked = _pick_documents(qa, codec, list(item.gold), others, question_start - len(header))
     if picked is None:
         raise ValueError(

@@ -92,6 +92,9 @@ def test_squad_sample_holds_its_paragraph_among_numbered_distractors(tmp_path, l
         assert [n for n, _ in documents] == list(range(1, len(documents) + 1))
         texts = [d for _, d in documents]
         assert gold in texts and set(texts) <= set(contexts) and len(set(texts)) == len(texts)
+        article = next(a for a in raw["data"] if qa in [q for p in a["paragraphs"] for q in p["qas"]])
+        if length >= 2048:  # the article's other paragraphs fit, and come first among the distractors
+            assert {p["context"] for p in article["paragraphs"]} <= set(texts)
         assert before.endswith("The documents:\n\n")
         pad = len(TOK.encode(before[: before.index("Answer the question")]))
         if len(texts) < len(contexts):  # the documents fill the context: the pad is shorter than any left out
