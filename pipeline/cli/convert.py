@@ -5,8 +5,9 @@ The dense model's shapes come from its ``config.json`` (``model.convert.dense_ov
 layout (``model.n_lower_layers``, ``model.groups``, ``model.n_encoder_layers``, ``model.chunk_size``,
 ``model.top_k``, ``model.window``, ...; the defaults otherwise, with ``model.tokens_see_landmarks=false`` so the
 export computes the dense logits inside the window). The export is a normal one (``model.load_pretrained``, the eval
-jobs, ``checkpoint.init_from=<dir>``, ``transformers``' Auto classes) and carries the dense folder's SentencePiece
-``tokenizer.model`` when it has one. Exit status: 0 done, 2 a bad argument or checkpoint (nothing is written).
+jobs, ``checkpoint.init_from=<dir>``, ``transformers``' Auto classes) and carries the dense folder's tokenizer: its
+SentencePiece ``tokenizer.model`` when it has one, else its ``tokenizer.json`` (``data_prep.dataset_tokenizer``).
+Exit status: 0 done, 2 a bad argument or checkpoint (nothing is written).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+from data_prep.dataset_tokenizer import folder_tokenizer
 from model.config import ConfigError, GCAConfig
 from model.convert import DENSE_KEYS, ConversionError, convert_dense
 from pipeline.train.export import write_export
@@ -46,9 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
             raise FileExistsError(f"--out {args.out} exists and is not an empty directory; choose a new one")
         model, source = convert_dense(args.dense, parse_layout(args.overrides))
-        tokenizer = args.dense / "tokenizer.model"
-        sentencepiece = tokenizer.read_bytes() if tokenizer.is_file() else None
-        out = write_export(model, args.out, step=None, seq_len=None, tokenizer=sentencepiece)
+        tokenizer = folder_tokenizer(args.dense)
+        out = write_export(model, args.out, step=None, seq_len=None, tokenizer=tokenizer)
     except (ConfigError, ConversionError, FileExistsError, TypeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from data_prep.dataset_tokenizer import SENTENCEPIECE, TokenizerFiles
 from pipeline.data.retrieval_tasks import DEFAULT_SHAPE, FAMILIES, Codec, TaskSample, TaskShape, build_task
 
 DRAWS = 32
@@ -26,21 +27,22 @@ DRY_RUN_SEEDS = 64
 """Samples per family built at construction: names and keys vary in length, so many layouts, not one."""
 
 
-def sentencepiece_codec(tokenizer: str | Path | bytes) -> Codec:
-    """The ``Codec`` of a SentencePiece model file, or of its bytes (as the trainer reads it from a dataset).
+def tokenizer_codec(tokenizer: TokenizerFiles) -> Codec:
+    """The ``Codec`` of a dataset's tokenizer as the trainer reads it (a SentencePiece model or a Hugging Face
+    ``tokenizer.json``)."""
+    codec = tokenizer.codec()
+    return Codec(encode=codec.encode, decode=codec.decode)
+
+
+def sentencepiece_codec(tokenizer: str | Path) -> Codec:
+    """The ``Codec`` of a SentencePiece model file.
 
     Raises:
         FileNotFoundError: no such file.
     """
-    import sentencepiece as spm
-
-    if isinstance(tokenizer, bytes):
-        sp = spm.SentencePieceProcessor(model_proto=tokenizer)
-    elif Path(tokenizer).is_file():
-        sp = spm.SentencePieceProcessor(model_file=str(tokenizer))
-    else:
+    if not Path(tokenizer).is_file():
         raise FileNotFoundError(f"the retrieval mix needs the tokenizer at {tokenizer}")
-    return Codec(encode=sp.encode, decode=sp.decode)
+    return tokenizer_codec(TokenizerFiles(SENTENCEPIECE, Path(tokenizer).read_bytes()))
 
 
 class RetrievalMix:

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from data_prep import format as fmt
+from data_prep.dataset_tokenizer import TokenizerFiles, read_tokenizer_files
 from data_prep.safe_files import (
     INDEX_FILENAME,
     UnsafeColumnError,
@@ -349,26 +350,27 @@ class MDSReader:
         return np.asarray(sample[fmt.TOKENS]), int(sample[fmt.DOC_ID])
 
 
-def read_tokenizer(data_path: str) -> bytes | None:
-    """The bytes of ``tokenizer.model`` next to a local dataset, read as a regular file only (a link or FIFO planted
-    there is refused, never followed or blocked on); None when there is none, or the dataset is remote.
+def read_tokenizer(data_path: str) -> TokenizerFiles | None:
+    """The tokenizer next to a local dataset (``tokenizer.model``, or ``tokenizer.json`` with its config), read as
+    regular files only (a link or FIFO planted there is refused, never followed or blocked on); None when there is
+    none, or the dataset is remote.
 
     Raises:
-        UnsafeDatasetError: the file is a link, FIFO, device or directory.
+        UnsafeDatasetError: a tokenizer file is a link, FIFO, device or directory, or both kinds are there.
     """
-    root = Path(data_path)
-    if is_remote(data_path) or stat_regular(root, fmt.TOKENIZER_FILENAME) is None:
+    if is_remote(data_path):
         return None
-    return read_regular(root, fmt.TOKENIZER_FILENAME)
+    return read_tokenizer_files(Path(data_path))
 
 
 def dataset_fingerprint(reader: MDSReader, data_path: str) -> dict[str, str | None]:
     """Content fingerprint of the training data: sha256 of the split's ``index.json`` (which records every
-    shard's hash, size and sample count) and of ``tokenizer.model`` (``None`` when there is none, or remote)."""
+    shard's hash, size and sample count) and of ``tokenizer.model`` / ``tokenizer.json`` (``None`` when there is
+    none, or remote)."""
     tokenizer = read_tokenizer(data_path)
     return {
         "index_sha256": hashlib.sha256(reader.index_bytes).hexdigest(),
-        "tokenizer_sha256": hashlib.sha256(tokenizer).hexdigest() if tokenizer is not None else None,
+        "tokenizer_sha256": tokenizer.sha256 if tokenizer is not None else None,
     }
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from data_prep.safe_files import read_regular, stat_regular
-from pipeline.evaluation.tokenizer import ByteTokenizer, SentencePieceTokenizer
+from pipeline.evaluation.tokenizer import ByteTokenizer, ModelTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class TokenSource:
         seed: seeds the built-in filler.
     """
 
-    def __init__(self, data: str, tokenizer: SentencePieceTokenizer | ByteTokenizer, seed: int = 0) -> None:
+    def __init__(self, data: str, tokenizer: ModelTokenizer | ByteTokenizer, seed: int = 0) -> None:
         self.data, self.tokenizer, self.seed = data, tokenizer, seed
         self._cache = np.zeros(0, dtype=np.int64)
         self._exhausted = False

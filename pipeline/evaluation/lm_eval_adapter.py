@@ -73,8 +73,8 @@ class GCALM(TemplateLM):
         self.budget = StreamBudget(segment=int(segment), offload_mb=int(offload_mb))
         self.max_gen_toks = int(max_gen_toks)
         self.start_id = self.tok.eos_id if self.tok.eos_id is not None else self.tok.encode("\n")[0]
-        sp = getattr(self.tok, "sp", None)  # a SentencePiece model may define a BOS, as the export's HF files do
-        self._prefix_id = sp.bos_id() if sp is not None and sp.bos_id() >= 0 else self.start_id
+        # the tokenizer may define a BOS, as the export's HF files do
+        self._prefix_id = self.tok.bos_id if self.tok.bos_id is not None else self.start_id
 
     @property
     def tokenizer_name(self) -> str:

@@ -39,7 +39,7 @@ from pipeline.evaluation.generate import decode, prefill
 from pipeline.evaluation.haystack import TokenSource
 from pipeline.evaluation.resume import SampleLog
 from pipeline.evaluation.runtime import IN_RAM, StreamBudget, stream_state
-from pipeline.evaluation.tokenizer import ByteTokenizer, SentencePieceTokenizer
+from pipeline.evaluation.tokenizer import ByteTokenizer, ModelTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class PasskeyGrid:
 
 def build_sample(
     source: TokenSource,
-    tokenizer: SentencePieceTokenizer | ByteTokenizer,
+    tokenizer: ModelTokenizer | ByteTokenizer,
     spec: NeedleSpec,
     *,
     length: int,
@@ -124,7 +124,7 @@ def predict_answer(
 
 def evaluate_passkey(
     model: CausalLM,
-    tokenizer: SentencePieceTokenizer | ByteTokenizer,
+    tokenizer: ModelTokenizer | ByteTokenizer,
     source: TokenSource,
     grid: PasskeyGrid,
     *,
@@ -223,7 +223,7 @@ class _SampleAt:
 
 def _run_sample(
     model: CausalLM,
-    tokenizer: SentencePieceTokenizer | ByteTokenizer,
+    tokenizer: ModelTokenizer | ByteTokenizer,
     source: TokenSource,
     grid: PasskeyGrid,
     at: _SampleAt,

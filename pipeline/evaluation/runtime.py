@@ -13,7 +13,7 @@ import torch
 from model import CausalLM, StreamState, load_pretrained, read_export_config
 from model.io import ExportError
 from model.offload import MemmapChunkMemory
-from pipeline.evaluation.tokenizer import ByteTokenizer, SentencePieceTokenizer, load_tokenizer
+from pipeline.evaluation.tokenizer import ByteTokenizer, ModelTokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 class Checkpoint:
     path: str
     model: CausalLM
-    tokenizer: SentencePieceTokenizer | ByteTokenizer
+    tokenizer: ModelTokenizer | ByteTokenizer
     train_seq_len: int | None
     """Training length from the export metadata (``train_seq_len``, or the trainer's ``seq_len``)."""
 

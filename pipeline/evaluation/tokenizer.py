@@ -1,4 +1,5 @@
-"""Text <-> ids for evaluation prompts: the export's SentencePiece model, or UTF-8 bytes for a synthetic vocab.
+"""Text <-> ids for evaluation prompts: the export's tokenizer (a SentencePiece model or a Hugging Face
+``tokenizer.json``), or UTF-8 bytes for a synthetic vocab.
 
 An export written by the trainer names its tokenizer (``export.tokenizer``, relative to the export directory).
 A model without one (e.g. random-init tests with a synthetic vocabulary) gets ``ByteTokenizer``: id = UTF-8
@@ -11,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
+from data_prep.dataset_tokenizer import TokenizerFiles, named_tokenizer_files
+
 
 class Tokenizer(Protocol):
     name: str
@@ -21,20 +24,33 @@ class Tokenizer(Protocol):
     def decode(self, ids: list[int]) -> str: ...
 
 
-class SentencePieceTokenizer:
-    def __init__(self, path: Path) -> None:
-        import sentencepiece as spm
+class ModelTokenizer:
+    """A model's own tokenizer: a SentencePiece model or a Hugging Face ``tokenizer.json``
+    (``data_prep.dataset_tokenizer``), given as a file (a ``tokenizer.json`` reads the ``tokenizer_config.json``
+    beside it for its special tokens) or as the bytes the trainer read from its dataset."""
 
-        self.name = str(path)
-        self.sp = spm.SentencePieceProcessor(model_file=str(path))
-        self.eos_id = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
-        self.vocab_size = self.sp.get_piece_size()
+    def __init__(self, source: str | Path | TokenizerFiles, name: str | None = None) -> None:
+        if not isinstance(source, TokenizerFiles):
+            path = Path(source)
+            source, name = named_tokenizer_files(path.parent, path.name), name or str(path)
+        codec = source.codec()
+        self.name = name or source.name
+        self.kind = source.kind
+        self.eos_id = codec.eos_id
+        self.bos_id = codec.bos_id
+        self.vocab_size = codec.vocab_size
+        self._codec = codec
 
     def encode(self, text: str) -> list[int]:
-        return self.sp.encode(text)
+        return self._codec.encode(text)
 
     def decode(self, ids: list[int]) -> str:
-        return self.sp.decode(ids)
+        return self._codec.decode(ids)
+
+
+SentencePieceTokenizer = ModelTokenizer
+"""The name this class had while every export's tokenizer was a SentencePiece model; ``pipeline.evaluation.ruler``
+and tests still use it."""
 
 
 class ByteTokenizer:
@@ -42,6 +58,7 @@ class ByteTokenizer:
 
     name = "bytes"
     eos_id = None
+    bos_id = None
     vocab_size = 256
 
     def encode(self, text: str) -> list[int]:
@@ -51,12 +68,12 @@ class ByteTokenizer:
         return b"".join(bytes([i]) if 0 <= i < 256 else "\ufffd".encode() for i in ids).decode("utf-8", "replace")
 
 
-def load_tokenizer(checkpoint: str | Path, export: dict, vocab_size: int) -> SentencePieceTokenizer | ByteTokenizer:
-    """The tokenizer named by ``export["tokenizer"]``, else bytes.
+def load_tokenizer(checkpoint: str | Path, export: dict, vocab_size: int) -> ModelTokenizer | ByteTokenizer:
+    """The tokenizer named by ``export["tokenizer"]`` (``tokenizer.model`` or ``tokenizer.json``), else bytes.
 
     Raises:
         FileNotFoundError: the export names a tokenizer file that is not there.
-        ValueError: ``export.tokenizer`` is not a file name, the file is not a SentencePiece model, or its
+        ValueError: ``export.tokenizer`` is not a file name, the file is not a tokenizer of its kind, or its
             vocabulary does not fit the model's ``vocab_size``.
     """
     name = export.get("tokenizer")
@@ -67,11 +84,10 @@ def load_tokenizer(checkpoint: str | Path, export: dict, vocab_size: int) -> Sen
         if not path.is_file():
             raise FileNotFoundError(f"{checkpoint}/config.json: export.tokenizer={name!r} but {path} does not exist")
         try:
-            tok: SentencePieceTokenizer | ByteTokenizer = SentencePieceTokenizer(path)
-        except (RuntimeError, OSError) as err:  # sentencepiece's parse error is a bare RuntimeError
+            tok: ModelTokenizer | ByteTokenizer = ModelTokenizer(path)
+        except (ValueError, OSError) as err:
             raise ValueError(
-                f"{path}: not a SentencePiece model ({str(err).splitlines()[0]}); copy the dataset's "
-                "tokenizer.model into the export again"
+                f"{path}: {str(err).splitlines()[0]}; copy the dataset's tokenizer files into the export again"
             ) from None
     else:
         tok = ByteTokenizer()

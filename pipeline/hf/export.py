@@ -13,10 +13,17 @@ import logging
 import os
 from pathlib import Path
 
-from data_prep.safe_files import UnsafeDatasetError, read_regular
+from data_prep.dataset_tokenizer import HF, TokenizerFiles, named_tokenizer_files
+from data_prep.safe_files import UnsafeDatasetError
 from model.io import CONFIG_NAME, read_export_config
 from pipeline.hf.bundle import MANIFEST_NAME, manifest, shipped_files
-from pipeline.hf.tokenizer import TOKENIZER_MODEL, UnsupportedTokenizerError, special_token_ids, write_tokenizer_files
+from pipeline.hf.tokenizer import (
+    TOKENIZER_MODEL,
+    UnsupportedTokenizerError,
+    special_token_ids,
+    write_hf_tokenizer_config,
+    write_tokenizer_files,
+)
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +36,8 @@ HF_CLASS_NAMES = {
 }
 
 
-def _tokenizer_bytes(directory: Path, export: dict) -> bytes | None:
-    """The SentencePiece model the export names (``export.tokenizer``) if it is there, else None."""
+def _tokenizer_files(directory: Path, export: dict) -> TokenizerFiles | None:
+    """The tokenizer the export names (``export.tokenizer``) if it is there, else None."""
     name = export.get("tokenizer")
     if not name:
         return None
@@ -38,7 +45,7 @@ def _tokenizer_bytes(directory: Path, export: dict) -> bytes | None:
         log.warning("%s: export.tokenizer=%r is not a file name in the export: no tokenizer files", directory, name)
         return None
     try:
-        return read_regular(directory, name)
+        return named_tokenizer_files(directory, name)
     except FileNotFoundError:
         log.warning("%s names tokenizer %s, which is missing: no Hugging Face tokenizer files", directory, name)
     except UnsafeDatasetError as err:
@@ -51,10 +58,12 @@ def _tokenizer_bytes(directory: Path, export: dict) -> bytes | None:
 def write_hf_files(directory: str | os.PathLike) -> Path:
     """Add the ``transformers`` files to the export in ``directory``: the ``config.json`` keys (``model_type``,
     ``auto_map``, ``architectures``, special token ids), the remote code with its source manifest, and the tokenizer
-    files when the export names a SentencePiece tokenizer.
+    files: converted from a SentencePiece tokenizer, or for a Hugging Face ``tokenizer.json`` that file as it is
+    with a matching ``tokenizer_config.json`` (``pipeline.hf.tokenizer``).
 
-    A tokenizer that is missing, or that normalises text (not one data prep trains, so its encoding cannot be
-    reproduced exactly), gets no tokenizer files and a warning; the model files are written all the same.
+    A tokenizer that is missing, or a SentencePiece model that normalises text (not one data prep trains, so its
+    encoding cannot be reproduced exactly), or a ``tokenizer.json`` that does not parse, gets no tokenizer files and
+    a warning; the model files are written all the same.
 
     Raises:
         FileNotFoundError: no ``config.json``.
@@ -64,19 +73,21 @@ def write_hf_files(directory: str | os.PathLike) -> Path:
     read_export_config(root)  # refuse anything that is not an export before writing into it
     payload = json.loads((root / CONFIG_NAME).read_text(encoding="utf-8"))
     export = payload.get("export", {})
-    tokenizer = _tokenizer_bytes(root, export)
+    tokenizer = _tokenizer_files(root, export)
     files = shipped_files()
     for shipped in files:
         (root / shipped.name).write_text(shipped.text, encoding="utf-8")
     (root / MANIFEST_NAME).write_text(json.dumps(manifest(files), indent=2, sort_keys=True), encoding="utf-8")
-    if tokenizer is not None:
-        try:
-            write_tokenizer_files(root, tokenizer)
-        except UnsupportedTokenizerError as err:
-            log.warning("%s: no Hugging Face tokenizer files (%s); the model itself loads", root, str(err))
-            tokenizer = None
-    if tokenizer is not None and export.get("tokenizer") != TOKENIZER_MODEL:
-        export["tokenizer"] = TOKENIZER_MODEL  # AutoTokenizer and the native loader read the same file
+    special_ids: dict[str, int] = {}
+    try:
+        if tokenizer is not None and tokenizer.kind == HF:
+            special_ids = write_hf_tokenizer_config(root, tokenizer)
+        elif tokenizer is not None:
+            write_tokenizer_files(root, tokenizer.data)
+            special_ids = special_token_ids(tokenizer.data)
+            export["tokenizer"] = TOKENIZER_MODEL  # AutoTokenizer and the native loader read the same file
+    except (UnsupportedTokenizerError, ValueError) as err:
+        log.warning("%s: no Hugging Face tokenizer files (%s); the model itself loads", root, str(err))
     payload.update(
         {
             "export": export,
@@ -86,7 +97,7 @@ def write_hf_files(directory: str | os.PathLike) -> Path:
             "torch_dtype": "float32",
             "tie_word_embeddings": False,
             "use_cache": True,
-            **(special_token_ids(tokenizer) if tokenizer is not None else {}),
+            **special_ids,
         }
     )
     tmp = root / (CONFIG_NAME + ".tmp")

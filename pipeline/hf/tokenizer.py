@@ -1,4 +1,10 @@
-"""Hugging Face tokenizer files for an export, encoding exactly as the SentencePiece model the data was made with.
+"""Hugging Face tokenizer files for an export, encoding exactly as the tokenizer the data was made with.
+
+A dataset tokenized with a Hugging Face ``tokenizer.json`` (``tokenizer.type=hf``) already has the file
+``transformers`` reads: the export keeps it byte for byte and gets a ``tokenizer_config.json`` for the generic
+``PreTrainedTokenizerFast`` naming the same special tokens (`write_hf_tokenizer_config`), so ``AutoTokenizer``
+encodes exactly as ``tokenizers`` did in prep, and as the dense model's own tokenizer does. The rest of this module
+is for SentencePiece models:
 
 The project's SentencePiece models are lossless (``data_prep.tokenize.train_tokenizer``): identity normalisation,
 no dummy prefix, no stripping, byte fallback; spaces become ``▁`` and nothing else changes; no BOS/EOS is added to a
@@ -24,6 +30,8 @@ from pathlib import Path
 
 from sentencepiece import sentencepiece_model_pb2
 from tokenizers import Tokenizer
+
+from data_prep.dataset_tokenizer import TokenizerFiles
 
 SPACE = "\u2581"
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
@@ -132,6 +140,45 @@ def special_token_ids(model: bytes) -> dict[str, int]:
     spec = _proto(model).trainer_spec
     ids = {"bos_token_id": spec.bos_id, "eos_token_id": spec.eos_id, "pad_token_id": spec.pad_id}
     return {key: value for key, value in ids.items() if value >= 0}
+
+
+_CARRIED_CONFIG_KEYS = ("chat_template", "model_max_length")
+"""Keys of the source ``tokenizer_config.json`` that describe the tokenizer's use, not its class, and are kept."""
+
+
+def write_hf_tokenizer_config(directory: Path, tokenizer: TokenizerFiles) -> dict[str, int]:
+    """For a Hugging Face ``tokenizer.json`` already in ``directory``: write ``tokenizer_config.json`` and
+    ``special_tokens_map.json`` naming its special tokens (as data prep chose them,
+    ``data_prep.hf_tokenizer.special_ids``), and return ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` for
+    ``config.json``.
+
+    ``PreTrainedTokenizerFast`` runs the file as it is (normalizer, pre-tokenizer, post-processor), where a
+    model-specific class may rewrite parts of it (``LlamaTokenizerFast`` rebuilds the post-processor from
+    ``add_bos_token``); ``clean_up_tokenization_spaces`` off keeps decoding the library's own.
+
+    Raises:
+        ValueError: the ``tokenizer.json`` or its config does not parse (named).
+    """
+    from data_prep import hf_tokenizer
+
+    tok = hf_tokenizer.parse_tokenizer(tokenizer.data, str(directory / tokenizer.name))
+    ids = hf_tokenizer.special_ids(tok, tokenizer.config)
+    tokens = {
+        f"{kind}_token": tok.id_to_token(ids[f"{kind}_id"])
+        for kind in ("unk", "bos", "eos", "pad")
+        if ids[f"{kind}_id"] >= 0
+    }
+    source = json.loads(tokenizer.config) if tokenizer.config is not None else {}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **{key: source[key] for key in _CARRIED_CONFIG_KEYS if key in source},
+        **tokens,
+        "clean_up_tokenization_spaces": False,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
+    (directory / "special_tokens_map.json").write_text(json.dumps(tokens, indent=2, sort_keys=True), encoding="utf-8")
+    named = {"bos_token_id": ids["bos_id"], "eos_token_id": ids["eos_id"], "pad_token_id": ids["pad_id"]}
+    return {key: value for key, value in named.items() if value >= 0}
 
 
 def write_tokenizer_files(directory: Path, model: bytes) -> None:

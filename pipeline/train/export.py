@@ -14,7 +14,6 @@ trained on (the data fingerprint's ``tokenizer_sha256``).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -26,12 +25,13 @@ from typing import Any
 import torch
 import yaml
 
-from data_prep.safe_files import open_regular
+from data_prep.dataset_tokenizer import TokenizerFiles
+from data_prep.format import HF_TOKENIZER_CONFIG, HF_TOKENIZER_JSON
+from data_prep.safe_files import open_regular, stat_regular
 from model import CausalLM, GCAConfig, build_model, read_export_config, save_pretrained
 from model.io import CONFIG_NAME, WEIGHTS_NAME, ExportError, check_safetensors
 from pipeline.data.reader import read_tokenizer
 from pipeline.hf.export import write_hf_files
-from pipeline.hf.tokenizer import TOKENIZER_MODEL
 from pipeline.train.checkpoint import COMMIT_MARKER, TRAINER_STATE, CheckpointError, scan_pickles, verify_integrity
 from pipeline.train.dist import DistInfo
 
@@ -111,6 +111,8 @@ def _copy_export(source: Path, target: Path) -> None:
                 f"{source / CONFIG_NAME}: export.tokenizer={tokenizer!r} must be a file name in the export"
             )
         names.append(tokenizer)
+        if tokenizer == HF_TOKENIZER_JSON and stat_regular(source, HF_TOKENIZER_CONFIG) is not None:
+            names.append(HF_TOKENIZER_CONFIG)  # its special tokens
     target.mkdir(parents=True, exist_ok=True)
     for name in names:
         with os.fdopen(open_regular(source, name), "rb") as src, (target / name).open("xb") as dst:
@@ -129,18 +131,20 @@ def _trainer_state(source: Path) -> dict[str, Any]:
 
 
 def write_export(
-    model: CausalLM, directory: Path, *, step: int | None, seq_len: int | None, tokenizer: bytes | None
+    model: CausalLM, directory: Path, *, step: int | None, seq_len: int | None, tokenizer: TokenizerFiles | None
 ) -> Path:
     """Write the export of ``model`` into ``directory``: safetensors weights and ``config.json`` (``step`` and the
-    training ``seq_len`` under ``export``), the SentencePiece ``tokenizer`` (named in the config; None: no tokenizer,
-    the export then reads text as bytes) and the Hugging Face files (``write_hf_files``).
+    training ``seq_len`` under ``export``), the dataset's ``tokenizer`` files (``tokenizer.model``, or
+    ``tokenizer.json`` + ``tokenizer_config.json``; the config names the first; None: no tokenizer, the export then
+    reads text as bytes) and the Hugging Face files (``write_hf_files``).
 
     The one writer of a fresh export: the trainer's eval export and the export of a checkpoint's engine state."""
     extra: dict[str, Any] = {"step": step, "seq_len": seq_len}
     if tokenizer is not None:
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / TOKENIZER_MODEL).write_bytes(tokenizer)
-        extra["tokenizer"] = TOKENIZER_MODEL
+        for name, data in tokenizer.files().items():
+            (directory / name).write_bytes(data)
+        extra["tokenizer"] = tokenizer.name
     save_pretrained(model, directory, extra=extra)
     return write_hf_files(directory)
 
@@ -171,17 +175,17 @@ def _engine_weights(source: Path, model: torch.nn.Module) -> dict[str, torch.Ten
     raise CheckpointError(f"{source} holds neither an {EXPORT_DIR}/ nor engine state (state.pt, dcp/, deepspeed/)")
 
 
-def _training_tokenizer(config: dict[str, Any], state: dict[str, Any]) -> bytes | None:
-    """The ``tokenizer.model`` next to the run's ``data.path``, if it is still there and is the one trained on."""
+def _training_tokenizer(config: dict[str, Any], state: dict[str, Any]) -> TokenizerFiles | None:
+    """The tokenizer next to the run's ``data.path``, if it is still there and is the one trained on."""
     data_path = config.get("data", {}).get("path")
     tokenizer = read_tokenizer(data_path) if isinstance(data_path, str) else None
     expected = (state.get("data_fingerprint") or {}).get("tokenizer_sha256")
     if tokenizer is None:
-        log.warning("no tokenizer.model next to data.path=%s: the export gets no tokenizer files", data_path)
+        log.warning("no tokenizer next to data.path=%s: the export gets no tokenizer files", data_path)
         return None
-    if expected is not None and hashlib.sha256(tokenizer).hexdigest() != expected:
+    if expected is not None and tokenizer.sha256 != expected:
         raise CheckpointError(
             f"the tokenizer next to data.path={data_path} is not the one this checkpoint was trained with "
-            f"(sha256 {hashlib.sha256(tokenizer).hexdigest()} vs {expected})"
+            f"(sha256 {tokenizer.sha256} vs {expected})"
         )
     return tokenizer

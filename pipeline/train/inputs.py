@@ -7,7 +7,6 @@ costs one error line and exit code 2, never a half-started run (tests/reliabilit
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -15,11 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from data_prep import format as fmt
+from data_prep.dataset_tokenizer import HF, SENTENCEPIECE, TokenizerFiles, folder_tokenizer
 from data_prep.redaction import find_secret, is_secret_name
 from model import CausalLM, GCAForCausalLM, read_export_config
 from model.convert import ConversionError, convert_dense_into
 from model.io import ExportError, check_safetensors
-from pipeline.data.mix import RetrievalMix, sentencepiece_codec
+from pipeline.data.mix import RetrievalMix, tokenizer_codec
 from pipeline.data.reader import UnsafeDatasetError, is_remote, read_tokenizer
 from pipeline.train.checkpoint import OWNER_FILE, foreign_leftovers
 from pipeline.train.config import HF_INIT_PREFIX, ConfigError, TrainConfig, mix_settings
@@ -69,28 +69,26 @@ def check_no_secrets(cfg: TrainConfig) -> None:
 
 def _check_tokenizer(cfg: TrainConfig) -> None:
     """The tokenizer next to data.path must fit ``model.vocab_size`` (else an IndexError deep in the embedding)."""
-    path = Path(cfg.data.path) / fmt.TOKENIZER_FILENAME
     try:
-        model = read_tokenizer(cfg.data.path)
+        tokenizer = read_tokenizer(cfg.data.path)
     except UnsafeDatasetError as err:
         raise ConfigError(str(err)) from None
-    _check_dense_tokenizer(cfg, model)
-    if model is None:
+    _check_dense_tokenizer(cfg, tokenizer)
+    if tokenizer is None:
         fraction = mix_settings(cfg.data).fraction
         if fraction > 0:
             key = "data.needle_mix" if cfg.data.needle_mix > 0 else "data.retrieval_mix.fraction"
             raise ConfigError(
-                f"{key}={fraction} needs the tokenizer {path}, which does not exist; set {key}=0 or "
-                "point data.path at a prepared dataset"
+                f"{key}={fraction} needs the tokenizer next to data.path={cfg.data.path} (tokenizer.model or "
+                f"tokenizer.json), which does not exist; set {key}=0 or point data.path at a prepared dataset"
             )
         return  # a hand-written MDS dataset without one; the export says so
-    import sentencepiece as spm
-
+    path = Path(cfg.data.path) / tokenizer.name
     try:
-        pieces = spm.SentencePieceProcessor(model_proto=model).get_piece_size()
-    except (RuntimeError, OSError) as err:
+        pieces = tokenizer.codec().vocab_size
+    except ValueError as err:
         raise ConfigError(
-            f"{path} is not a readable SentencePiece model ({str(err).splitlines()[0]}); re-run data "
+            f"{path} is not a readable tokenizer ({str(err).splitlines()[0]}); re-run data "
             "prep or point data.path at a prepared dataset"
         ) from None
     if pieces > cfg.model.vocab_size:
@@ -98,28 +96,34 @@ def _check_tokenizer(cfg: TrainConfig) -> None:
             f"the tokenizer {path} has {pieces} pieces but model.vocab_size={cfg.model.vocab_size}: "
             f"token ids would fall outside the embedding; set model.vocab_size={pieces} (or larger)"
         )
-    build_mix(cfg, model)
+    build_mix(cfg, tokenizer)
 
 
-def build_mix(cfg: TrainConfig, tokenizer: bytes | Path) -> RetrievalMix | None:
+def build_mix(cfg: TrainConfig, tokenizer: TokenizerFiles | None) -> RetrievalMix | None:
     """The retrieval mix ``cfg`` asks for (``None`` when its fraction is 0), dry-run on ``train.seq_len``.
 
     Raises:
-        ConfigError: ``train.seq_len`` cannot hold one of its families' samples (named, with the reason).
+        ConfigError: ``train.seq_len`` cannot hold one of its families' samples (named, with the reason), or there
+            is no tokenizer to write its texts with (a remote ``data.path``).
     """
     settings = mix_settings(cfg.data)
     if settings.fraction == 0:
         return None
+    if tokenizer is None:
+        raise ConfigError(
+            f"data.retrieval_mix needs the tokenizer of data.path={cfg.data.path}, which is not a local prepared "
+            "dataset; set data.retrieval_mix.fraction=0 (and data.needle_mix=0)"
+        )
     try:
         return RetrievalMix(
-            sentencepiece_codec(tokenizer),
+            tokenizer_codec(tokenizer),
             seq_len=cfg.train.seq_len,
             chunk_size=cfg.model.chunk_size,
             fraction=settings.fraction,
             families=settings.families,
             shape=settings.shape,
         )
-    except (ValueError, FileNotFoundError) as err:
+    except ValueError as err:
         raise ConfigError(str(err)) from None
 
 
@@ -185,44 +189,37 @@ def check_inputs(cfg: TrainConfig) -> None:
         )
 
 
-def _sha12(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()[:12]
-
-
-def _check_dense_tokenizer(cfg: TrainConfig, dataset_tokenizer: bytes | None) -> None:
+def _check_dense_tokenizer(cfg: TrainConfig, dataset: TokenizerFiles | None) -> None:
     """``checkpoint.init_from=hf:<dir>``: the dataset must be tokenized with the dense model's tokenizer, or the
-    converted model reads ids that mean other text. A SentencePiece ``tokenizer.model`` in the folder must be the
-    dataset's byte for byte; a folder with only a Hugging Face ``tokenizer.json`` cannot match any dataset data prep
-    writes today (it tokenizes with SentencePiece). A folder without a tokenizer cannot be checked (logged)."""
+    converted model reads ids that mean other text. The folder's tokenizer file of the dataset's kind
+    (``tokenizer.model`` for a SentencePiece dataset, ``tokenizer.json`` for a Hugging Face one) must be the dataset's
+    byte for byte; a folder with only the other kind cannot match. A folder or dataset without a tokenizer cannot be
+    checked (logged)."""
     init_from = cfg.checkpoint.init_from
     if init_from is None or not init_from.startswith(HF_INIT_PREFIX):
         return
     dense = Path(init_from[len(HF_INIT_PREFIX) :])
-    ours = Path(cfg.data.path) / fmt.TOKENIZER_FILENAME
-    if (dense / "tokenizer.model").is_file():  # the HF cache links its files: following links is expected here
-        theirs = (dense / "tokenizer.model").read_bytes()
-        if dataset_tokenizer is None:
-            log.warning(
-                "data.path has no %s: cannot check it was tokenized with %s", ours.name, dense / "tokenizer.model"
-            )
-        elif theirs != dataset_tokenizer:
-            raise ConfigError(
-                f"data.path={cfg.data.path} was tokenized with another tokenizer ({ours}, sha256 "
-                f"{_sha12(dataset_tokenizer)}) than the dense model of checkpoint.init_from={init_from} "
-                f"(tokenizer.model, sha256 {_sha12(theirs)}); prepare the data with "
-                f"tokenizer.model={dense / 'tokenizer.model'}"
-            )
-    elif (dense / "tokenizer.json").is_file():
-        if dataset_tokenizer is not None:
-            raise ConfigError(
-                f"the dense model of checkpoint.init_from={init_from} uses a Hugging Face tokenizer "
-                f"({dense / 'tokenizer.json'}) and data.path={cfg.data.path} was tokenized with the SentencePiece "
-                f"model {ours}: the ids would mean other text; data prep cannot tokenize with a Hugging Face "
-                "tokenizer yet (docs/cpt.md)"
-            )
-        log.warning("data.path has no %s: cannot check it was tokenized with %s", ours.name, dense / "tokenizer.json")
-    else:
+    theirs = folder_tokenizer(dense, dataset.kind if dataset is not None else None) or folder_tokenizer(dense)
+    if theirs is None:
         log.warning("%s holds no tokenizer: cannot check that data.path was tokenized with the dense model's", dense)
+        return
+    if dataset is None:
+        log.warning("data.path has no tokenizer: cannot check it was tokenized with %s", dense / theirs.name)
+        return
+    if theirs.kind != dataset.kind or theirs.data != dataset.data:
+        raise ConfigError(
+            f"data.path={cfg.data.path} was tokenized with another tokenizer ({dataset.name}, sha256 "
+            f"{dataset.sha256[:12]}) than the dense model of checkpoint.init_from={init_from} ({theirs.name}, sha256 "
+            f"{theirs.sha256[:12]}); prepare the data with {_prep_keys(dense, theirs)}"
+        )
+
+
+def _prep_keys(dense: Path, tokenizer: TokenizerFiles) -> str:
+    """The prep overrides that tokenize with the dense model's own tokenizer."""
+    if tokenizer.kind == HF:
+        return f"tokenizer.type=hf tokenizer.path={dense}"
+    assert tokenizer.kind == SENTENCEPIECE
+    return f"tokenizer.model={dense / tokenizer.name}"
 
 
 def init_weights_from(model: CausalLM, export_dir: str) -> None:

@@ -69,8 +69,6 @@ from pipeline.train.resume_check import ResumeRefusedError, check_resume, config
 
 log = logging.getLogger(__name__)
 
-TOKENIZER_FILE = fmt.TOKENIZER_FILENAME
-
 
 class NonFiniteError(RuntimeError):
     """Loss or gradient norm became NaN/Inf; raised on every rank before the optimizer step (under DeepSpeed, whose
@@ -149,7 +147,7 @@ class Trainer:
             window=cfg.data.shuffle_window,
             eos_id=self.eos_id,
         )
-        mix = build_mix(cfg, self.tokenizer or Path(cfg.data.path) / TOKENIZER_FILE)
+        mix = build_mix(cfg, self.tokenizer)
         batches = RankBatches(
             stream,
             global_batch=cfg.train.global_batch,
@@ -287,7 +285,7 @@ class Trainer:
             model = build_model(self.cfg.model)
         model.load_state_dict(weights)
         if self.tokenizer is None:
-            log.warning("no local %s next to data.path; the export in %s has no tokenizer", TOKENIZER_FILE, directory)
+            log.warning("no local tokenizer next to data.path; the export in %s has no tokenizer", directory)
         write_export(model, directory, step=self.step, seq_len=self.cfg.train.seq_len, tokenizer=self.tokenizer)
 
     def _parallel(self) -> dict[str, Any]:

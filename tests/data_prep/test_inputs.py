@@ -214,7 +214,7 @@ def test_cli_reports_one_line_errors(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         "prep: error: unknown config key 'tokenizer.vocab_sise'; did you mean 'tokenizer.vocab_size'? "
         "(in override 'tokenizer.vocab_sise=...'; "
-        "known keys under 'tokenizer': character_coverage, model, model_type, sample_bytes, vocab_size)"
+        "known keys under 'tokenizer': character_coverage, model, model_type, path, sample_bytes, type, vocab_size)"
     ]
 
 

@@ -167,8 +167,8 @@ def test_a_dataset_tokenized_with_another_tokenizer_than_the_dense_models_is_ref
     checked({})  # no tokenizer in the folder: nothing to compare (logged)
     with pytest.raises(ConfigError, match=r"tokenized with another tokenizer .* tokenizer\.model=.*dense\d+/"):
         checked({"tokenizer.model": ours + b"\x00"})
-    with pytest.raises(ConfigError, match="uses a Hugging Face tokenizer"):
-        checked({"tokenizer.json": b"{}"})
+    with pytest.raises(ConfigError, match=r"\(tokenizer\.json, sha256 .*tokenizer\.type=hf tokenizer\.path=.*dense\d+"):
+        checked({"tokenizer.json": b"{}"})  # a Hugging Face tokenizer only: the dataset cannot be tokenized with it
 
 
 @pytest.mark.dist

@@ -18,7 +18,7 @@ Every ``eval.extrapolation_every`` steps it runs two small probes at each length
 A collapse of retrieval shows as ``passkey@16x`` falling while ``passkey@1x`` holds; a model that uses long
 context keeps ``ppl@L`` falling (or flat) as ``L`` grows past the training length.
 
-The plan is made at the first monitor step and logged: the passkey probe needs the dataset's ``tokenizer.model``;
+The plan is made at the first monitor step and logged: the passkey probe needs the dataset's tokenizer;
 a perplexity length needs ``eval.extrapolation_samples`` windows of it in the validation split (longer lengths
 are left out, and said so once). The probes of one step share ``eval.extrapolation_budget_s``, checked before each
 probe and after every streamed segment inside it.
@@ -32,7 +32,6 @@ error in a probe is a warning: the monitor is advice, never a reason to stop the
 from __future__ import annotations
 
 import logging
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,7 +41,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from data_prep import format as fmt
 from model import CausalLM, build_model
 from pipeline.data.needle import NeedleSpec
 from pipeline.data.retrieval_tasks import FAMILIES
@@ -50,7 +48,7 @@ from pipeline.evaluation import ppl
 from pipeline.evaluation.haystack import TokenSource
 from pipeline.evaluation.passkey import PasskeyGrid, evaluate_passkey
 from pipeline.evaluation.runtime import StreamBudget
-from pipeline.evaluation.tokenizer import ByteTokenizer, SentencePieceTokenizer
+from pipeline.evaluation.tokenizer import ByteTokenizer, ModelTokenizer
 from pipeline.train import dist
 from pipeline.train.callbacks.base import Callback
 from pipeline.train.config import TrainConfig, mix_settings
@@ -87,7 +85,7 @@ class ProbePlan:
     """What the monitor runs at each of its steps, fixed at its first one."""
 
     probes: list[Probe]
-    tokenizer: SentencePieceTokenizer | None
+    tokenizer: ModelTokenizer | None
     haystack: TokenSource | None
     windows: list[np.ndarray]
     """Validation windows of the longest perplexity length (empty when no perplexity length fits)."""
@@ -105,15 +103,6 @@ class ProbeReport:
 def spread_depths(n: int) -> list[float]:
     """``n`` needle depths spread evenly over the haystack, none at its very ends: ``(i + 0.5) / n``."""
     return [(i + 0.5) / n for i in range(n)]
-
-
-def _tokenizer(model_bytes: bytes) -> SentencePieceTokenizer:
-    """The dataset's tokenizer from the bytes the trainer read safely (sentencepiece loads it from a private copy,
-    so nothing planted at ``data.path`` in the meantime is followed)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / fmt.TOKENIZER_FILENAME
-        path.write_bytes(model_bytes)
-        return SentencePieceTokenizer(path)
 
 
 class ExtrapolationMonitor(Callback):
@@ -175,9 +164,10 @@ def make_plan(trainer: Trainer) -> ProbePlan:
     lengths = sorted(m * cfg.train.seq_len for m in cfg.eval.extrapolation_lengths)
     tokenizer = haystack = None
     if trainer.tokenizer is None:
-        log.warning("extrapolation monitor: no %s next to data.path, so no passkey probe", fmt.TOKENIZER_FILENAME)
+        log.warning("extrapolation monitor: no tokenizer next to data.path, so no passkey probe")
     else:
-        tokenizer = _tokenizer(trainer.tokenizer)
+        # from the bytes the trainer read safely: nothing planted at data.path in the meantime is read
+        tokenizer = ModelTokenizer(trainer.tokenizer, f"{cfg.data.path}/{trainer.tokenizer.name}")
         if tokenizer.vocab_size > cfg.model.vocab_size:
             log.warning(
                 "extrapolation monitor: the tokenizer has %d ids but model.vocab_size is %d, so no passkey probe",
@@ -226,7 +216,7 @@ def probe_spec(cfg: TrainConfig, family: str) -> NeedleSpec:
 
 
 def _validation_windows(
-    trainer: Trainer, tokenizer: SentencePieceTokenizer | None, lengths: list[int], samples: int
+    trainer: Trainer, tokenizer: ModelTokenizer | None, lengths: list[int], samples: int
 ) -> list[np.ndarray]:
     """``samples`` consecutive windows of the longest length that has that many in the validation stream
     (documents joined with EOS, as ``TokenSource`` joins them); the validation documents are short, so windows
