@@ -46,12 +46,15 @@ def sample_texts(n: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(words) for _ in range(rng.randint(80, 200))) + "." for _ in range(n)]
 
 
-@pytest.fixture(scope="module")
-def dense(tmp_path_factory) -> Path:
-    """A random 2-layer Llama of the tiny trainer model's shapes with a byte-level BPE ``tokenizer.json``."""
-    folder = tmp_path_factory.mktemp("dense") / "llama3"
-    save_hf_tokenizer(folder, hf_test_tokenizer(sample_texts(200, 0), VOCAB), TOKENIZER_CONFIG)
-    config = transformers.LlamaConfig(
+def dense_folder(folder: Path, kind: str) -> Path:
+    """A random 2-layer ``LlamaForCausalLM`` (``llama3``) or ``Qwen2ForCausalLM`` (``qwen2``) of the tiny trainer
+    model's shapes, with a byte-level BPE ``tokenizer.json`` of that model family's layout."""
+    save_hf_tokenizer(folder, hf_test_tokenizer(sample_texts(200, 0), VOCAB, kind), TOKENIZER_CONFIG)
+    config_cls, model_cls = {
+        "llama3": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[kind]
+    config = config_cls(
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=64,
@@ -62,8 +65,13 @@ def dense(tmp_path_factory) -> Path:
         rms_norm_eps=1e-6,
     )
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    model_cls(config).save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory) -> Path:
+    return dense_folder(tmp_path_factory.mktemp("dense") / "llama3", "llama3")
 
 
 def prepared(root: Path, tokenizer: Path, name: str) -> Path:
@@ -82,14 +90,29 @@ def data(tmp_path_factory, dense) -> Path:
 
 
 def stage(dense: Path) -> dict:
-    return {**STAGE, "checkpoint.init_from": f"hf:{dense}"}
+    return {**STAGE, "checkpoint.init_from": f"hf:{dense}", "model.qkv_bias": dense.name == "qwen2"}
 
 
+MONITOR = {
+    "eval.extrapolation_every": 3,
+    "eval.extrapolation_lengths": "[1,2]",
+    "eval.extrapolation_samples": 1,
+    "eval.extrapolation_score_len": 16,
+}
+"""The extrapolation monitor at the last step: its passkey probe writes its needle with the dataset's tokenizer."""
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen2"])
 def test_a_converted_model_trains_on_its_own_hf_tokenizer_and_its_exports_carry_it(
-    tmp_path, data, dense, overrides, capfd
+    kind, tmp_path, data, dense, overrides, capfd
 ):
+    if kind == "qwen2":  # Qwen2's layout: single-digit pre-tokens, an NFC normalizer, q/k/v biases
+        dense = dense_folder(tmp_path / "qwen2", "qwen2")
+        data = prepared(tmp_path, dense, "qwen2_data")
     run = tmp_path / "run"
-    assert main(None, overrides(run, data, **stage(dense), **{"optim.trainable": "new"})) == 0
+    assert main(None, overrides(run, data, **stage(dense), **{"optim.trainable": "new"}, **MONITOR)) == 0
+    probed = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any("extrap/passkey@64" in record for record in probed)  # 1x train.seq_len
     export = run / "export"
     reference = Tokenizer.from_file(str(dense / "tokenizer.json"))
     want = reference.encode(PROBE, add_special_tokens=False).ids
