@@ -170,3 +170,15 @@ def test_a_dataset_made_with_another_tokenizer_than_the_dense_models_is_refused(
     (sentencepiece_only / "tokenizer.model").write_bytes((tiny_data / "tokenizer.model").read_bytes())
     with pytest.raises(ConfigError, match=r"tokenizer\.model=.*sp_dense/tokenizer\.model"):
         check(data, sentencepiece_only)  # an HF dataset for a SentencePiece model
+
+
+def test_launch_convert_carries_the_dense_models_tokenizer_json(tmp_path, dense):
+    from pipeline.cli.convert import main as convert
+
+    out = tmp_path / "converted"
+    layout = ["model.n_lower_layers=1", "model.groups=[1]", "model.chunk_size=8", "model.window=16", "model.top_k=2"]
+    assert convert(["--dense", str(dense), "--out", str(out), *layout]) == 0
+    assert (out / "tokenizer.json").read_bytes() == (dense / "tokenizer.json").read_bytes()
+    want = Tokenizer.from_file(str(dense / "tokenizer.json")).encode(PROBE, add_special_tokens=False).ids
+    assert load_checkpoint(out).tokenizer.encode(PROBE) == want
+    assert transformers.AutoTokenizer.from_pretrained(out)(PROBE, add_special_tokens=False)["input_ids"] == want
