@@ -8,9 +8,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from multinode_runs import run_args, train
 from nodes import Cluster
 from reliability.reliability_harness import write_dataset
-from runs import run_args, train
 
 
 @pytest.fixture(scope="session", autouse=True)

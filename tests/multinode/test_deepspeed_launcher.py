@@ -8,9 +8,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from multinode_runs import STEPS, assert_losses, finish, run_args, start_nodes
 from nodes import REPO, node_name
 from reliability.reliability_harness import CONFIG
-from runs import STEPS, assert_losses, finish, run_args, start_nodes
 
 pytestmark = pytest.mark.multinode
 

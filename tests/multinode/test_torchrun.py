@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from multinode_runs import RUN_TIMEOUT_S, STEPS, assert_losses, last_step, launch, logs, run_args, train
 from nodes import Cluster, node_name
 from reliability.reliability_harness import committed, read_metrics
-from runs import RUN_TIMEOUT_S, STEPS, assert_losses, last_step, launch, logs, run_args, train
 
 pytestmark = pytest.mark.multinode
 
