@@ -37,7 +37,7 @@ from pipeline.evaluation.passkey import build_sample, predict_answer
 from pipeline.evaluation.plots import short_length
 from pipeline.evaluation.resume import SampleLog
 from pipeline.evaluation.runtime import IN_RAM, StreamBudget
-from pipeline.evaluation.tokenizer import ByteTokenizer, SentencePieceTokenizer
+from pipeline.evaluation.tokenizer import ByteTokenizer, ModelTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ def match_part(prediction: str, refs: tuple[str, ...] | list[str]) -> float:
 def build_ruler_sample(
     name: str,
     sources: dict[str, TokenSource],
-    tokenizer: SentencePieceTokenizer | ByteTokenizer,
+    tokenizer: ModelTokenizer | ByteTokenizer,
     *,
     length: int,
     rng: np.random.Generator,
@@ -171,7 +171,7 @@ def sample_rng(grid: RulerGrid, name: str, length: int, sample: int) -> np.rando
 
 
 def check_grid(
-    grid: RulerGrid, sources: dict[str, TokenSource], tokenizer: SentencePieceTokenizer | ByteTokenizer, chunk_size: int
+    grid: RulerGrid, sources: dict[str, TokenSource], tokenizer: ModelTokenizer | ByteTokenizer, chunk_size: int
 ) -> None:
     """Build every task's first sample at the shortest length, and check that ``data`` holds the longest, before
     any evaluation.
@@ -200,7 +200,7 @@ def check_grid(
 
 def evaluate_ruler(
     model: CausalLM,
-    tokenizer: SentencePieceTokenizer | ByteTokenizer,
+    tokenizer: ModelTokenizer | ByteTokenizer,
     sources: dict[str, TokenSource],
     grid: RulerGrid,
     *,
@@ -259,7 +259,7 @@ def evaluate_ruler(
 
 def _run_sample(
     model: CausalLM,
-    tokenizer: SentencePieceTokenizer | ByteTokenizer,
+    tokenizer: ModelTokenizer | ByteTokenizer,
     sources: dict[str, TokenSource],
     grid: RulerGrid,
     at: tuple[str, int, int],

@@ -48,11 +48,6 @@ class ModelTokenizer:
         return self._codec.decode(ids)
 
 
-SentencePieceTokenizer = ModelTokenizer
-"""The name this class had while every export's tokenizer was a SentencePiece model; ``pipeline.evaluation.ruler``
-and tests still use it."""
-
-
 class ByteTokenizer:
     """id = UTF-8 byte value; decoding replaces ids >= 256 (never produced by ``encode``) with U+FFFD."""
 

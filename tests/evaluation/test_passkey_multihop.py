@@ -19,7 +19,7 @@ from pipeline.data.needle import HOP_TEMPLATES, TEMPLATES, HopChunks, NeedleSpec
 from pipeline.evaluation.haystack import TokenSource
 from pipeline.evaluation.passkey import PasskeyGrid, build_sample
 from pipeline.evaluation.runtime import StreamBudget
-from pipeline.evaluation.tokenizer import ByteTokenizer, SentencePieceTokenizer
+from pipeline.evaluation.tokenizer import ByteTokenizer, ModelTokenizer
 
 _spec = importlib.util.spec_from_file_location(
     "needle_multihop_checks", Path(__file__).resolve().parents[1] / "pipeline" / "test_needle_multihop.py"
@@ -138,7 +138,7 @@ def test_trainer_and_eval_lay_out_the_same_structure(hop_model):
     the question and answer at the same places and the same question tokens."""
     L, S = 1024, 16
     trainer = one_family_mix(hop_model, L, S, "multihop")
-    tok = SentencePieceTokenizer(hop_model)
+    tok = ModelTokenizer(hop_model)
     source = TokenSource("builtin", tok, seed=0)
     for seed in range(20):
         rng = np.random.default_rng(seed)

@@ -22,7 +22,7 @@ from data_prep.config import TokenizerConfig
 from data_prep.tokenize import train_tokenizer
 from model import GCAForCausalLM, save_pretrained
 from pipeline.evaluation import ruler
-from pipeline.evaluation.tokenizer import SentencePieceTokenizer
+from pipeline.evaluation.tokenizer import ModelTokenizer
 from pipeline.hf import write_hf_files
 
 REPO = Path(__file__).resolve().parents[2]
@@ -129,7 +129,7 @@ def test_stock_lm_eval_ruler_tasks_run_offline_and_agree_with_the_adapter(tmp_pa
         samples[name] = _samples(out)
         assert len(samples[name]) == 4  # 2 tasks x --limit 2
 
-    tok = SentencePieceTokenizer(export / "tokenizer.model")
+    tok = ModelTokenizer(export / "tokenizer.model")
     hf_tok = AutoTokenizer.from_pretrained(export, trust_remote_code=True)
     for key, hf in samples["hf"].items():
         gca = samples["gca"][key]

@@ -11,7 +11,7 @@ from pipeline.data.needle import NeedleSpec
 from pipeline.evaluation.haystack import TokenSource
 from pipeline.evaluation.passkey import build_sample
 from pipeline.evaluation.runtime import load_checkpoint
-from pipeline.evaluation.tokenizer import ByteTokenizer, SentencePieceTokenizer
+from pipeline.evaluation.tokenizer import ByteTokenizer, ModelTokenizer
 
 
 @pytest.fixture
@@ -40,7 +40,7 @@ def sp_export(tmp_path):
 
 def test_sentencepiece_needle(sp_export):
     ckpt = load_checkpoint(sp_export)
-    assert isinstance(ckpt.tokenizer, SentencePieceTokenizer)
+    assert isinstance(ckpt.tokenizer, ModelTokenizer)
     source = TokenSource("builtin", ckpt.tokenizer)
     sample = build_sample(
         source, ckpt.tokenizer, NeedleSpec("single"), length=600, depth=0.5, rng=np.random.default_rng(0), chunk_size=16

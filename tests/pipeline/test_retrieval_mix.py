@@ -25,7 +25,7 @@ from pipeline.data.reader import MDSReader, PackedSequences, RankBatches
 from pipeline.data.retrieval_tasks import FAMILIES, FIXED_TEMPLATES, TaskShape, build_task
 from pipeline.evaluation.haystack import TokenSource
 from pipeline.evaluation.passkey import build_sample
-from pipeline.evaluation.tokenizer import SentencePieceTokenizer
+from pipeline.evaluation.tokenizer import ModelTokenizer
 from pipeline.train import dist
 from pipeline.train.config import DEFAULT_MIX_FAMILIES, ConfigError, load_config, mix_settings
 from pipeline.train.inputs import check_inputs
@@ -201,7 +201,7 @@ def test_too_short_and_unknown_are_refused(codec):
 def test_trainer_and_eval_build_the_same_sample_from_the_same_seed(family, tokenizer, codec):
     L, S = 1024, 16
     mix = RetrievalMix(codec, seq_len=L, chunk_size=S, fraction=1.0, families={family: 1.0})
-    tok = SentencePieceTokenizer(tokenizer)
+    tok = ModelTokenizer(tokenizer)
     source = TokenSource("builtin", tok, seed=0)
     for seed in range(5):
         depth = seed / 4
