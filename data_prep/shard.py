@@ -67,7 +67,15 @@ from data_prep.streaming_compat import ensure_streaming_importable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["check_output", "commit_dataset", "main", "make_work_dir", "select_slice", "tokenizer_sample"]
+__all__ = [
+    "check_output",
+    "commit_dataset",
+    "main",
+    "make_work_dir",
+    "prep_tokenizer",
+    "select_slice",
+    "tokenizer_sample",
+]
 
 _BATCH_CHARS = 1 << 18
 """Characters per encode call: a few thousand calls a second cost nothing, and the last call of a run is the time the
@@ -256,6 +264,15 @@ def _in_train_sample(doc: Document, cfg: PrepConfig, is_val: ValSplit, rate: flo
         return False  # the tokenizer never sees val text
     # a second, independent hash (seed + 1) picks the sample, so it is spread over the whole corpus
     return xxhash.xxh64_intdigest(doc.text.encode("utf-8"), seed=cfg.split_seed + 1) < rate * 2.0**64
+
+
+def prep_tokenizer(sources: list[Source], cfg: PrepConfig, is_val: ValSplit) -> tokenize.PrepTokenizer:
+    """The tokenizer a run encodes with: the ``tokenizer.json`` folder of ``tokenizer.type=hf``, else the SentencePiece
+    model of `tokenizer_model_bytes`; read and checked before any work. A sliced run's tokenizer step writes these
+    files once for every slice (``data_prep.merge.prepare_tokenizer``)."""
+    if cfg.tokenizer.type == "hf":
+        return tokenize.hf_prep_tokenizer(str(cfg.tokenizer.path))
+    return tokenize.sentencepiece_prep_tokenizer(*tokenizer_model_bytes(sources, cfg, is_val))
 
 
 def tokenizer_model_bytes(sources: list[Source], cfg: PrepConfig, is_val: ValSplit) -> tuple[bytes, bool]:
@@ -641,10 +658,7 @@ def main(cfg: PrepConfig) -> Manifest:
 
 def _prepare(sources: list[Source], is_val: ValSplit, cfg: PrepConfig, tmp: Path) -> Manifest:
     """Tokenizer and splits into ``tmp``; the manifest describing them."""
-    if cfg.tokenizer.type == "hf":
-        tokenizer = tokenize.hf_prep_tokenizer(str(cfg.tokenizer.path))
-    else:
-        tokenizer = tokenize.sentencepiece_prep_tokenizer(*tokenizer_model_bytes(sources, cfg, is_val))
+    tokenizer = prep_tokenizer(sources, cfg, is_val)
     for name, data in tokenizer.files.items():
         fsync_write(tmp / name, data)
     info = tokenizer.info
