@@ -7,7 +7,8 @@ prep (``launch/slurm/prep_slices.py``, which ``launch/slurm/prep.sbatch`` runs o
     prep_slices.py merge --num-slices N --config configs/data/x.yaml [key=value ...]
 
 Every step gets the same ``--config`` and overrides and derives its paths from ``output``. ``slice`` is a prep
-with ``num_slices=N slice_index=I``, the shared tokenizer and ``output=<output>.slices/slice-I``. Errors are one
+with ``num_slices=N slice_index=I``, the tokenizer step's shared tokenizer in ``<output>.slices`` (``tokenizer.model=``,
+or ``tokenizer.path=`` for ``tokenizer.type=hf``) and ``output=<output>.slices/slice-I``. Errors are one
 line (bad input, never a traceback) and exit status 2; an interrupt exits 130.
 """
 
@@ -20,7 +21,7 @@ import sys
 from data_prep.config import PrepConfig, load_config
 from data_prep.errors import PrepError
 from data_prep.format import IncompleteDatasetError
-from data_prep.merge import merge_slices, prepare_tokenizer, slice_dir, slices_root
+from data_prep.merge import merge_slices, prepare_tokenizer, slice_overrides
 from data_prep.redaction import install_log_redaction, redact
 from data_prep.safe_files import UnsafeDatasetError
 from data_prep.schema import add_keys_argument
@@ -71,13 +72,7 @@ def slices_main(argv: list[str] | None = None) -> int:
         if args.step == "tokenizer":
             prepare_tokenizer(cfg, args.num_slices or 1)
         elif args.step == "slice":
-            per_slice = [
-                f"output={slice_dir(cfg, args.index)}",
-                f"num_slices={args.num_slices}",
-                f"slice_index={args.index}",
-                f"tokenizer.model={slices_root(cfg) / 'tokenizer.model'}",
-                "tokenizer.vocab_size=null",
-            ]
+            per_slice = slice_overrides(cfg, args.num_slices, args.index)
             prep(load_config(args.config, [*args.overrides, *per_slice]))
         else:
             merge_slices(cfg, args.num_slices, keep_slices=args.keep_slices)

@@ -225,13 +225,9 @@ def validate(cfg: PrepConfig) -> None:
         raise _bad("num_slices", cfg.num_slices, "must be at least 1")
     if not 0 <= cfg.slice_index < cfg.num_slices:
         raise _bad("slice_index", cfg.slice_index, f"must be in [0, num_slices={cfg.num_slices})")
-    if cfg.num_slices > 1 and tok.type == "hf":
-        raise ConfigError(
-            f"num_slices={cfg.num_slices} with tokenizer.type=hf is not supported yet: prepare the data in one run "
-            "(num_slices=1)"
-        )
-    if cfg.num_slices > 1 and tok.model is None:
-        # Every slice must produce ids from the same tokenizer, or the merged dataset would mix vocabularies.
+    if cfg.num_slices > 1 and tok.type == "sentencepiece" and tok.model is None:
+        # Every slice must produce ids from the same tokenizer, or the merged dataset would mix vocabularies; a
+        # tokenizer.json is given, never trained, so type=hf always names one.
         raise ConfigError(
             f"num_slices={cfg.num_slices} needs a shared tokenizer: set 'tokenizer.model' (launch/slurm/prep.sbatch "
             "trains one on the whole input first with `launch/slurm/prep_slices.py tokenizer`)"

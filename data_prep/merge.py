@@ -3,9 +3,11 @@
 A corpus too large for one prep process is prepared in three steps (``launch/slurm/prep.sbatch`` runs them as
 a job, a job array and a dependent job; ``launch/slurm/prep_slices.py`` is the CLI)::
 
-    prepare_tokenizer(cfg)           -> <output>.slices/tokenizer.model     (trained on a sample of ALL inputs)
-    shard.main(cfg + num_slices=N, slice_index=i, tokenizer.model=<that>, output=<output>.slices/slice-0000i)
-    merge_slices(cfg, N)             -> <output>                            (the usual dataset layout)
+    prepare_tokenizer(cfg)           -> <output>.slices/tokenizer.model   (trained on a sample of ALL inputs)
+                                     or <output>.slices/tokenizer.json    (tokenizer.type=hf: copied, with its
+                                                                           tokenizer_config.json when it has one)
+    shard.main(cfg + slice_overrides(cfg, N, i))                          (that tokenizer; <output>.slices/slice-0000i)
+    merge_slices(cfg, N)             -> <output>                          (the usual dataset layout)
 
 The merge never rewrites a shard: each slice's MDS shards are hard-linked (copied across file systems) into the
 merged split under new consecutive names, and the split's ``index.json`` lists the slices' shard entries in
@@ -14,7 +16,9 @@ slice order with the new basenames. As slices are contiguous runs of the input f
 as a single prep run with the same tokenizer; only the document ids and the shard boundaries differ.
 
 A split that no document of a slice reached is not written in that slice (see `data_prep.format`); the merge
-skips it there, and a split empty in every slice is absent from the merged dataset too, as in a single run.
+skips it there, and a split empty in every slice is absent from the merged dataset too, as in a single run. Every
+slice's manifest must name the shared tokenizer (type, sha256 and, for ``tokenizer.type=hf``, the sha256 of
+``tokenizer_config.json``); the merged dataset carries the shared files and the manifest fields a single run writes.
 
 Like `data_prep.shard.main`, the merge checks the output before any work, builds a hidden, marked temporary
 sibling, writes ``manifest.json`` and then ``_COMPLETE`` last, and renames the directory into place; the slices
@@ -35,10 +39,14 @@ from pathlib import Path
 from typing import Any
 
 from data_prep.config import PrepConfig, to_container
+from data_prep.dataset_tokenizer import TokenizerFiles, read_tokenizer_files
 from data_prep.errors import ConfigError, InputError, OutputExistsError, OutputWriteError, PrepError
 from data_prep.format import (
     EMPTY_SPLIT_SHA256,
     FORMAT_VERSION,
+    HF_TOKENIZER_CONFIG,
+    HF_TOKENIZER_FILENAMES,
+    HF_TOKENIZER_JSON,
     SPLITS,
     TOKENIZER_FILENAME,
     IncompleteDatasetError,
@@ -46,7 +54,7 @@ from data_prep.format import (
     SplitStats,
     read_manifest,
 )
-from data_prep.safe_files import INDEX_FILENAME, open_regular, read_index, read_regular, stat_regular
+from data_prep.safe_files import INDEX_FILENAME, open_regular, read_index, stat_regular
 from data_prep.shard import (
     check_output,
     commit_dataset,
@@ -56,16 +64,16 @@ from data_prep.shard import (
     is_plain_file,
     is_work_dir,
     make_work_dir,
+    prep_tokenizer,
     remove_stale_work_dirs,
     select_slice,
-    tokenizer_model_bytes,
 )
 from data_prep.sources import resolve_sources
 from data_prep.split import val_split
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["merge_slices", "prepare_tokenizer", "slice_dir", "slices_root"]
+__all__ = ["merge_slices", "prepare_tokenizer", "slice_dir", "slice_overrides", "slices_root"]
 
 _SHARD_NAME = re.compile(r"shard\.\d+(\.mds(?:\.[A-Za-z0-9]+)?)")
 """MDSWriter's shard basenames: ``shard.00012.mds`` (raw) and ``shard.00012.mds.zstd`` (compressed)."""
@@ -90,8 +98,10 @@ _SLICE_OLD = re.compile(r"\.slice-\d{5,}\.old-\d+")
 """A slice dataset moved aside while a rerun of its task replaced it (``overwrite=true``)."""
 _SLICE_WORK = re.compile(r"\.slice-\d{5,}\.tmp-\d+")
 """The work directory of a slice task that was killed; prep marks every work directory it creates."""
-_TOKENIZER_WORK = re.compile(r"\.tokenizer\.model\.tmp-\d+")
-"""The shared tokenizer of a tokenizer step killed while writing it."""
+_SHARED_TOKENIZER_FILES = (TOKENIZER_FILENAME, *HF_TOKENIZER_FILENAMES)
+"""What the tokenizer step may write: ``tokenizer.model``, or ``tokenizer.json`` and maybe ``tokenizer_config.json``."""
+_TOKENIZER_WORK = re.compile(r"\.(?:" + "|".join(map(re.escape, _SHARED_TOKENIZER_FILES)) + r")\.tmp-\d+")
+"""A shared tokenizer file of a tokenizer step killed while writing it."""
 
 
 def slices_root(cfg: PrepConfig) -> Path:
@@ -103,6 +113,23 @@ def slices_root(cfg: PrepConfig) -> Path:
 def slice_dir(cfg: PrepConfig, index: int) -> Path:
     """Output directory of slice ``index`` (what its array task passes as ``output=``)."""
     return slices_root(cfg) / f"slice-{index:05d}"
+
+
+def _shared_name(cfg: PrepConfig) -> str:
+    """The shared tokenizer's own file in ``<output>.slices``: ``tokenizer.json`` for ``tokenizer.type=hf``."""
+    return HF_TOKENIZER_JSON if cfg.tokenizer.type == "hf" else TOKENIZER_FILENAME
+
+
+def slice_overrides(cfg: PrepConfig, num_slices: int, index: int) -> list[str]:
+    """The ``key=value`` overrides that make the sliced run's config the config of slice ``index`` (what its array
+    task runs): its output, its place among the slices, and the shared tokenizer in place of the user's, so every
+    slice encodes with the very bytes the merge checks."""
+    root = slices_root(cfg)
+    if cfg.tokenizer.type == "hf":
+        shared = [f"tokenizer.path={root}"]  # read_folder takes tokenizer.json (+ tokenizer_config.json) from there
+    else:
+        shared = [f"tokenizer.model={root / TOKENIZER_FILENAME}", "tokenizer.vocab_size=null"]
+    return [f"output={slice_dir(cfg, index)}", f"num_slices={num_slices}", f"slice_index={index}", *shared]
 
 
 def _is_prep_dataset(path: Path) -> bool:
@@ -117,7 +144,7 @@ def _is_prep_dataset(path: Path) -> bool:
 def _written_by_slicing(entry: Path) -> bool:
     """Whether ``entry`` of a marked slices directory is something the steps of a sliced run write there."""
     name = entry.name
-    if name in (_SLICES_MARKER, TOKENIZER_FILENAME) or _TOKENIZER_WORK.fullmatch(name):
+    if name == _SLICES_MARKER or name in _SHARED_TOKENIZER_FILES or _TOKENIZER_WORK.fullmatch(name):
         return is_plain_file(entry)
     if _SLICE_NAME.fullmatch(name) or _SLICE_OLD.fullmatch(name):
         return _is_prep_dataset(entry)
@@ -190,12 +217,24 @@ def _make_slices_root(root: Path) -> None:
         ) from None
 
 
+def _write_shared_tokenizer(root: Path, files: dict[str, bytes]) -> None:
+    """Write ``files`` into ``root``, each through a temporary file renamed into place. ``tokenizer_config.json`` goes
+    first: the tokenizer file itself, renamed last, is what the slices and the merge take as the finished step."""
+    for name in sorted(files, key=lambda n: n != HF_TOKENIZER_CONFIG):
+        tmp = root / f".{name}.tmp-{os.getpid()}"
+        fsync_write(tmp, files[name])
+        tmp.rename(root / name)
+
+
 def prepare_tokenizer(cfg: PrepConfig, num_slices: int = 1) -> Path:
-    """Write the tokenizer every slice will use to ``<output>.slices/tokenizer.model`` and return its path.
+    """Write the tokenizer every slice will use into ``<output>.slices/`` and return the path of its file
+    (``tokenizer.model``, or ``tokenizer.json`` for ``tokenizer.type=hf``).
 
     With ``tokenizer.vocab_size`` a model is trained on a sample of all inputs, exactly as a single prep run
-    would train it; with ``tokenizer.model`` that model is checked and copied. Every check (output, earlier
-    slices, slice count) runs before the tokenizer is trained; earlier slices are deleted only after that.
+    would train it; with ``tokenizer.model`` that model is checked and copied; with ``tokenizer.type=hf`` the
+    folder's ``tokenizer.json`` (and ``tokenizer_config.json`` when it has one) is checked and loaded as a single run
+    does, and copied byte for byte. Every check (output, earlier slices, slice count) runs before the tokenizer is
+    trained or read; earlier slices are deleted only after that.
 
     Args:
         cfg: the config of the sliced run as the user wrote it.
@@ -205,13 +244,9 @@ def prepare_tokenizer(cfg: PrepConfig, num_slices: int = 1) -> Path:
         OutputExistsError: the output exists, or an earlier sliced run left ``<output>.slices`` (unless
             ``overwrite=true``, which removes those slices); ``<output>.slices`` or the output is not provably
             prep's, or holds something prep did not write (nothing is deleted then).
-        ConfigError: more slices than input files, ``tokenizer.type=hf``, or as in `data_prep.shard.main`.
+        ConfigError: more slices than input files, an unreadable ``tokenizer.path``, or as in `data_prep.shard.main`.
         InputError: as in `data_prep.shard.main`.
     """
-    if cfg.tokenizer.type == "hf":
-        raise ConfigError(
-            "tokenizer.type=hf is not supported by a sliced run yet: prepare the data in one run (launch/prep.py)"
-        )
     out, root = Path(cfg.output).absolute(), slices_root(cfg)
     sources = resolve_sources(cfg)
     check_output(out, cfg, sources)
@@ -229,25 +264,40 @@ def prepare_tokenizer(cfg: PrepConfig, num_slices: int = 1) -> Path:
                 "was deleted: remove or move them yourself, or choose another output"
             )
     select_slice(sources, dataclasses.replace(cfg, num_slices=num_slices))  # fail now, not in every array task
-    model_proto, trained = tokenizer_model_bytes(sources, cfg, val_split(sources, cfg))
+    tokenizer = prep_tokenizer(sources, cfg, val_split(sources, cfg))
     if earlier is not None:
         logger.warning("overwrite=true: removing the slices of an earlier run in %s", root)
         _delete_slices(root, *earlier)
     _make_slices_root(root)
-    path = root / TOKENIZER_FILENAME
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fsync_write(tmp, model_proto)
-    tmp.rename(path)
+    _write_shared_tokenizer(root, tokenizer.files)
+    path = root / _shared_name(cfg)
     logger.info(
         "%s shared tokenizer %s (sha256 %s)",
-        "trained" if trained else "copied",
+        "trained" if tokenizer.info.trained else "copied",
         path,
-        hashlib.sha256(model_proto).hexdigest()[:16],
+        tokenizer.info.sha256[:16],
     )
     return path
 
 
-def _check_slice(cfg: PrepConfig, index: int, num_slices: int, manifest: Manifest, tokenizer_sha: str) -> None:
+def _tokenizer_identity(files: TokenizerFiles) -> tuple[str, str, str]:
+    """(type, sha256, config_sha256) as a manifest records them for these files (`data_prep.format.TokenizerInfo`:
+    ``config_sha256`` is ``""`` without a ``tokenizer_config.json``)."""
+    config_sha = hashlib.sha256(files.config).hexdigest() if files.config is not None else ""
+    return files.kind, files.sha256, config_sha
+
+
+def _identity_text(identity: tuple[str, str, str]) -> str:
+    kind, sha, config_sha = identity
+    text = f"{kind}, sha256 {sha[:16]}"
+    if kind == "hf":
+        text += f", {HF_TOKENIZER_CONFIG} sha256 {config_sha[:16]}" if config_sha else f", no {HF_TOKENIZER_CONFIG}"
+    return text
+
+
+def _check_slice(
+    cfg: PrepConfig, index: int, num_slices: int, manifest: Manifest, shared: tuple[str, str, str]
+) -> None:
     name = slice_dir(cfg, index).name
     got = manifest.config
     if (got.get("num_slices"), got.get("slice_index")) != (num_slices, index):
@@ -261,10 +311,12 @@ def _check_slice(cfg: PrepConfig, index: int, num_slices: int, manifest: Manifes
             raise InputError(
                 f"{name} was prepared with {key}={got.get(key)!r} but the config says {want[key]!r}; rerun that slice"
             )
-    if manifest.tokenizer.sha256 != tokenizer_sha:
+    tok = manifest.tokenizer
+    used = (tok.type, tok.sha256, tok.config_sha256)
+    if used != shared:
         raise InputError(
-            f"{name} was tokenized with a different tokenizer (sha256 {manifest.tokenizer.sha256[:16]}, "
-            f"shared model {tokenizer_sha[:16]}); rerun that slice"
+            f"{name} was tokenized with a different tokenizer ({_identity_text(used)}; the shared one: "
+            f"{_identity_text(shared)}); rerun that slice"
         )
 
 
@@ -368,13 +420,13 @@ def _read_slices(cfg: PrepConfig, num_slices: int) -> dict[int, Manifest]:
     return manifests
 
 
-def _check_slices(cfg: PrepConfig, manifests: dict[int, Manifest], tokenizer_sha: str) -> None:
+def _check_slices(cfg: PrepConfig, manifests: dict[int, Manifest], shared: tuple[str, str, str]) -> None:
     """Every slice was made from its share of the current inputs with these settings, and together they hold
     training documents (a single run refuses a dataset without any)."""
     num_slices = len(manifests)
     all_sources = resolve_sources(cfg)
     for index, manifest in manifests.items():
-        _check_slice(cfg, index, num_slices, manifest, tokenizer_sha)
+        _check_slice(cfg, index, num_slices, manifest, shared)
         sliced = dataclasses.replace(cfg, num_slices=num_slices, slice_index=index)
         expected = [s.fingerprint(content=False).path for s in select_slice(all_sources, sliced)]
         if [i.path for i in manifest.inputs] != expected:
@@ -413,7 +465,8 @@ def _merged_manifest(cfg: PrepConfig, manifests: dict[int, Manifest], splits: di
     return Manifest(
         format_version=FORMAT_VERSION,
         token_dtype=manifests[0].token_dtype,
-        tokenizer=dataclasses.replace(manifests[0].tokenizer, trained=cfg.tokenizer.model is None),
+        # every slice was given the shared tokenizer; it was trained when the sliced run's config asks for that
+        tokenizer=dataclasses.replace(manifests[0].tokenizer, trained=cfg.tokenizer.vocab_size is not None),
         splits=splits,
         skipped=dict(sorted(skipped.items())),
         inputs=[i for m in manifests.values() for i in m.inputs],
@@ -433,6 +486,25 @@ def _remove_slices_after_merge(root: Path) -> None:
         logger.warning("could not fully remove the slices in %s (%s); remove them by hand", root, exc)
 
 
+def _read_shared_tokenizer(cfg: PrepConfig, root: Path) -> TokenizerFiles:
+    """The tokenizer step's files in ``root``, read as regular files only.
+
+    Raises:
+        IncompleteDatasetError: the tokenizer step has not (or not fully) run.
+        InputError: they are of another type than ``tokenizer.type`` of the merge's config.
+        UnsafeDatasetError: a link or FIFO in their place, or both a ``tokenizer.model`` and a ``tokenizer.json``.
+    """
+    shared = read_tokenizer_files(root)
+    if shared is None:
+        raise IncompleteDatasetError(f"{root / _shared_name(cfg)} is missing: run the tokenizer step first")
+    if shared.kind != cfg.tokenizer.type:
+        raise InputError(
+            f"{root} holds a shared {shared.name} but the config says tokenizer.type={cfg.tokenizer.type}: merge with "
+            "the config the slices were prepared with, or rerun all steps with overwrite=true"
+        )
+    return shared
+
+
 def merge_slices(cfg: PrepConfig, num_slices: int, keep_slices: bool = False) -> Manifest:
     """Merge ``<output>.slices/slice-*`` into ``cfg.output`` (see the module docstring).
 
@@ -448,7 +520,8 @@ def merge_slices(cfg: PrepConfig, num_slices: int, keep_slices: bool = False) ->
     Raises:
         IncompleteDatasetError: a slice is missing or unfinished (its array task failed or is still running).
         InputError: a slice was prepared with other settings, another tokenizer or other input files; no slice
-            holds a training document.
+            holds a training document; the shared tokenizer is not of the config's ``tokenizer.type``.
+        UnsafeDatasetError: a shared tokenizer file is a link or FIFO, or both kinds are there.
         OutputExistsError: the output exists and ``overwrite`` is false, or it is not a dataset prep wrote.
         ConfigError: an output that holds an input, the working directory or the repository, or is a link.
         OutputWriteError: writing the merged dataset failed; its work directory is removed, the output unchanged.
@@ -457,15 +530,14 @@ def merge_slices(cfg: PrepConfig, num_slices: int, keep_slices: bool = False) ->
     if num_slices < 1:
         raise ConfigError(f"num_slices must be at least 1, got {num_slices}")
     check_output(out, cfg, resolve_sources(cfg))
-    if stat_regular(root, TOKENIZER_FILENAME) is None:
-        raise IncompleteDatasetError(f"{root / TOKENIZER_FILENAME} is missing: run the tokenizer step first")
-    tokenizer = read_regular(root, TOKENIZER_FILENAME)
+    tokenizer = _read_shared_tokenizer(cfg, root)
     manifests = _read_slices(cfg, num_slices)
-    _check_slices(cfg, manifests, hashlib.sha256(tokenizer).hexdigest())
+    _check_slices(cfg, manifests, _tokenizer_identity(tokenizer))
     remove_stale_work_dirs(out)  # a killed merge's marked work directory
     tmp = make_work_dir(out)
     try:
-        fsync_write(tmp / TOKENIZER_FILENAME, tokenizer)
+        for name, data in tokenizer.files().items():  # as a single run writes them (data_prep.shard)
+            fsync_write(tmp / name, data)
         splits = _merge_splits(cfg, manifests, tmp)
         manifest = _merged_manifest(cfg, manifests, splits)
         commit_dataset(tmp, out, manifest, cfg.overwrite)

@@ -149,7 +149,6 @@ def test_bad_hf_tokenizer_settings_are_one_line_errors_naming_the_key(folders, t
         ("tokenizer.type=hf", f"tokenizer.path={good}", "tokenizer.vocab_size=500"): "tokenizer.vocab_size=500 cannot",
         ("tokenizer.type=hf", f"tokenizer.path={good}", "tokenizer.model=x.model"): "tokenizer.model='x.model' cannot",
         (f"tokenizer.path={good}", "tokenizer.vocab_size=500"): "tokenizer.path=.*only with tokenizer.type=hf",
-        ("tokenizer.type=hf", f"tokenizer.path={good}", "num_slices=2"): "num_slices=2 with tokenizer.type=hf",
         ("tokenizer.type=tiktoken",): "tokenizer.type",
     }
     import re

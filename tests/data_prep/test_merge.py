@@ -10,43 +10,43 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from helpers import hf_test_tokenizer, save_hf_tokenizer
 
 from data_prep.cli import slices_main
 from data_prep.config import PrepConfig, load_config
 from data_prep.errors import ConfigError, InputError, OutputExistsError
 from data_prep.format import EMPTY_SPLIT_SHA256, IncompleteDatasetError, read_manifest
-from data_prep.merge import merge_slices, prepare_tokenizer, slice_dir, slices_root
+from data_prep.merge import merge_slices, prepare_tokenizer, slice_dir, slice_overrides, slices_root
+from data_prep.shard import main as prep_main
 
 REPO = Path(__file__).resolve().parents[2]
 SLICES = 3
+TRAINED = {"tokenizer.vocab_size": 400}
+"""The tokenizer settings of most tests: a SentencePiece model trained by the tokenizer step."""
 
 
-def _config(out: Path, corpus_dir: Path, **extra: object) -> PrepConfig:
-    """The sliced run's config as the user writes it (settings as in `run_prep`; no per-slice overrides)."""
-    settings = {"tokenizer.vocab_size": 400, "val_fraction": 0.2, "progress": False, "shard_size_bytes": 16384}
+def _settings(out: Path, corpus_dir: Path, tokenizer: dict[str, object], **extra: object) -> list[str]:
+    """The sliced run's overrides as the user writes them (settings as in `run_prep`; no per-slice overrides)."""
+    settings = {**tokenizer, "val_fraction": 0.2, "progress": False, "shard_size_bytes": 16384}
     settings.update(extra)
-    return load_config(
-        None, [f"output={out}", f"input={json.dumps([str(corpus_dir)])}"] + [f"{k}={v}" for k, v in settings.items()]
-    )
+    return [f"output={out}", f"input={json.dumps([str(corpus_dir)])}"] + [f"{k}={v}" for k, v in settings.items()]
+
+
+def _config(out: Path, corpus_dir: Path, tokenizer: dict[str, object] = TRAINED, **extra: object) -> PrepConfig:
+    return load_config(None, _settings(out, corpus_dir, tokenizer, **extra))
 
 
 def _cli() -> Callable[[list[str]], int]:
     return slices_main  # what launch/slurm/prep_slices.py runs
 
 
-def _make_slices(corpus_dir: Path, out: Path, val_fraction: float = 0.2, **extra: object) -> PrepConfig:
+def _make_slices(
+    corpus_dir: Path, out: Path, val_fraction: float = 0.2, tokenizer: dict[str, object] = TRAINED, **extra: object
+) -> PrepConfig:
     """The tokenizer step and all slices of a 3-slice run, through the CLI the SLURM array runs."""
     cli = _cli()
-    cfg = _config(out, corpus_dir, val_fraction=val_fraction, **extra)
-    args = [
-        f"output={cfg.output}",
-        f"input={json.dumps([str(corpus_dir)])}",
-        "tokenizer.vocab_size=400",
-        f"val_fraction={val_fraction}",
-        "progress=false",
-        "shard_size_bytes=16384",
-    ]
-    args += [f"{k}={v}" for k, v in extra.items()]
+    args = _settings(out, corpus_dir, tokenizer, val_fraction=val_fraction, **extra)
+    cfg = load_config(None, args)
     assert cli(["tokenizer", *args]) == 0
     for i in range(SLICES):
         assert cli(["slice", "--index", str(i), "--num-slices", str(SLICES), *args]) == 0
@@ -436,3 +436,136 @@ def test_merge_cli_error_keeps_environment_values_out(sliced, capsys, monkeypatc
     err = capsys.readouterr().err
     assert err.startswith("prep_slices merge: error: slices 3 of 4 in ${oc.env:GCA_TEST_MERGE_OUT}.slices are "), err
     assert sliced.output not in err
+
+
+# -- tokenizer.type=hf: the shared tokenizer is a tokenizer.json (+ tokenizer_config.json) copied by the tokenizer step
+
+
+@pytest.fixture(scope="module")
+def hf_folders(corpus, tmp_path_factory) -> dict[str, Path]:
+    """Byte-level BPE tokenizers of Llama-3's layout built offline: with a tokenizer_config.json, the same
+    tokenizer.json with another config, without one, and another tokenizer.json."""
+    root = tmp_path_factory.mktemp("hf_merge")
+    tok = hf_test_tokenizer(corpus[1], 500)
+    return {
+        "config": save_hf_tokenizer(root / "config", tok, {"eos_token": "<|end_of_text|>"}),
+        "other_config": save_hf_tokenizer(root / "other_config", tok, {"eos_token": "<|begin_of_text|>"}),
+        "no_config": save_hf_tokenizer(root / "no_config", tok),
+        "other": save_hf_tokenizer(root / "other", hf_test_tokenizer(corpus[1][:40], 400)),
+    }
+
+
+@pytest.fixture(scope="module")
+def text_files(corpus, tmp_path_factory) -> Path:
+    """Nine small .txt files (one document each): three per slice."""
+    root = tmp_path_factory.mktemp("hf_texts")
+    for i, text in enumerate(corpus[1][:9]):
+        (root / f"doc{i}.txt").write_text(text, encoding="utf-8")
+    return root
+
+
+def _hf(folder: Path) -> dict[str, object]:
+    return {"tokenizer.type": "hf", "tokenizer.path": folder}
+
+
+@pytest.mark.parametrize("folder", ["config", "no_config"])
+def test_hf_merge_equals_a_single_run(folder, hf_folders, text_files, run_prep, read_split, join_documents, tmp_path):
+    """A sliced tokenizer.type=hf run through the CLI: every slice encodes with the shared copy, and the merged dataset
+    holds a single run's documents (ids and order), tokenizer files and manifest tokenizer fields."""
+    source = hf_folders[folder]
+    sliced = _make_slices(text_files, tmp_path / "merged", tokenizer=_hf(source))
+    root = slices_root(sliced)
+    shared = sorted(p.name for p in root.iterdir() if not p.name.startswith("slice-"))
+    assert shared == [".prep-slices", "tokenizer.json"] + (["tokenizer_config.json"] if folder == "config" else [])
+    for i in range(SLICES):
+        assert read_manifest(slice_dir(sliced, i)).config["tokenizer"]["path"] == str(root)
+    merged = merge_slices(sliced, SLICES)
+    single = run_prep(output=tmp_path / "single", inputs=[str(text_files)], **_hf(source))
+
+    out = Path(sliced.output)
+    assert not root.exists() and read_manifest(out) == merged
+    assert merged.tokenizer == single.tokenizer and merged.tokenizer.type == "hf" and not merged.tokenizer.trained
+    assert merged.token_dtype == single.token_dtype and merged.inputs == single.inputs
+    assert merged.config["tokenizer"] == single.config["tokenizer"] and merged.config["num_slices"] == SLICES
+    files = sorted(p.name for p in out.iterdir() if p.name.startswith("tokenizer"))
+    assert files == sorted(p.name for p in (tmp_path / "single").iterdir() if p.name.startswith("tokenizer"))
+    for name in files:
+        assert (out / name).read_bytes() == (source / name).read_bytes(), name
+    for split in ("train", "val"):
+        assert merged.splits[split].documents == single.splits[split].documents > 0, split
+        got, want = read_split(out / split), read_split(tmp_path / "single" / split)
+        assert list(join_documents(got).values()) == list(join_documents(want).values()), split
+
+
+def _reslice_with(cfg: PrepConfig, corpus_dir: Path, index: int, folder: Path) -> None:
+    """Prepare slice ``index`` again with the tokenizer in ``folder`` instead of the shared one."""
+    args = _settings(Path(cfg.output), corpus_dir, _hf(folder))
+    prep_main(
+        load_config(None, [*args, *slice_overrides(cfg, SLICES, index), f"tokenizer.path={folder}", "overwrite=true"])
+    )
+
+
+@pytest.mark.parametrize(
+    ("folder", "used"),
+    [
+        ("other", r"hf, sha256 [0-9a-f]{16}, no tokenizer_config.json"),
+        ("other_config", r"hf, sha256 [0-9a-f]{16}, tokenizer_config.json sha256 [0-9a-f]{16}"),
+    ],
+    ids=["another-tokenizer-json", "another-tokenizer-config"],
+)
+def test_hf_merge_refuses_a_slice_tokenized_otherwise(folder, used, hf_folders, text_files, tmp_path):
+    sliced = _make_slices(text_files, tmp_path / "merged", tokenizer=_hf(hf_folders["config"]))
+    _reslice_with(sliced, text_files, 1, hf_folders[folder])
+    with pytest.raises(
+        InputError,
+        match=rf"^slice-00001 was tokenized with a different tokenizer \({used}; the shared one: hf, sha256 "
+        r"[0-9a-f]{16}, tokenizer_config.json sha256 [0-9a-f]{16}\); rerun that slice$",
+    ):
+        merge_slices(sliced, SLICES)
+    assert not Path(sliced.output).exists()
+
+
+def test_merge_refuses_a_shared_tokenizer_of_another_type(hf_folders, text_files, tmp_path):
+    sliced = _make_slices(text_files, tmp_path / "merged", tokenizer=_hf(hf_folders["no_config"]))
+    with pytest.raises(
+        InputError, match="merged.slices holds a shared tokenizer.json but the config says tokenizer.type=sentencepiece"
+    ):
+        merge_slices(_config(Path(sliced.output), text_files), SLICES)
+    (slices_root(sliced) / "tokenizer.json").unlink()
+    with pytest.raises(IncompleteDatasetError, match="merged.slices/tokenizer.json is missing: run the tokenizer step"):
+        merge_slices(sliced, SLICES)
+
+
+def test_hf_tokenizer_step_reruns_like_the_sentencepiece_one(hf_folders, text_files, tmp_path):
+    """Leftover slices are refused without overwrite; with it, the HF files, slices and a killed tokenizer step's
+    temporary file are deleted as the run's own, also when the rerun switches to a SentencePiece tokenizer; an HF
+    file name held by a link is not prep's, and nothing is deleted then."""
+    sliced = _make_slices(text_files, tmp_path / "merged", tokenizer=_hf(hf_folders["config"]))
+    root = slices_root(sliced)
+    (root / ".tokenizer_config.json.tmp-999999").write_text("half written")
+    with pytest.raises(OutputExistsError, match="holds slices of an earlier run"):
+        prepare_tokenizer(sliced)
+    assert prepare_tokenizer(dataclasses.replace(sliced, overwrite=True)) == root / "tokenizer.json"
+    assert sorted(p.name for p in root.iterdir()) == [".prep-slices", "tokenizer.json", "tokenizer_config.json"]
+    trained = _config(Path(sliced.output), text_files, overwrite="true")
+    assert prepare_tokenizer(trained) == root / "tokenizer.model"
+    assert sorted(p.name for p in root.iterdir()) == [".prep-slices", "tokenizer.model"]
+    (root / "tokenizer.model").unlink()
+    (root / "tokenizer_config.json").symlink_to(hf_folders["config"] / "tokenizer_config.json")
+    before = _tree(root)
+    with pytest.raises(OutputExistsError, match=r"holds files a sliced run did not write \(tokenizer_config.json\)"):
+        prepare_tokenizer(dataclasses.replace(sliced, overwrite=True))
+    assert _tree(root) == before
+
+
+def test_a_sliced_hf_run_needs_no_trained_tokenizer(hf_folders, tmp_path):
+    """A tokenizer.json is given, never trained: num_slices with type=hf is a valid config, and each slice is pointed at
+    the tokenizer step's copy (without the SentencePiece keys, which type=hf refuses)."""
+    args = [f"output={tmp_path / 'o'}", "input=x", "tokenizer.type=hf", f"tokenizer.path={hf_folders['config']}"]
+    assert load_config(None, [*args, "num_slices=2", "slice_index=1"]).tokenizer.path == str(hf_folders["config"])
+    assert slice_overrides(load_config(None, args), 2, 1) == [
+        f"output={tmp_path / 'o.slices' / 'slice-00001'}",
+        "num_slices=2",
+        "slice_index=1",
+        f"tokenizer.path={tmp_path / 'o.slices'}",
+    ]
