@@ -211,6 +211,30 @@ FP32_REORDERED: Mapping[str, float] = {"rtol": 1e-4, "atol": 1e-4}
 """The same fp32 maths cut differently (segments, single tokens, sliced operator calls vs one forward)."""
 
 
+def save_tiny_dense(directory: Path, *, vocab_size: int = 64, tied: bool = True, kind: str = "llama") -> Path:
+    """A random 2-layer ``LlamaForCausalLM`` (``kind="llama"``) or ``Qwen2ForCausalLM`` (``"qwen2"``) of the tiny
+    trainer model's shapes, saved as a transformers folder (what ``checkpoint.init_from=hf:`` converts)."""
+    import transformers
+
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[kind]
+    config = config_cls(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+        rms_norm_eps=1e-6,
+    )
+    torch.manual_seed(0)
+    model_cls(config).save_pretrained(directory)
+    return directory
+
+
 def assert_close(
     got: torch.Tensor, want: torch.Tensor, tol: Mapping[str, float], msg: str | Callable[[str], str] | None = None
 ) -> None:

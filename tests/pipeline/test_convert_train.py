@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import save_tiny_dense
 from safetensors.torch import load_file
 
 from model import GCAConfig, GCAForCausalLM, load_pretrained
@@ -28,19 +29,7 @@ CONVERTED = {
 
 def save_dense(directory: Path, tied: bool) -> Path:
     """A random 2-layer Llama of the tiny trainer model's shapes, saved as a transformers folder."""
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        tie_word_embeddings=tied,
-        rms_norm_eps=1e-6,
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(directory)
-    return directory
+    return save_tiny_dense(directory, tied=tied)
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
-from helpers import hf_test_tokenizer, save_hf_tokenizer
+from helpers import hf_test_tokenizer, save_hf_tokenizer, save_tiny_dense
 from tokenizers import Tokenizer
 
 from data_prep.config import load_config as load_prep_config
@@ -50,23 +49,7 @@ def dense_folder(folder: Path, kind: str) -> Path:
     """A random 2-layer ``LlamaForCausalLM`` (``llama3``) or ``Qwen2ForCausalLM`` (``qwen2``) of the tiny trainer
     model's shapes, with a byte-level BPE ``tokenizer.json`` of that model family's layout."""
     save_hf_tokenizer(folder, hf_test_tokenizer(sample_texts(200, 0), VOCAB, kind), TOKENIZER_CONFIG)
-    config_cls, model_cls = {
-        "llama3": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-    }[kind]
-    config = config_cls(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        rms_norm_eps=1e-6,
-    )
-    torch.manual_seed(0)
-    model_cls(config).save_pretrained(folder)
-    return folder
+    return save_tiny_dense(folder, vocab_size=VOCAB, kind="qwen2" if kind == "qwen2" else "llama")
 
 
 @pytest.fixture(scope="module")
