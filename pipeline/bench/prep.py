@@ -11,7 +11,8 @@ Phases, each timed on its own:
 - raw encode: one ``encode(texts, num_threads=<all CPUs>, return_type="numpy")`` call on the texts prep encodes
   (every non-empty document, cut into prep's segments), read into memory before the clock starts.
 
-The ratio is prep tokens/s over raw-encode tokens/s; each figure is the fastest of ``--repeats`` alternating runs.
+The ratio is prep tokens/s over raw-encode tokens/s; each figure is the fastest of ``--repeats`` alternating runs
+(the ``--procs`` settings in reverse order every other repeat).
 
     python -m pipeline.bench.prep [--config configs/data/default.yaml] [--procs 1 2] [key=value ...]
 """
@@ -67,13 +68,15 @@ def bench(config: str | None, overrides: list[str], procs: list[int], repeats: i
         prep_times: dict[int, list[float]] = {p: [] for p in procs}
         raw_tokens = prep_tokens = 0
         given = [o for o in base if not o.startswith(("tokenizer.vocab_size=", "tokenizer.model="))]
-        for _ in range(repeats):
+        for repeat in range(repeats):
             start = time.perf_counter()
             encoded = processor.encode(texts, num_threads=cores, return_type="numpy")
             raw_times.append(time.perf_counter() - start)
             raw_tokens = sum(len(ids) for ids in encoded)
             del encoded
-            for p in procs:
+            # Every other repeat in reverse, so no setting always runs right after the raw encode (measured: the
+            # first one after it ran up to 10% slower on this machine).
+            for p in procs if repeat % 2 == 0 else procs[::-1]:
                 run_cfg = load_config(
                     config,
                     [

@@ -67,3 +67,48 @@ def test_the_hook_file_runs_in_a_site_directory(tmp_path):
     assert (tmp_path / STARTUP_HOOK_FILE).is_file()
     done = _fresh_interpreter(code, str(tmp_path), cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0 and done.stdout.strip() == "1", done.stderr
+
+
+PREP_WITH_STREAMING_BROKEN = """
+import sys
+from pathlib import Path
+
+class RefuseStreaming:
+    def find_spec(self, fullname, path, target=None):
+        if fullname == "streaming":
+            raise ImportError("streaming is broken in this test")
+        return None
+
+sys.meta_path.insert(0, RefuseStreaming())
+from data_prep.config import load_config
+from data_prep.shard import main
+
+out = Path(sys.argv[2])
+try:
+    main(load_config(None, [f"input=[{sys.argv[1]}]", f"output={out}", "tokenizer.vocab_size=300", "progress=false"]))
+except ImportError as exc:
+    print("raised:", exc)
+print("left:", sorted(p.name for p in out.parent.iterdir()))
+"""
+
+
+def test_prep_raises_a_failed_streaming_import_in_the_main_thread_and_leaves_nothing(tmp_path):
+    """Prep starts importing streaming on a background thread; an import that fails there must still stop the run
+    with that ImportError (not hang, not pass silently) and remove the work directory."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"document {i} says hello to the world number {i * 7}.\n" for i in range(400)))
+    work = tmp_path / "work"
+    work.mkdir()
+    repo = Path(__file__).resolve().parents[2]
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONSTARTUP"}, "PYTHONPATH": str(repo)}
+    done = subprocess.run(
+        [sys.executable, "-c", PREP_WITH_STREAMING_BROKEN, str(corpus), str(work / "ds")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "raised: streaming is broken in this test" in done.stdout, done.stdout + done.stderr
+    assert "left: []" in done.stdout, done.stdout
