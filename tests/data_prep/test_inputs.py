@@ -1,6 +1,8 @@
 """Bad input, long documents, big vocabularies, config and CLI errors."""
 
 import json
+import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -133,6 +135,48 @@ def test_segments_cover_text_without_spaces():
     text = "x" * 1000 + " tail"
     parts = tokenize.segments(text, max_chars=300)
     assert "".join(parts) == text and all(len(p) <= 300 for p in parts)
+
+
+def _regex_segments(text: str, max_chars: int, cut_hard: bool) -> list[str]:
+    """The reference: every safe point of each window's second half by the pattern, the last one taken."""
+    safe = re.compile(r"(?<=\S) ")
+    out, start = [], 0
+    while len(text) - start > max_chars:
+        window_end = start + max_chars
+        points = [m.start() for m in safe.finditer(text, start + max_chars // 2, window_end)]
+        cut = points[-1] if points else None
+        if cut is None and not cut_hard:
+            later = safe.search(text, window_end)
+            if later is None:
+                break
+            cut = later.start()
+        out.append(text[start : cut if cut is not None else window_end])
+        start = cut if cut is not None else window_end
+    return [*out, text[start:]]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_segments_cut_where_the_safe_point_pattern_says(seed):
+    """The rfind search picks the same cuts as scanning every match of the pattern, for texts with runs of
+    spaces longer than its per-window tries (the pattern fallback), Unicode whitespace before spaces (\u00a0,
+    \u2003, \x1c count as whitespace, \u200b does not) and stretches without any space."""
+    rng = random.Random(seed)
+    alphabet = ["a", "b", "é", "\n", "\t", "\u00a0", "\u2003", "\x1c", "\u200b", " "]
+    pieces = []
+    for _ in range(400):
+        kind = rng.random()
+        if kind < 0.05:
+            pieces.append(" " * rng.randint(60, 300))
+        elif kind < 0.08:
+            pieces.append("z" * rng.randint(200, 700))
+        else:
+            pieces.append("".join(rng.choice(alphabet) for _ in range(rng.randint(1, 20))))
+    text = "".join(pieces)
+    for max_chars in (2, 7, 64, 257, 1000):
+        for cut_hard in (True, False):
+            parts = tokenize.segments(text, max_chars, cut_hard)
+            assert parts == _regex_segments(text, max_chars, cut_hard), (max_chars, cut_hard)
+            assert "".join(parts) == text
 
 
 def test_segmenting_a_50mb_document_is_fast():
