@@ -74,8 +74,8 @@ def bench(config: str | None, overrides: list[str], procs: list[int], repeats: i
             raw_times.append(time.perf_counter() - start)
             raw_tokens = sum(len(ids) for ids in encoded)
             del encoded
-            # Every other repeat in reverse, so no setting always runs right after the raw encode (measured: the
-            # first one after it ran up to 10% slower on this machine).
+            # Every other repeat in reverse, so that no setting always runs right after the raw encode: the order
+            # must not be what tells the settings apart.
             for p in procs if repeat % 2 == 0 else procs[::-1]:
                 run_cfg = load_config(
                     config,

@@ -99,15 +99,8 @@ def test_prep_raises_a_failed_streaming_import_in_the_main_thread_and_leaves_not
     corpus.write_text("".join(f"document {i} says hello to the world number {i * 7}.\n" for i in range(400)))
     work = tmp_path / "work"
     work.mkdir()
-    repo = Path(__file__).resolve().parents[2]
-    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONSTARTUP"}, "PYTHONPATH": str(repo)}
-    done = subprocess.run(
-        [sys.executable, "-c", PREP_WITH_STREAMING_BROKEN, str(corpus), str(work / "ds")],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    done = _fresh_interpreter(
+        PREP_WITH_STREAMING_BROKEN, str(corpus), str(work / "ds"), cwd=Path(__file__).resolve().parents[2]
     )
     assert done.returncode == 0, done.stderr
     assert "raised: streaming is broken in this test" in done.stdout, done.stdout + done.stderr
