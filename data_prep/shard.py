@@ -206,7 +206,7 @@ def _in_order(
         yield done, result.result()
 
 
-def _write_splits(
+def _write_documents(
     sources: list[Source],
     cfg: PrepConfig,
     is_val: ValSplit,
@@ -214,7 +214,8 @@ def _write_splits(
     vocab_size: int,
     tmp: Path,
     skips: SkipCounter,
-) -> dict[str, SplitStats]:
+) -> dict[str, _SplitWriter]:
+    """Every document of ``sources`` encoded and written to its split's writer; the writers, not yet finished."""
     token_dtype = token_dtype_for_vocab(vocab_size)
     writers = {split: _SplitWriter(tmp / split, cfg, token_dtype) for split in SPLITS}
     tokens_done = 0
@@ -238,20 +239,18 @@ def _write_splits(
             tokens_done += len(tokens)
         bar.set_postfix_str(f"{tokens_done / max(time.perf_counter() - start, 1e-9):,.0f} tok/s", refresh=False)
     bar.close()
-    stats = {split: writer.finish() for split, writer in writers.items()}
-    _check_split_sizes(stats, cfg)
-    return stats
+    return writers
 
 
-def _check_split_sizes(stats: dict[str, SplitStats], cfg: PrepConfig) -> None:
+def _check_split_sizes(writers: dict[str, _SplitWriter], cfg: PrepConfig) -> None:
     """Refuse a dataset without training documents; warn that an empty val split is absent."""
-    if stats["train"].documents == 0 and cfg.num_slices == 1:  # one slice of several may legitimately be empty
+    if writers["train"].documents == 0 and cfg.num_slices == 1:  # one slice of several may legitimately be empty
         raise InputError(
-            f"no document reached the train split ({stats['val'].documents} went to val with "
+            f"no document reached the train split ({writers['val'].documents} went to val with "
             f"val_fraction={cfg.val_fraction}); nothing was written: add input documents or lower "
             "val_fraction / min_tokens"
         )
-    if cfg.val_fraction > 0 and stats["val"].documents == 0:
+    if cfg.val_fraction > 0 and writers["val"].documents == 0:
         logger.warning(
             "val split is empty with val_fraction=%s: the corpus has no second document to hold out, or min_tokens "
             "skipped the one chosen; %s has no val/ directory (manifest: 0 val tokens): add documents, or train "
@@ -681,14 +680,22 @@ def _prepare(sources: list[Source], is_val: ValSplit, cfg: PrepConfig, tmp: Path
         fsync_write(tmp / name, data)
     info = tokenizer.info
     skips = SkipCounter(strict=cfg.strict)
-    splits = _write_splits(sources, cfg, is_val, tokenizer.model, info.vocab_size, tmp, skips)
+    writers = _write_documents(sources, cfg, is_val, tokenizer.model, info.vocab_size, tmp, skips)
+    _check_split_sizes(writers, cfg)
+    # Finishing compresses the last shard of each split (0.12 s for the built-in corpus' 20 MB train shard) and
+    # fingerprinting reads every input again (0.07 s for its 1901 files): both release the GIL, so they overlap
+    # on two cores instead of following each other while the encode threads are done.
+    with ThreadPoolExecutor(1, thread_name_prefix="fingerprint") as side:
+        fingerprints = side.submit(lambda: [s.fingerprint(content=cfg.fingerprint == "content") for s in sources])
+        splits = {split: writer.finish() for split, writer in writers.items()}
+        inputs = fingerprints.result()
     return Manifest(
         format_version=FORMAT_VERSION,
         token_dtype=token_dtype_for_vocab(info.vocab_size),
         tokenizer=info,
         splits=splits,
         skipped=dict(sorted(skips.counts.items())),
-        inputs=[s.fingerprint(content=cfg.fingerprint == "content") for s in sources],
+        inputs=inputs,
         config=to_container(cfg),
         software=_software(),
         val_split=ValSplitInfo(lowest_hash_fallback=is_val.fallback is not None),

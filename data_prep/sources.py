@@ -333,9 +333,8 @@ class BuiltinSource(Source):
 
     def __init__(self, corpus: str, excluded: ExcludeFilter) -> None:
         self.name = f"{builtin.BUILTIN_PREFIX}{corpus}"
-        self.root, files = builtin.corpus_files(corpus)
-        labels = [(p, p.relative_to(self.root).as_posix()) for p in files]
-        self.files = [FileSource(p, "txt", "text", label=label) for p, label in labels if excluded.keeps(label)]
+        self.root, files = builtin.labelled_corpus_files(corpus)
+        self.files = [FileSource(p, "txt", "text", label=label) for label, p in files if excluded.keeps(label)]
         if not self.files:
             raise InputError(f"input '{self.name}': every file is excluded by exclude={excluded.patterns}")
 

@@ -309,3 +309,25 @@ def test_excluding_every_file_of_an_input_is_an_error(run_prep, corpus, tmp_path
     root, _ = corpus
     with pytest.raises(InputError, match=r"every file is excluded by exclude=\['\*'\]"):
         run_prep(inputs=[str(root / "books")], exclude='"*"')
+
+
+def test_builtin_corpus_lists_its_files_by_relative_path(tmp_path, monkeypatch):
+    """The built-in corpus: .py/.txt files under the stdlib root, sorted by their POSIX path relative to it (the
+    label), without third-party or cache folders and without following a linked folder out of the tree."""
+    from data_prep import builtin
+
+    root = tmp_path / "stdlib"
+    for name in ["b.py", "b/c.txt", "b/z/e.py", "a/f.py", "b/d.bin", "site-packages/x.py", "b/__pycache__/y.py"]:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text("x")
+    (root / "outside").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "g.py").write_text("x")
+    monkeypatch.setattr(builtin.sysconfig, "get_paths", lambda: {"stdlib": str(root)})
+
+    got_root, labelled = builtin.labelled_corpus_files("python_stdlib")
+    assert got_root == root
+    # '.' sorts before '/': b.py comes before the files of folder b
+    assert [label for label, _ in labelled] == ["a/f.py", "b.py", "b/c.txt", "b/z/e.py"]
+    assert all(path.relative_to(root).as_posix() == label for label, path in labelled)
+    assert builtin.corpus_files("python_stdlib") == (root, [path for _, path in labelled])
