@@ -185,7 +185,7 @@ def _results(tasks: Iterator[_Task], model_proto: bytes, workers: int) -> Iterat
     processor = tokenize.load_processor(model_proto)
     with ThreadPoolExecutor(workers, thread_name_prefix="encode") as executor:
         yield from _in_order(
-            ((t, executor.submit(tokenize.encode_segments, processor, t.texts, 1)) for t in tasks),
+            ((t, executor.submit(tokenize.encode_segments, processor, t.texts)) for t in tasks),
             workers * _TASKS_IN_FLIGHT_PER_WORKER,
         )
 

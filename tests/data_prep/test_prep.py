@@ -181,3 +181,34 @@ def test_tampered_manifest_is_rejected(run_prep, tmp_path):
     os.remove(tmp_path / "out" / COMPLETE_MARKER)
     with pytest.raises(IncompleteDatasetError, match="not a completed"):
         read_manifest(tmp_path / "out")
+
+
+def test_each_encode_thread_reuses_its_own_sentencepiece_pool():
+    """encode_segments: the ids of a plain per-text encode; a thread's calls share one one-thread SentencePiece pool
+    (no native thread started per call), another thread has its own."""
+    import io
+    import threading
+
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+    lines = [" ".join(words[(i * 7 + j) % len(words)] for j in range(12)) for i in range(200)]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model, vocab_size=60, model_type="bpe")
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    texts = lines[:5]
+    pools: dict[str, list[object]] = {}
+
+    def encode_twice(name: str) -> None:
+        for _ in range(2):
+            got = tokenize.encode_segments(sp, texts)
+            assert [ids.tolist() for ids in got] == [sp.encode(t) for t in texts]
+            assert all(ids.dtype == np.uint32 for ids in got)
+            pools.setdefault(name, []).append(tokenize._encode_pools.pool)
+
+    threads = [threading.Thread(target=encode_twice, args=(name,)) for name in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(pools["a"]) == len(pools["b"]) == 2  # both threads ran their asserts to the end
+    assert pools["a"][0] is pools["a"][1] and pools["b"][0] is pools["b"][1]
+    assert pools["a"][0] is not pools["b"][0]
