@@ -15,7 +15,9 @@ The process imports streaming (prep's shard writer; 7-9 s on 2 cores) before any
 timed prep run does not pay for it.
 
 The ratio is prep tokens/s over raw-encode tokens/s; each figure is the fastest of ``--repeats`` alternating runs
-(the ``--procs`` settings in reverse order every other repeat).
+(the ``--procs`` settings in reverse order every other repeat). A shared machine's speed drifts by more than the
+differences measured here, within seconds, so the report also gives the median over the repeats of each repeat's
+own ratio (prep against the raw encode of the same repeat, a few seconds apart).
 
     python -m pipeline.bench.prep [--config configs/data/default.yaml] [--procs 1 2] [key=value ...]
 """
@@ -26,6 +28,7 @@ import argparse
 import importlib
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -113,6 +116,10 @@ def bench(config: str | None, overrides: list[str], procs: list[int], repeats: i
                 p: {
                     "seconds": min(t),
                     "ratio": (prep_tokens / min(t)) / (raw_tokens / raw_s),
+                    "paired_ratio": statistics.median(
+                        (prep_tokens / prep_s) / (raw_tokens / raw_i)
+                        for prep_s, raw_i in zip(t, raw_times, strict=True)
+                    ),
                     "encode_threads": tokenize.encode_threads(p),
                 }
                 for p, t in prep_times.items()
@@ -146,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"prep num_proc={p} ({run['encode_threads']} encode threads each): {r['prep_tokens']:,} tokens in "
             f"{run['seconds']:.2f} s = {r['prep_tokens'] / run['seconds']:,.0f} tokens/s, "
-            f"{run['ratio']:.2f}x raw encode"
+            f"{run['ratio']:.2f}x raw encode (median of the repeats' own ratios: {run['paired_ratio']:.2f}x)"
         )
     return 0
 

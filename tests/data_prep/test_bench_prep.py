@@ -46,5 +46,6 @@ def test_bench_prep_times_the_same_tokens_as_a_plain_encode(tmp_path, monkeypatc
     expected = sum(len(sp.encode(text)) for text in texts)
     assert r["raw_tokens"] == r["prep_tokens"] == expected
     assert r["documents"] == len(texts)
-    assert set(r["prep"]) == {1, 2} and all(run["ratio"] > 0 for run in r["prep"].values())
+    assert set(r["prep"]) == {1, 2}
+    assert all(run["ratio"] > 0 and run["paired_ratio"] > 0 for run in r["prep"].values())
     assert list(work.glob("gca-bench-prep-*")) == []  # its scratch folder (outputs, tokenizer) removed
