@@ -46,6 +46,7 @@ from data_prep.format import (
     TOKENIZER_FILENAME,
     TOKENS,
     IncompleteDatasetError,
+    InputFingerprint,
     Manifest,
     SplitStats,
     ValSplitInfo,
@@ -685,10 +686,24 @@ def _prepare(sources: list[Source], is_val: ValSplit, cfg: PrepConfig, tmp: Path
     # Finishing compresses the last shard of each split (0.12 s for the built-in corpus' 20 MB train shard) and
     # fingerprinting reads every input again (0.07 s for its 1901 files): both release the GIL, so they overlap
     # on two cores instead of following each other while the encode threads are done.
+    finishing_failed = threading.Event()
+
+    def fingerprints() -> list[InputFingerprint]:
+        done = []
+        for source in sources:
+            if finishing_failed.is_set():  # its error is raised after this input, not after hashing the corpus
+                break
+            done.append(source.fingerprint(content=cfg.fingerprint == "content"))
+        return done
+
     with ThreadPoolExecutor(1, thread_name_prefix="fingerprint") as side:
-        fingerprints = side.submit(lambda: [s.fingerprint(content=cfg.fingerprint == "content") for s in sources])
-        splits = {split: writer.finish() for split, writer in writers.items()}
-        inputs = fingerprints.result()
+        pending = side.submit(fingerprints)
+        try:
+            splits = {split: writer.finish() for split, writer in writers.items()}
+        except BaseException:
+            finishing_failed.set()
+            raise
+        inputs = pending.result()
     return Manifest(
         format_version=FORMAT_VERSION,
         token_dtype=token_dtype_for_vocab(info.vocab_size),

@@ -212,3 +212,36 @@ def test_each_encode_thread_reuses_its_own_sentencepiece_pool():
     assert len(pools["a"]) == len(pools["b"]) == 2  # both threads ran their asserts to the end
     assert pools["a"][0] is pools["a"][1] and pools["b"][0] is pools["b"][1]
     assert pools["a"][0] is not pools["b"][0]
+
+
+def test_a_failed_finish_does_not_wait_for_the_remaining_fingerprints(run_prep, corpus, tmp_path, monkeypatch):
+    """Finishing the splits and fingerprinting the inputs run side by side; when finishing fails (a full disk), its
+    error is raised once the input being hashed is done, not after hashing every input (``fingerprint=content`` of a
+    large corpus), and nothing is left behind."""
+    import threading
+    import time
+
+    from data_prep.sources import FileSource
+
+    hashed: list[str] = []
+    real_fingerprint = FileSource.fingerprint
+    first_started = threading.Event()
+
+    def slow_fingerprint(self, content):
+        first_started.set()
+        time.sleep(0.2)
+        hashed.append(self.name)
+        return real_fingerprint(self, content)
+
+    def full_disk(self):
+        first_started.wait(timeout=30)  # fail while the first input is being hashed
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(FileSource, "fingerprint", slow_fingerprint)
+    monkeypatch.setattr(shard._SplitWriter, "finish", full_disk)
+    files = sorted(str(p) for p in (corpus[0] / "books").glob("*.txt"))
+    assert len(files) >= 10
+    with pytest.raises(shard.OutputWriteError, match="the disk is full"):
+        run_prep(inputs=files, fingerprint="content")
+    assert 1 <= len(hashed) < len(files)
+    assert list(tmp_path.iterdir()) == []
