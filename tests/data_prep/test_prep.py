@@ -1,11 +1,14 @@
 """make prep end to end on a small generated corpus: round trip, counts, determinism, safety."""
 
 import hashlib
+import io
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +18,7 @@ import sentencepiece as spm
 from data_prep import shard, tokenize
 from data_prep.errors import OutputExistsError
 from data_prep.format import COMPLETE_MARKER, SPLITS, IncompleteDatasetError, read_manifest
+from data_prep.sources import FileSource
 from data_prep.split import is_val
 
 REPO = Path(__file__).resolve().parents[2]
@@ -186,9 +190,6 @@ def test_tampered_manifest_is_rejected(run_prep, tmp_path):
 def test_each_encode_thread_reuses_its_own_sentencepiece_pool():
     """encode_segments: the ids of a plain per-text encode; a thread's calls share one one-thread SentencePiece pool
     (no native thread started per call), another thread has its own."""
-    import io
-    import threading
-
     words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
     lines = [" ".join(words[(i * 7 + j) % len(words)] for j in range(12)) for i in range(200)]
     model = io.BytesIO()
@@ -218,11 +219,6 @@ def test_a_failed_finish_does_not_wait_for_the_remaining_fingerprints(run_prep, 
     """Finishing the splits and fingerprinting the inputs run side by side; when finishing fails (a full disk), its
     error is raised once the input being hashed is done, not after hashing every input (``fingerprint=content`` of a
     large corpus), and nothing is left behind."""
-    import threading
-    import time
-
-    from data_prep.sources import FileSource
-
     hashed: list[str] = []
     real_fingerprint = FileSource.fingerprint
     first_started = threading.Event()
