@@ -7,7 +7,7 @@ asked for.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -19,12 +19,19 @@ from model.context_parallel import ContextParallel
 from model.stream import StreamState
 
 
-@dataclass
-class CausalLMOutput:
+class CausalLMOutput(NamedTuple):
+    """What ``forward`` returns: ``logits [B, T, vocab_size]`` (``logits[:, t]`` predicts token ``t + 1``) and
+    ``loss``, the mean next-token cross-entropy when labels were given.
+
+    A named tuple, not a dataclass: sharding wrappers hook the tensors a module returns to gather its parameters
+    again before its backward, and they find those tensors by walking tuples, lists and dicts. FSDP2 in torch 2.11
+    (``tree_flatten``) and DeepSpeed ZeRO-3 (``apply_to_tensors_only``) see a dataclass as one opaque value, so the
+    root's hook was never placed and the LM head's backward read a freed weight (docs/training.md, "FSDP2 and the
+    model's output").
+    """
+
     logits: torch.Tensor
-    """``[B, T, vocab_size]``; ``logits[:, t]`` predicts token ``t + 1``."""
     loss: torch.Tensor | None = None
-    """Mean next-token cross-entropy when labels were given."""
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:

@@ -267,6 +267,9 @@ def apply_fsdp(model: nn.Module, cfg: TrainConfig, info: DistInfo, bf16: bool, m
     activations already crowd a device. The price is that the parameter all-gathers span the CP group as well,
     and that FSDP averages gradients over dp x cp (``TorchEngine`` scales the CP loss to make that a sum over CP).
 
+    ``parallel.fsdp_reshard_after_forward`` applies to the blocks; the root keeps its parameters gathered until
+    its backward (docs/training.md, "FSDP2 and the model's output").
+
     On gloo, FSDP2's built-in gradient averaging is wrong (pytorch#162338), so reductions are forced to plain
     sums with FSDP doing the division itself; ``tests/pipeline/test_pipeline_dist.py`` checks the gradients against a
     single process on the whole batch.
@@ -280,7 +283,10 @@ def apply_fsdp(model: nn.Module, cfg: TrainConfig, info: DistInfo, bf16: bool, m
     reshard = cfg.parallel.fsdp_reshard_after_forward
     for block in blocks(model):
         fully_shard(block, mesh=shard_mesh, mp_policy=mp, reshard_after_forward=reshard)
-    fully_shard(model, mesh=shard_mesh, mp_policy=mp, reshard_after_forward=reshard)
+    # The root is left to FSDP's own choice (None): it keeps its parameters -- the embedding, the LM head tied to
+    # it, the landmark, the query norms -- gathered from forward into backward, whose first op is the head's. An
+    # explicit value would free them after forward and gather the largest weight again at once.
+    fully_shard(model, mesh=shard_mesh, mp_policy=mp, reshard_after_forward=None)
     if info.device.type == "cpu":
         model.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
     log.info(

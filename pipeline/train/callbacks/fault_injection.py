@@ -67,7 +67,7 @@ class FaultInjector(Callback):
             loss = getattr(output, "loss", None)
             step = trainer.step + 1  # the step in progress
             if loss is not None and torch.is_grad_enabled() and self.plan.hits("inf_grad", step, self.rank):
-                output.loss = _InfGradient.apply(loss)
+                return output._replace(loss=_InfGradient.apply(loss))
             return output
 
         return hook
