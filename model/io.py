@@ -156,14 +156,27 @@ def _check_shapes(weights: Path, file_shapes: dict[str, list[int]], model: torch
         )
 
 
+def _check_finite(weights: Path, model: torch.nn.Module) -> None:
+    """Refuse NaN or infinite weights (a diverged run's export): they would give NaN scores or a sampling error far
+    from their cause. One pass over tensors just read, so cheap next to the load itself."""
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise ExportError(
+                f"{weights}: tensor {name} holds {bad} non-finite value(s) (NaN or inf); the export is damaged "
+                "or comes from a diverged run (export an earlier checkpoint)"
+            )
+
+
 def load_pretrained(directory: str | os.PathLike, *, device: str | torch.device = "cpu", **overrides) -> CausalLM:
     """Build the model ``config.json`` describes (``build_model`` picks the class its ``arch`` names; ``overrides``
-    replace config fields, e.g. ``gca_backend``) and load ``model.safetensors`` strictly: a missing, unexpected
-    or mis-shaped tensor is an error naming it.
+    replace config fields, e.g. ``gca_backend``) and load ``model.safetensors`` strictly: a missing, unexpected,
+    mis-shaped or non-finite tensor is an error naming it.
 
     Raises:
         FileNotFoundError: ``config.json`` or ``model.safetensors`` is missing.
-        ExportError: either file is malformed (see ``read_export_config`` and ``check_safetensors``).
+        ExportError: either file is malformed (see ``read_export_config`` and ``check_safetensors``), or a weight
+            is NaN or infinite.
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_model
@@ -183,4 +196,5 @@ def load_pretrained(directory: str | os.PathLike, *, device: str | torch.device 
         raise ExportError(f"{weights}: cannot be loaded ({str(exc).splitlines()[0]})") from None
     if missing or unexpected:
         raise ExportError(f"{weights}: missing tensors {sorted(missing)}, unexpected tensors {sorted(unexpected)}")
+    _check_finite(weights, model)
     return model.to(device).eval()

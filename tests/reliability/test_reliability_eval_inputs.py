@@ -377,6 +377,27 @@ def test_damaged_export_is_one_line_naming_the_file(case, export, tmp_path, caps
     assert not marker.exists() and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_an_export_with_a_non_finite_weight_is_one_line_naming_the_tensor(bad, export, tmp_path, capsys, no_work):
+    """A NaN or infinite weight (a diverged run's export) is refused at load by eval, generate and
+    ``load_pretrained``, naming the file and the tensor, instead of NaN rows or a sampling traceback."""
+    from safetensors.torch import load_file, save_file
+
+    damaged = Path(shutil.copytree(export, tmp_path / "export"))
+    tensors = load_file(damaged / "model.safetensors")
+    name = sorted(tensors)[len(tensors) // 2]  # a tensor deep in the file, not just the first one read
+    tensors[name].view(-1)[-1] = bad
+    save_file(tensors, damaged / "model.safetensors", metadata={"format": "pt"})
+    assert _eval(damaged, tmp_path / "out", "lengths=[64]") == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert str(damaged / "model.safetensors") in line and f"tensor {name} " in line, line
+    assert GENERATE(["--checkpoint", str(damaged), "--prompt", "Hello"]) == 2
+    assert _one_error_line(capsys.readouterr().err) == line
+    with pytest.raises(ExportError, match=f"tensor {name} "):
+        load_pretrained(damaged)
+    assert not (tmp_path / "out").exists()
+
+
 # --- environment values stay out of output, results and errors -------------------------------------------------
 
 
