@@ -201,6 +201,7 @@ def train_metrics(run_dir: Path) -> dict:
         "peak_mem_gb": max(r.get("mem_gb", 0.0) for r in rows),
         "loss_first": losses[0],
         "loss_last": losses[-1],
+        "losses": losses,
         "loss_finite": all(math.isfinite(x) for x in losses),
         "loss_falling": statistics.fmean(losses[-third:]) < statistics.fmean(losses[:third]),
     }
@@ -295,6 +296,16 @@ def build(plan: Plan) -> list[Stage]:
     return stages
 
 
+def _loss_agreement(results: dict[str, dict], name: str, reference: str) -> float | None:
+    """Largest relative difference between two runs' losses over the steps both logged: the same config, seed and
+    data under two engines should train the same model (in bf16 they drift apart by rounding as steps go on)."""
+    runs = [results.get(n, {}) for n in (name, reference)]
+    if any(r.get("status") != "ok" for r in runs):
+        return None
+    got, ref = (r["numbers"]["losses"] for r in runs)
+    return max(abs(a - b) / abs(b) for a, b in zip(got, ref))
+
+
 def summary(results: dict[str, dict]) -> dict:
     """Ratios across stages: GCA vs SWA vs full-attention step time (same engine), the kernel targets."""
 
@@ -305,6 +316,7 @@ def summary(results: dict[str, dict]) -> dict:
     gca, swa, full = step("train_gca_zero1"), step("train_swa_zero1"), step("train_full_zero1")
     kernel = results.get("kernel_bench", {}).get("numbers", {})
     return {
+        "fsdp2_vs_zero1_loss_max_rel_diff": _loss_agreement(results, "train_gca_fsdp2", "train_gca_zero1"),
         "gca_vs_swa_step_time": gca / swa if gca and swa else None,
         "gca_vs_full_step_time": gca / full if gca and full else None,
         "kernel_speedup_vs_naive_fwd_bwd": kernel.get("speedup_vs_naive", {}).get("fwd_bwd"),

@@ -72,6 +72,7 @@ def test_training_numbers_match_the_trainers_metrics(dry_run):
         rows = [json.loads(ln) for ln in (dry_run["work"] / "train" / name / "metrics.jsonl").read_text().splitlines()]
         rows = [r for r in rows if "loss" in r and "step" in r]
         assert numbers["steps"] == len(rows) == 4
+        assert numbers["losses"] == [r["loss"] for r in rows]
         assert numbers["loss_first"] == rows[0]["loss"] and numbers["loss_last"] == rows[-1]["loss"]
         assert numbers["tokens_per_s"] == statistics.median(r["tokens_per_s"] for r in rows[2:])
         assert numbers["loss_finite"] is True and numbers["peak_mem_gb"] > 0
@@ -79,6 +80,10 @@ def test_training_numbers_match_the_trainers_metrics(dry_run):
     swa = dry_run["report"]["stages"]["train_swa_zero1"]["numbers"]["step_time_s"]
     gca = dry_run["report"]["stages"]["train_gca_zero1"]["numbers"]["step_time_s"]
     assert summary["gca_vs_swa_step_time"] == pytest.approx(gca / swa)
+    # The dry run trains in fp32: FSDP2 and ZeRO-1 on one process follow the same loss curve.
+    fsdp2, zero1 = (dry_run["report"]["stages"][n]["numbers"]["losses"] for n in ("train_gca_fsdp2", "train_gca_zero1"))
+    assert summary["fsdp2_vs_zero1_loss_max_rel_diff"] == max(abs(a - b) / abs(b) for a, b in zip(fsdp2, zero1))
+    assert summary["fsdp2_vs_zero1_loss_max_rel_diff"] < 1e-4
 
 
 def test_kernel_passkey_prep_and_test_tier_numbers(dry_run):
