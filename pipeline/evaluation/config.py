@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,11 +12,14 @@ from data_prep.schema import ConfigError, load_schema
 from pipeline.data.needle import NeedleSpec, check_templates
 from pipeline.data.retrieval_tasks import FAMILIES
 from pipeline.evaluation.passkey import PasskeyGrid
+from pipeline.evaluation.ppl import MAX_DEFAULT_SCORE_LEN, default_score_len
 from pipeline.evaluation.ruler import RULER_TASKS, SYNTHETIC_TASKS, RulerGrid
 from pipeline.evaluation.runtime import StreamBudget, check_device
 
 TASKS = ("ppl", "passkey", "ruler")
 PPL_DOCUMENTS = ("documents", "windows")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -32,8 +36,9 @@ class EvalConfig(NeedleSpec):
     samples: int = 4
     """ppl: the most documents scored per length (the first long enough); passkey: samples per (length, depth);
     ruler: samples per (task, length)."""
-    score_len: int = 1024
-    """ppl: the final tokens of each document scored at every context length."""
+    score_len: int | None = None
+    """ppl: the final tokens of each document scored at every context length (default: half the shortest length,
+    at most 1024; ``pipeline.evaluation.ppl.default_score_len``)."""
     ppl_documents: str = "documents"
     """ppl: documents (each document of ``data``; builtin: ``samples`` seeded filler documents of the longest
     length) | windows (the token stream, documents joined with EOS, cut into windows of the longest length)."""
@@ -85,6 +90,15 @@ def load_eval_config(
     """
     cfg, env_paths = load_schema(EvalConfig, path, overrides, what="eval")
     validate(cfg, task=task)
+    if cfg.score_len is None:  # after validate: the lengths it derives from are checked
+        cfg.score_len = default_score_len(min(cfg.lengths))
+        if task == "ppl":
+            log.info(
+                "score_len not set: scoring the final %d tokens of each document (half the shortest length, at most "
+                "%d; set score_len to choose)",
+                cfg.score_len,
+                MAX_DEFAULT_SCORE_LEN,
+            )
     return cfg, env_paths
 
 
@@ -99,9 +113,10 @@ def validate(cfg: EvalConfig, chunk_size: int | None = None, task: str | None = 
             f"(chunk_size={chunk_size}); retrieval needs whole chunks"
         )
     for key in ("samples", "segment", "key_digits", "needles", "values", "queries", "hops", "chains", "score_len"):
-        if getattr(cfg, key) < 1:
-            raise ConfigError(f"{key}={getattr(cfg, key)} must be >= 1")
-    if task == "ppl" and cfg.score_len >= min(cfg.lengths):
+        value = getattr(cfg, key)
+        if value is not None and value < 1:  # score_len is None until its default is derived from lengths
+            raise ConfigError(f"{key}={value} must be >= 1")
+    if task == "ppl" and cfg.score_len is not None and cfg.score_len >= min(cfg.lengths):
         raise ConfigError(
             f"score_len={cfg.score_len} must be below the shortest length ({min(cfg.lengths)} in lengths="
             f"{cfg.lengths}): each length scores the final score_len tokens after length - score_len of context"

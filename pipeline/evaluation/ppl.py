@@ -36,6 +36,16 @@ Progress = Callable[[int, int], Callable[[int], None]]
 """``progress(length, total_tokens)`` returns a per-segment callback (e.g. a tqdm update)."""
 
 
+MAX_DEFAULT_SCORE_LEN = 1024
+
+
+def default_score_len(shortest: int) -> int:
+    """The scored tail when none is given: half the shortest context length, at most 1024 tokens. Half leaves as
+    much context as it scores, so a length equal to the training length still gets context, and any length >= 2
+    gets a valid value; the cap keeps long lengths comparable with the earlier fixed default of 1024."""
+    return max(1, min(shortest // 2, MAX_DEFAULT_SCORE_LEN))
+
+
 def at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
     """Half-precision logits in fp32 for the log-softmax; fp32 and fp64 ones as they are."""
     return logits.to(torch.promote_types(logits.dtype, torch.float32))

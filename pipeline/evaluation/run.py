@@ -154,6 +154,7 @@ def _evaluate(checkpoint: str, task: str, cfg: EvalConfig, out: Path) -> dict:
         documents = ppl_documents(source, cfg)
         run = (ckpt.model, documents)
         budget = stream_budget(cfg)
+        assert cfg.score_len is not None, "load_eval_config sets the default score_len"
         rows = context_ppl(*run, lengths=cfg.lengths, score_len=cfg.score_len, budget=budget, progress=progress)
         if cfg.document_ppl:
             rows.append(document_ppl(*run, budget=budget, progress=progress))

@@ -25,6 +25,7 @@ from model.config import GCAConfig
 from model.context_parallel import check_cp_spans
 from model.convert import PARAMETER_ROLES, ConversionError, check_fits
 from pipeline.data.retrieval_tasks import FAMILIES, TaskShape
+from pipeline.evaluation.ppl import default_score_len
 from pipeline.train.dist import TIMEOUT_ENV, collective_timeout_s
 
 HF_INIT_PREFIX = "hf:"
@@ -292,7 +293,7 @@ class TrainConfig:
     def extrapolation_score_len(self) -> int:
         """``eval.extrapolation_score_len``, or its default: half the training length, at most 1024 tokens."""
         configured = self.eval.extrapolation_score_len
-        return configured if configured is not None else max(1, min(self.train.seq_len // 2, 1024))
+        return configured if configured is not None else default_score_len(self.train.seq_len)
 
 
 def env_interpolations(cfg: TrainConfig) -> dict[str, str]:

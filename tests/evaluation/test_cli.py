@@ -66,6 +66,29 @@ def test_ppl_without_the_document_row(tiny_export, tmp_path, monkeypatch):
     assert [(r["kind"], r["length"], r["documents"]) for r in rows] == [("context", 256, 4)]
 
 
+def test_ppl_default_score_len_fits_lengths_starting_at_the_training_length(tiny_export, tmp_path, caplog):
+    """The issue's command shape: lengths starting at the training length (128 here) and no ``score_len``. It runs,
+    scores half the shortest length, says so, records it, and its rows are those of that ``score_len`` given."""
+    caplog.set_level("INFO")
+    common = ["--task", "ppl", "lengths=[128,256]", "segment=100", "progress=false", "document_ppl=false"]
+    assert _launch("eval")(["--checkpoint", str(tiny_export), "--out", str(tmp_path / "default"), *common]) == 0
+    assert "score_len not set: scoring the final 64 tokens" in caplog.text
+    default = json.loads((tmp_path / "default" / "ppl.json").read_text())
+    assert default["config"]["score_len"] == 64
+    given = ["--checkpoint", str(tiny_export), "--out", str(tmp_path / "given"), *common, "score_len=64"]
+    assert _launch("eval")(given) == 0
+    reference = json.loads((tmp_path / "given" / "ppl.json").read_text())
+    timing = ("seconds", "tokens_per_s")
+    assert [{k: v for k, v in r.items() if k not in timing} for r in default["results"]] == [
+        {k: v for k, v in r.items() if k not in timing} for r in reference["results"]
+    ]
+
+
+@pytest.mark.parametrize(("lengths", "score_len"), [([2], 1), ([3, 9], 1), ([1024, 4096, 16384], 512), ([2048], 1024)])
+def test_ppl_default_score_len_is_half_the_shortest_length_at_most_1024(lengths, score_len):
+    assert load_eval_config(None, [f"lengths={lengths}"], task="ppl")[0].score_len == score_len
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
