@@ -14,6 +14,7 @@ import hashlib
 import io
 import json
 import logging
+import re
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ _FORMATS_BY_SUFFIX = {
     ".parquet": "parquet",
 }
 _EXPECTED_REASONS = ("empty", "too_short")  # normal in any corpus: counted, not warned about, fine under strict
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+"""JSON's ``\\uXXXX`` escapes can name half of a surrogate pair alone: valid JSON, but text UTF-8 cannot encode."""
 _WARNINGS_PER_REASON = 20  # beyond this, a reason's warnings are only counted, so a bad file cannot flood the log
 
 
@@ -183,6 +186,12 @@ class FileSource(Source):
                 text = record[self.text_field]
                 if not isinstance(text, str):
                     skips.skip("bad_field_type", where, f"field '{self.text_field}' is {type(text).__name__}")
+                    continue
+                lone = _LONE_SURROGATE.search(text) if b"\\u" in raw else None  # only an escape can write one
+                if lone:
+                    skips.skip(
+                        "non_utf8", where, f"lone surrogate escape \\u{ord(lone.group()):04x} (not encodable as UTF-8)"
+                    )
                     continue
                 yield Document(where, text)
 

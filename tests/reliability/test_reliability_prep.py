@@ -111,6 +111,35 @@ def test_t12_schema_errors_and_empty_input_are_typed_errors(messy, tmp_path):
     assert not (tmp_path / "strict").exists() and not (tmp_path / "none").exists()
 
 
+def test_t12_a_lone_surrogate_escape_is_skipped_as_non_utf8_and_strict_names_the_line(tmp_path, caplog):
+    """``"\\ud800"`` is valid JSON but no UTF-8 text: such a line is skipped and counted like undecodable bytes (a
+    surrogate pair, which is one real character, is kept); ``strict=true`` names file and line."""
+    records = tmp_path / "in" / "records.jsonl"
+    records.parent.mkdir()
+    records.write_bytes(
+        b"\n".join(
+            [
+                json.dumps({"text": GOOD[0]}).encode(),
+                b'{"text": "a\\ud800b"}',  # line 2: a lone high surrogate
+                json.dumps({"text": "a pair \U0001f600 is one character"}).encode(),  # escaped as \ud83d\ude00
+                b'{"text": "x\\uDC00"}',  # line 4: a lone low surrogate, upper-case escape
+            ]
+        )
+        + b"\n"
+    )
+    assert b"\\ud83d\\ude00" in records.read_bytes()
+    manifest = _prep(tmp_path / "out", [records.parent])
+    assert manifest.skipped == {"non_utf8": 2}
+    for where in ("records.jsonl:2", "records.jsonl:4"):
+        assert where in caplog.text
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "out" / "tokenizer.model"))
+    docs = _documents(tmp_path / "out" / "train", tmp_path / "cache")
+    assert sorted(sp.decode(t) for t in docs.values()) == sorted([GOOD[0], "a pair \U0001f600 is one character"])
+    with pytest.raises(InputError, match=r"records\.jsonl:2: non utf8: .*strict=true"):
+        _prep(tmp_path / "strict", [records], strict="true")
+    assert not (tmp_path / "strict").exists()
+
+
 @pytest.mark.slow
 def test_t12_five_megabyte_document_is_chunked_exactly(tmp_path):
     rng = random.Random(0)
