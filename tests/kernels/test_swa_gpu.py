@@ -15,9 +15,16 @@ from kernels.swa import alibi_slopes
 from kernels.swa.gpu import gpu_sliding_window_attention
 from kernels.swa.naive import naive_sliding_window_attention
 
-# (B, Tq, Tk, HQ, H, D, window): prefill, a key cache longer than the queries, decode, GQA, window 0 and a window
-# longer than the sequence.
-CPU_CASES = [(2, 37, 37, 4, 2, 16, 5), (1, 3, 50, 4, 4, 32, 8), (1, 1, 20, 2, 1, 16, 0), (1, 40, 40, 2, 2, 16, 100)]
+# (B, Tq, Tk, HQ, H, D, window): prefill, a key cache longer than the queries, decode, GQA, window 0, a window
+# longer than the sequence, and caches shorter than the window (front-padded to window + Tq keys).
+CPU_CASES = [
+    (2, 37, 37, 4, 2, 16, 5),
+    (1, 3, 50, 4, 4, 32, 8),
+    (1, 1, 20, 2, 1, 16, 0),
+    (1, 40, 40, 2, 2, 16, 100),
+    (2, 2, 5, 4, 2, 16, 8),
+    (1, 1, 2, 2, 2, 16, 40),
+]
 GPU_CASES = [(2, 1040, 1040, 12, 12, 64, 512), (2, 65, 1040, 12, 4, 64, 256), (4, 1, 777, 12, 12, 128, 512)]
 # Max error vs the fp64 reference, relative to max |reference|: a few ulps of the dtype (P is rounded to it).
 TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
