@@ -142,13 +142,14 @@ def index_file_names(shard: dict[str, Any]) -> list[str]:
     return [shard[key]["basename"] for key in _FILE_KEYS if isinstance(shard.get(key), dict)]
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a file of this ``st_mode`` is, for messages: "a FIFO", "a character device", ..."""
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
 def _not_regular(path: Path, mode: int) -> UnsafeDatasetError:
     return UnsafeDatasetError(
-        f"{path} is {_kind(mode)}, not a regular file; a dataset is read only from regular "
+        f"{path} is {file_kind(mode)}, not a regular file; a dataset is read only from regular "
         "files inside its directory (replace it with the real file, or re-run data prep)"
     )
 

@@ -15,6 +15,7 @@ import io
 import json
 import logging
 import re
+import stat
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from data_prep.config import PrepConfig
 from data_prep.errors import InputError
 from data_prep.format import InputFingerprint
 from data_prep.redaction import redact
+from data_prep.safe_files import file_kind
 
 logger = logging.getLogger(__name__)
 
@@ -223,6 +225,35 @@ class FileSource(Source):
                 yield Document(f"{self.name}:row{row}", text)
 
 
+class NotRegularFile(FileSource):
+    """A FIFO, device or socket found in an input folder or glob. Never opened (a FIFO read blocks until a writer
+    comes, a device read may never end), yet not dropped unnoticed either: reading it counts one
+    ``not_a_regular_file`` skip, named with what it is (so ``strict=true`` refuses it)."""
+
+    def __init__(self, path: Path, kind: str) -> None:
+        super().__init__(path, fmt="none", text_field="")
+        self.kind = kind
+
+    def size_bytes(self) -> int | None:
+        return 0
+
+    def fingerprint(self, content: bool) -> InputFingerprint:
+        return InputFingerprint(path=redact(str(self.path)))  # its stat or content says nothing about data
+
+    def documents(self, skips: SkipCounter) -> Iterator[Document]:
+        skips.skip("not_a_regular_file", self.name, self.kind)
+        yield from ()
+
+
+def _not_regular_kind(path: Path) -> str | None:
+    """What ``path`` is when it exists (links followed) but is neither a regular file nor a directory."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    return None if stat.S_ISREG(mode) or stat.S_ISDIR(mode) else file_kind(mode)
+
+
 class HFSource(Source):
     """A dataset read with the ``datasets`` library (``hf:<name>``; see `data_prep.config.HFConfig`): a
     ``save_to_disk`` folder with ``datasets.load_from_disk``, anything else with ``datasets.load_dataset`` (a hub
@@ -373,21 +404,30 @@ def _expand(entry: str, cfg: PrepConfig, excluded: ExcludeFilter) -> list[Source
         return [HFSource(entry.removeprefix(HF_PREFIX), cfg)]
     path = Path(entry)
     if any(ch in entry for ch in "*?["):
-        paths = [Path(p) for p in sorted(glob.glob(entry, recursive=True)) if Path(p).is_file()]
-        paths = [p for p in paths if excluded.keeps(p.as_posix())]
+        found = [Path(p) for p in sorted(glob.glob(entry, recursive=True))]
+        paths = [p for p in found if (p.is_file() or _not_regular_kind(p)) and excluded.keeps(p.as_posix())]
         explicit = False
     elif path.is_dir():
-        paths = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+        found = sorted(p for p in path.rglob("*") if not p.name.startswith("."))
+        paths = [p for p in found if p.is_file() or _not_regular_kind(p)]
         paths = [p for p in paths if excluded.keeps(p.relative_to(path).as_posix())]
         explicit = False
     elif path.is_file():
         paths, explicit = ([path] if excluded.keeps(path.as_posix()) else []), True
+    elif kind := _not_regular_kind(path):
+        raise InputError(
+            f"input '{entry}' is {kind}, not a regular file; prep reads regular files only (write the data to a file "
+            "and name that)"
+        )
     else:
         raise InputError(f"input '{entry}' does not exist")
     if not paths and excluded.patterns:
         raise InputError(f"input '{entry}': every file is excluded by exclude={excluded.patterns}")
     sources: list[Source] = []
     for p in paths:
+        if kind := _not_regular_kind(p):
+            sources.append(NotRegularFile(p, kind))  # counted whatever its name: it may be meant as data
+            continue
         fmt = _detect_format(p, cfg.format)
         if fmt is None:
             if explicit:

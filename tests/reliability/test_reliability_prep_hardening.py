@@ -210,6 +210,47 @@ def test_no_train_document_is_an_error_and_writes_nothing(tmp_path, tokenizer):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]
 
 
+# ---- inputs that are not regular files --------------------------------------------------------------------------
+
+
+def _corpus_with_special_files(root: Path) -> Path:
+    """Two documents beside a FIFO with a data name, a FIFO without one and a link to a character device."""
+    corpus = _corpus(root, 2)
+    os.mkfifo(corpus / "pipe.jsonl")
+    os.mkfifo(corpus / "pipe")
+    (corpus / "null.txt").symlink_to("/dev/null")
+    return corpus
+
+
+@pytest.mark.parametrize("form", ["folder", "glob"])
+def test_fifos_and_devices_in_a_folder_or_glob_are_counted_as_skipped(form, tmp_path, tokenizer, caplog):
+    """Never opened (a FIFO read would block, a device never end), and never silently dropped either: each is a
+    ``not_a_regular_file`` skip in the manifest, warned about by name; ``strict=true`` refuses the first."""
+    corpus = _corpus_with_special_files(tmp_path / "corpus")
+    source = corpus if form == "folder" else corpus / "*"
+    manifest = _prep(tmp_path / "out", source, val_fraction=0, **{"tokenizer.model": tokenizer})
+    assert manifest.skipped == {"not_a_regular_file": 3}
+    assert manifest.splits["train"].documents == 2
+    for name, kind in (("pipe.jsonl", "a FIFO"), ("pipe", "a FIFO"), ("null.txt", "a character device")):
+        assert f"{corpus / name}: not a regular file: {kind}" in caplog.text
+    with pytest.raises(InputError, match=r"null\.txt: not a regular file: a character device.*strict=true"):
+        _prep(tmp_path / "strict", source, strict="true", **{"tokenizer.model": tokenizer})
+    assert not (tmp_path / "strict").exists()
+
+
+@pytest.mark.parametrize(("name", "kind"), [("pipe.jsonl", "a FIFO"), ("null.txt", "a character device")])
+def test_a_fifo_or_device_named_as_input_is_one_line_saying_what_it_is(name, kind, tmp_path, tokenizer, capsys):
+    corpus = _corpus_with_special_files(tmp_path / "corpus")
+    args = _args(tmp_path / "out", corpus / name, **{"tokenizer.model": tokenizer})
+    assert cli(args) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [
+        f"prep: error: input '{corpus / name}' is {kind}, not a regular file; prep reads regular files only"
+        " (write the data to a file and name that)"
+    ]
+    assert not (tmp_path / "out").exists()
+
+
 # ---- unwritable outputs and a full disk -------------------------------------------------------------------------
 
 
