@@ -3,9 +3,10 @@
 ``main(config_path, overrides)`` validates the config and the inputs before anything starts
 (``pipeline.train.inputs``), sets up the process group, and runs ``Trainer.train()``: resume
 (``checkpoint.restore``), then ``train_step`` until ``train.max_steps``, then the eval export. Everything around
-the step is a callback (``pipeline.train.callbacks``), in this order: the hang watchdog, retrieval telemetry, the
-extrapolation monitor (only when ``eval.extrapolation_every > 0``), metrics and logging, fault injection (only
-when ``PIPE_FAULT`` plans a fault), periodic evaluation, the signal stop and the checkpoint cadence.
+the step is a callback (``pipeline.train.callbacks``), in this order: the hang watchdog, the compile budget,
+retrieval telemetry, the extrapolation monitor (only when ``eval.extrapolation_every > 0``), metrics and logging,
+fault injection (only when ``PIPE_FAULT`` plans a fault), periodic evaluation, the signal stop and the checkpoint
+cadence.
 
 Failure handling (tests/reliability, docs/reliability.md): values from the environment never reach a log or a
 written file; resume refuses corrupt checkpoints, changed data and config changes it cannot continue under
@@ -48,6 +49,7 @@ from pipeline.train.callbacks import (
     Callback,
     CallbackList,
     CheckpointCadence,
+    CompileBudget,
     EvalError,
     ExtrapolationMonitor,
     HangWatchdog,
@@ -86,6 +88,7 @@ def default_callbacks(cfg: TrainConfig, info: dist.DistInfo) -> list[Callback]:
     injector = fault_injection.from_env(info.rank)
     return [
         HangWatchdog(),
+        CompileBudget(),
         RetrievalTelemetry(),
         *([ExtrapolationMonitor()] if cfg.eval.extrapolation_every else []),
         MetricsLogging(),

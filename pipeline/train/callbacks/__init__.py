@@ -3,6 +3,7 @@
 from pipeline.train.callbacks import fault_injection
 from pipeline.train.callbacks.base import Callback, CallbackList
 from pipeline.train.callbacks.checkpointing import CheckpointCadence
+from pipeline.train.callbacks.compile_budget import CompileBudget
 from pipeline.train.callbacks.extrapolation import ExtrapolationMonitor
 from pipeline.train.callbacks.metrics import MetricsLogging
 from pipeline.train.callbacks.signals import EXIT_INTERRUPTED, SignalStop
@@ -15,6 +16,7 @@ __all__ = [
     "Callback",
     "CallbackList",
     "CheckpointCadence",
+    "CompileBudget",
     "EvalError",
     "ExtrapolationMonitor",
     "HangWatchdog",
