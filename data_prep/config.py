@@ -191,9 +191,17 @@ def validate(cfg: PrepConfig) -> None:
     elif tok.path is not None:
         raise _bad("tokenizer.path", tok.path, "is read only with tokenizer.type=hf (a Hugging Face tokenizer folder)")
     elif (tok.model is None) == (tok.vocab_size is None):
+        # Both set is most often a config file that trains one and a command line that names one: say how to lift
+        # the file's key, since a key cannot be removed by leaving it out of the overrides.
+        both = tok.model is not None
         raise ConfigError(
             "set exactly one of 'tokenizer.model' (an existing SentencePiece model) and "
             f"'tokenizer.vocab_size' (train one); got model={tok.model!r}, vocab_size={tok.vocab_size!r}"
+            + (
+                "; to use the model, add tokenizer.vocab_size=null (or tokenizer.model=null to train one)"
+                if both
+                else ""
+            )
         )
     if tok.model is not None and not Path(tok.model).is_file():
         raise _bad("tokenizer.model", tok.model, "file does not exist")
@@ -244,7 +252,8 @@ def _validate_hf_tokenizer(tok: TokenizerConfig) -> None:
         if value is not None:
             raise ConfigError(
                 f"tokenizer.{key}={value!r} cannot be combined with tokenizer.type=hf, which tokenizes with the "
-                f"tokenizer.json in tokenizer.path={tok.path!r}; drop tokenizer.{key}"
+                f"tokenizer.json in tokenizer.path={tok.path!r}; drop tokenizer.{key} (when a config file sets it: "
+                f"add tokenizer.{key}=null)"
             )
     if tok.path is None:
         raise ConfigError("tokenizer.type=hf needs tokenizer.path=<a folder holding tokenizer.json>")

@@ -157,6 +157,28 @@ def test_bad_hf_tokenizer_settings_are_one_line_errors_naming_the_key(folders, t
         assert re.search(pattern, config_error(tmp_path, *dotlist)), (dotlist, pattern)
 
 
+@pytest.mark.parametrize("choice", ["sentencepiece_model", "hf_folder"])
+def test_a_command_line_tokenizer_over_a_config_files_vocab_size_names_the_way_out(choice, folders, tmp_path):
+    """The config file trains a tokenizer (``tokenizer.vocab_size``); the command line names one to use instead.
+    The refusal says how to lift the file's key, and doing what it says loads."""
+    config = tmp_path / "prep.yaml"
+    config.write_text(f"input: x.txt\noutput: {tmp_path / 'out'}\ntokenizer:\n  vocab_size: 4096\n")
+    model = tmp_path / "existing.model"
+    model.write_bytes(b"")  # only its existence is checked before work
+    folder = folders["llama3"]
+    chosen = (
+        [f"tokenizer.model={model}"]
+        if choice == "sentencepiece_model"
+        else ["tokenizer.type=hf", f"tokenizer.path={folder}"]
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(config, chosen)
+    assert "add tokenizer.vocab_size=null" in str(err.value) and "\n" not in str(err.value), err.value
+    tok = load_config(config, [*chosen, "tokenizer.vocab_size=null"]).tokenizer
+    assert tok.vocab_size is None
+    assert (tok.model, tok.path) == ((str(model), None) if choice == "sentencepiece_model" else (None, str(folder)))
+
+
 def test_an_hf_dataset_is_replaced_with_overwrite(folders, run_prep, tmp_path):
     hf = {"tokenizer.type": "hf", "tokenizer.path": folders["llama3"]}
     first = run_prep(**hf)
