@@ -7,6 +7,7 @@ costs one error line and exit code 2, never a half-started run (tests/reliabilit
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -16,6 +17,7 @@ from typing import Any
 from data_prep import format as fmt
 from data_prep.dataset_tokenizer import HF, SENTENCEPIECE, TokenizerFiles, folder_tokenizer
 from data_prep.redaction import find_secret, is_secret_name
+from data_prep.safe_files import read_regular
 from model import CausalLM, GCAForCausalLM, read_export_config
 from model.convert import ConversionError, convert_dense_into
 from model.io import ExportError, check_safetensors
@@ -127,16 +129,35 @@ def build_mix(cfg: TrainConfig, tokenizer: TokenizerFiles | None) -> RetrievalMi
         raise ConfigError(str(err)) from None
 
 
-def _split_size(root: Path, split: str) -> int | None:
-    """Size of a split: the manifest's token count when data prep wrote one, else the MDS index's sample count;
-    None when the split has no index at all."""
-    if (root / fmt.MANIFEST_FILENAME).is_file() or (root / fmt.COMPLETE_MARKER).is_file():
-        try:
-            stats = fmt.read_manifest(root).splits.get(split)
-        except (fmt.IncompleteDatasetError, ValueError, KeyError, TypeError) as err:
-            raise ConfigError(f"data.path={root}: {str(err).splitlines()[0]}") from None
-        if stats is not None:
-            return stats.tokens
+def split_mismatch(root: Path, split: str, manifest: fmt.Manifest) -> str | None:
+    """Why ``root/split`` is not the split data prep recorded in ``manifest`` (None when it is): its ``index.json``
+    (which lists every shard's hash) must hash to the manifest's ``index_sha256``, and a split the manifest records
+    as empty must not exist. A split copied in from another prep (other token ids) or altered since fails here."""
+    stats = manifest.splits.get(split)
+    if stats is None:
+        return None  # not a split data prep wrote (a custom data.train_split); nothing recorded to compare
+    index = root / split / "index.json"
+    if stats.index_sha256 == fmt.EMPTY_SPLIT_SHA256:
+        if index.exists():
+            return f"{index} exists, but manifest.json records '{split}' as empty (data prep wrote no such split)"
+        return None
+    try:
+        actual = hashlib.sha256(read_regular(root / split, "index.json")).hexdigest()
+    except FileNotFoundError:
+        return f"{index} is missing, though manifest.json records {stats.pieces} samples in '{split}'"
+    except (OSError, UnsafeDatasetError) as err:
+        return f"cannot read {index}: {err}"
+    if actual != stats.index_sha256:
+        return (
+            f"{index} is not the one data prep recorded in manifest.json (sha256 {actual[:16]}... vs recorded "
+            f"{stats.index_sha256[:16]}...): the split was replaced or changed after prep (a split from another "
+            "prep holds another tokenizer's ids)"
+        )
+    return None
+
+
+def _index_samples(root: Path, split: str) -> int | None:
+    """Samples the split's ``index.json`` lists; None when there is no index."""
     index = root / split / "index.json"
     if not index.is_file():
         return None
@@ -146,17 +167,33 @@ def _split_size(root: Path, split: str) -> int | None:
         raise ConfigError(f"{index} is not a readable MDS index ({err}); re-run data prep") from None
 
 
-def _check_val_split(cfg: TrainConfig) -> None:
-    """``train.eval_every > 0`` needs a non-empty validation split (else the first eval crashes mid-run)."""
+def _check_splits(cfg: TrainConfig) -> None:
+    """The training split, and the validation split when ``train.eval_every > 0``, are the ones data prep wrote
+    (`split_mismatch`, when there is a manifest), and the validation split holds samples: the split on disk
+    decides, never a count in the manifest (else a missing ``val/`` fails at the first validation, mid-run)."""
+    root = Path(cfg.data.path)
+    splits = [("data.train_split", cfg.data.train_split)]
+    if cfg.train.eval_every:
+        splits.append(("data.val_split", cfg.data.val_split))
+    if (root / fmt.MANIFEST_FILENAME).is_file() or (root / fmt.COMPLETE_MARKER).is_file():
+        try:
+            manifest = fmt.read_manifest(root)
+        except (fmt.IncompleteDatasetError, ValueError, KeyError, TypeError) as err:
+            raise ConfigError(f"data.path={root}: {str(err).splitlines()[0]}") from None
+        for key, split in splits:
+            problem = split_mismatch(root, split, manifest)
+            if problem is not None:
+                raise ConfigError(
+                    f"data.path={root} ({key}={split}): {problem}; re-run data prep, or restore the split it wrote"
+                )
     if not cfg.train.eval_every:
         return
-    root, split = Path(cfg.data.path), cfg.data.val_split
-    found = _split_size(root, split)
+    found = _index_samples(root, cfg.data.val_split)
     if not found:
         what = "has no" if found is None else "has an empty"
         raise ConfigError(
             f"train.eval_every={cfg.train.eval_every} but data.path={root} {what} validation split "
-            f"'{split}' (data.val_split): set train.eval_every=0, or prepare the data with a larger "
+            f"'{cfg.data.val_split}' (data.val_split): set train.eval_every=0, or prepare the data with a larger "
             "val_fraction / more documents"
         )
 
@@ -174,7 +211,7 @@ def check_inputs(cfg: TrainConfig) -> None:
                 "and point data.path at its output"
             )
         _check_tokenizer(cfg)
-        _check_val_split(cfg)
+        _check_splits(cfg)
     if cfg.logging.wandb:
         try:
             resolve_wandb_mode(cfg.logging.wandb_mode, os.environ)

@@ -13,7 +13,7 @@ Checks, each failure one ``preflight: <host> rank <r>: <what>: <why and the fix>
   a hang anywhere (a missing node, a blocked port) ends the run after ``--timeout-s`` with a line saying so;
 - data: ``data.path`` is a complete prepared dataset (``manifest.json`` + ``_COMPLETE``), its train split (and
   the val split when ``train.eval_every`` > 0) has a safe index, every listed shard present as a regular file and
-  at least one sample, and its tokenizer fits ``model.vocab_size``;
+  at least one sample, the index is the one the manifest records, and its tokenizer fits ``model.vocab_size``;
 - checkpoint dir: ``run_dir`` is writable on every node and shared (a file written by rank 0 is seen by every node);
 - free disk: ``run_dir`` has room for ``checkpoint.keep_last + 1`` checkpoints (estimated from the parameter
   count) and at least ``--min-free-gb``;
@@ -47,6 +47,7 @@ from model import build_model, count_parameters
 from pipeline.data.reader import is_remote
 from pipeline.train import dist
 from pipeline.train.config import ConfigError, TrainConfig, load_config
+from pipeline.train.inputs import split_mismatch
 from pipeline.train.metrics import setup_logging, versions
 
 log = logging.getLogger(__name__)
@@ -138,7 +139,14 @@ def check_data(path: str, train_split: str, vocab_size: int, val_split: str | No
         manifest = fmt.read_manifest(path)
     except (fmt.IncompleteDatasetError, ValueError, KeyError, OSError) as err:
         return [f"data: {err}" if path in str(err) else f"data: {path}: {err}"]
-    failures = [line for split in (train_split, val_split) if split is not None for line in check_split(path, split)]
+    failures = []
+    for split in (train_split, val_split):
+        if split is None:
+            continue
+        problems = check_split(path, split)
+        if not problems and (mismatch := split_mismatch(Path(path), split, manifest)) is not None:
+            problems = [f"data: {mismatch}"]
+        failures += problems
     if manifest.tokenizer.vocab_size > vocab_size:
         failures.append(
             f"data: the tokenizer of {path} has {manifest.tokenizer.vocab_size} pieces but "

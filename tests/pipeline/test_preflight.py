@@ -30,7 +30,15 @@ def _prepared(tmp_path: Path, tiny_data: Path, vocab: int = 64) -> Path:
         tokenizer=fmt.TokenizerInfo(
             sha256="0" * 64, vocab_size=vocab, model_type="bpe", trained=True, unk_id=0, bos_id=-1, eos_id=1, pad_id=-1
         ),
-        splits={s: fmt.SplitStats(documents=1, pieces=1, tokens=1, index_sha256="0" * 64) for s in fmt.SPLITS},
+        splits={
+            s: fmt.SplitStats(
+                documents=1,
+                pieces=1,
+                tokens=1,
+                index_sha256=hashlib.sha256((root / s / "index.json").read_bytes()).hexdigest(),
+            )
+            for s in fmt.SPLITS
+        },
         skipped={},
         inputs=[],
         config={},
@@ -50,6 +58,12 @@ def test_data_check(tmp_path, tiny_data):
     [line] = preflight.check_data(str(root), "nosplit", 64)
     assert line.startswith(f"data: cannot read {root}/nosplit/index.json: No such file")
     assert preflight.check_data(str(root), "train", 64, val_split="val") == []
+    index = root / "train" / "index.json"
+    recorded = index.read_bytes()
+    index.write_bytes(recorded.replace(b'"samples":', b'"samples": ', 1))  # the same index, other bytes
+    [line] = preflight.check_data(str(root), "train", 64)
+    assert line.startswith(f"data: {index} is not the one data prep recorded in manifest.json (sha256 ")
+    index.write_bytes(recorded)
     for shard in (root / "val").glob("shard.00001.*"):
         shard.unlink()
     [line] = preflight.check_data(str(root), "train", 64, val_split="val")

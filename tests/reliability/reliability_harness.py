@@ -8,11 +8,13 @@ cleanup of the shared memory that DeepSpeed and killed streaming readers leave i
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -76,10 +78,25 @@ def write_dataset(root: Path, n_train: int = 200, n_val: int = 20) -> Path:
         inputs=[],
         config={"source": "tests/reliability"},
     )
+    write_manifest(root, manifest)
+    return root
+
+
+def write_manifest(root: Path, manifest: fmt.Manifest) -> None:
+    """``manifest.json`` and the ``_COMPLETE`` marker that seals it, as data prep writes them last."""
     data = manifest.to_json().encode()
     (root / fmt.MANIFEST_FILENAME).write_bytes(data)
     (root / fmt.COMPLETE_MARKER).write_text(hashlib.sha256(data).hexdigest() + "\n")
-    return root
+
+
+def rewrite_split(root: Path, split: str, n_docs: int, seed: int) -> None:
+    """Replace ``split`` with ``n_docs`` other documents and record it in the manifest: what preparing the data again
+    with more documents gives (a consistent dataset, other data)."""
+    shutil.rmtree(root / split)
+    manifest = fmt.read_manifest(root)
+    write_manifest(
+        root, dataclasses.replace(manifest, splits={**manifest.splits, split: write_split(root, split, n_docs, seed)})
+    )
 
 
 # -- runs ------------------------------------------------------------------------------------------------------

@@ -206,7 +206,7 @@ def _other_tokenizer() -> bytes:
 
 @pytest.mark.parametrize("change", ["tokenizer", "more_documents"])
 def test_t10_dataset_fingerprint_mismatch_on_resume(change, data_copy, tmp_path, caplog):
-    from reliability_harness import write_split
+    from reliability_harness import rewrite_split
 
     run = tmp_path / "run"
     assert main(None, overrides(run, data_copy, **{"train.max_steps": 4})) == 0
@@ -216,10 +216,7 @@ def test_t10_dataset_fingerprint_mismatch_on_resume(change, data_copy, tmp_path,
         (data_copy / "tokenizer.model").write_bytes(_other_tokenizer())  # a valid model, other pieces
         key = "tokenizer_sha256"
     else:
-        import shutil
-
-        shutil.rmtree(data_copy / "train")
-        write_split(data_copy, "train", 210, seed=1)
+        rewrite_split(data_copy, "train", 210, seed=1)  # prepared again with more documents, manifest included
         key = "index_sha256"
     caplog.clear()
     with caplog.at_level(logging.ERROR):

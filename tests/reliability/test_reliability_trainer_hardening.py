@@ -153,6 +153,43 @@ def test_empty_validation_split_is_refused_before_any_work(tmp_path, caplog):
     assert main(None, args(run, data, **{"train.max_steps": 3})) == 0, "without evaluation the data is fine"
 
 
+def test_a_split_swapped_in_from_another_prep_is_refused_before_any_work(data, tmp_path, caplog):
+    """The manifest records each split's index hash; a train/ copied from another prep (another tokenizer's ids in
+    a real mix-up) must not train silently, and neither may a val/ the manifest counts but the disk lacks."""
+    other = write_dataset(tmp_path / "other", n_train=120, n_val=25)
+    for split, extra in (("train", {}), ("val", {"train.eval_every": 2})):
+        swapped = Path(shutil.copytree(data, tmp_path / f"swapped_{split}"))
+        shutil.rmtree(swapped / split)
+        shutil.copytree(other / split, swapped / split)
+        run = tmp_path / f"run_{split}"
+        caplog.clear()
+        with caplog.at_level(logging.ERROR):
+            assert main(None, args(run, swapped, **extra)) == 2
+        [message] = errors(caplog)
+        assert f"data.path={swapped} (data.{split}_split={split})" in message
+        assert f"{swapped / split / 'index.json'} is not the one data prep recorded in manifest.json" in message
+        assert "re-run data prep, or restore the split it wrote" in message and "\n" not in message
+        assert not run.exists() and not torch.distributed.is_initialized()
+        shutil.rmtree(swapped / split)
+        shutil.copytree(data / split, swapped / split)  # the split prep wrote, back in place: the run trains
+        assert main(None, args(run, swapped, **{**extra, "train.max_steps": 3})) == 0
+
+
+def test_a_missing_validation_split_is_refused_before_any_work_not_at_the_first_validation(data_copy, tmp_path, caplog):
+    """The start check reads the split on disk, not the manifest's count of it: with val/ gone, the run stops
+    before step 1 (before: it failed at the first validation, and relaunched after its last step, exited 0
+    without ever validating)."""
+    shutil.rmtree(data_copy / "val")
+    run = tmp_path / "run"
+    with caplog.at_level(logging.ERROR):
+        assert main(None, args(run, data_copy, **{"train.eval_every": 2})) == 2
+    [message] = errors(caplog)
+    assert f"{data_copy / 'val' / 'index.json'} is missing, though manifest.json records" in message
+    assert not run.exists()
+    caplog.clear()
+    assert main(None, args(run, data_copy, **{"train.max_steps": 3})) == 0, "without evaluation val/ is not read"
+
+
 # -- inputs checked before any work --------------------------------------------------------------------------------
 
 
