@@ -43,7 +43,7 @@ from pipeline.data.reader import (
     eos_id_of,
     read_tokenizer,
 )
-from pipeline.train import dist
+from pipeline.train import dist, run_lock
 from pipeline.train.callbacks import (
     EXIT_INTERRUPTED,
     Callback,
@@ -357,6 +357,7 @@ def main(config_path: str | None, overrides: list[str]) -> int:
         retain_freed_memory()  # steps reuse their buffers instead of page-faulting fresh mappings
     info = dist.init_distributed(cfg.parallel.engine)
     setup_logging(info.rank)
+    lock: run_lock.RunLock | None = None
     try:
         mismatches = version_mismatches(info)  # every rank gets the same list, so all of them stop together
         if mismatches:
@@ -364,6 +365,12 @@ def main(config_path: str | None, overrides: list[str]) -> int:
                 for line in mismatches:
                     log.error("%s", line)
                 log.error("the nodes run different library versions (above); not starting the training")
+            return 2
+        try:
+            lock = run_lock.hold(Path(cfg.run_dir), info)  # before anything is written into run_dir
+        except run_lock.RunDirLockError as err:
+            if info.is_main:
+                log.error("%s", err)
             return 2
         try:
             trainer = Trainer(cfg, info)
@@ -399,4 +406,6 @@ def main(config_path: str | None, overrides: list[str]) -> int:
         )
         return EXIT_INTERRUPTED
     finally:
+        if lock is not None:
+            lock.release()
         dist.destroy()

@@ -1,0 +1,160 @@
+"""One training per ``run_dir``: rank 0 holds an OS lock on ``<run_dir>/run.lock`` for the whole run.
+
+Two trainings writing one ``run_dir`` remove each other's in-progress saves and interleave their metrics, so the
+second is refused at the start, before it writes anything, naming the holder. The lock is ``flock``: the kernel
+(or, on NFS, the file server) drops it when the holding process ends, however it ends, so a crashed run leaves
+nothing that blocks the next one. The file also holds a JSON record of the holder (host, pid, start time, SLURM
+job), read only to say who holds the lock.
+
+One run takes one lock: only global rank 0 locks, and every rank learns the outcome from one broadcast, so the
+ranks of one run (on any number of nodes) are never refused and all ranks of a refused run stop together.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import stat
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pipeline.train import dist
+
+log = logging.getLogger(__name__)
+
+LOCK_FILE = "run.lock"
+
+
+class RunDirLockError(RuntimeError):
+    """This run may not write its ``run_dir``: another training holds it, or the lock file cannot be made."""
+
+
+class RunLock:
+    """The held lock; ``release`` (closing the file) drops it."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def hold(run_dir: Path, info: dist.DistInfo) -> RunLock | None:
+    """Rank 0 takes the lock of ``run_dir`` (`acquire`); the other ranks get ``None``.
+
+    Raises:
+        RunDirLockError: on every rank, when rank 0 was refused (rank 0's message).
+    """
+    lock, refusal = None, None
+    if info.is_main:
+        try:
+            lock = acquire(run_dir, os.environ)
+        except RunDirLockError as err:
+            refusal = str(err)
+    refusal = dist.broadcast_object(refusal)
+    if refusal is not None:
+        raise RunDirLockError(refusal)
+    return lock
+
+
+def acquire(run_dir: Path, environ: Mapping[str, str]) -> RunLock:
+    """Lock ``run_dir`` for this process and record it as the holder.
+
+    Not refused: a lock held by an earlier incarnation of this SLURM job (`_earlier_incarnation`), and a file
+    system without ``flock`` (warned: there the lock cannot keep a second training out).
+
+    Raises:
+        RunDirLockError: another process holds the lock (the message names its host and pid), or ``run.lock``
+            cannot be created or is not a regular file.
+    """
+    path = run_dir / LOCK_FILE
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        # O_NOFOLLOW: a planted link must never make the trainer write into the file it points at.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as err:
+        raise RunDirLockError(f"run_dir={run_dir}: cannot create the lock file {path}: {err}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise RunDirLockError(f"run_dir={run_dir}: {path} is not a regular file; move it away and relaunch")
+        mine = _record(environ)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_record(fd)
+            if not _earlier_incarnation(holder, mine):
+                raise RunDirLockError(
+                    f"run_dir={run_dir} is in use by another training ({_describe(holder)}; lock {path}); wait for "
+                    "it to end, or set another run_dir"
+                ) from None
+            log.warning(
+                "run_dir=%s: the lock %s is still held by an earlier run of this SLURM job (%s), which SLURM ended "
+                "before this requeue (a lost node's lock lasts until the file server's lease ends); continuing",
+                run_dir,
+                path,
+                _describe(holder),
+            )
+        except OSError as err:
+            if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise RunDirLockError(f"run_dir={run_dir}: cannot lock {path}: {err}") from None
+            log.warning(
+                "run_dir=%s: this file system does not support flock (%s), so a second training into the same "
+                "run_dir would not be refused; make sure only one runs",
+                run_dir,
+                err,
+            )
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(mine).encode(), 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return RunLock(fd)
+
+
+def _record(environ: Mapping[str, str]) -> dict[str, Any]:
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "slurm_cluster": environ.get("SLURM_CLUSTER_NAME"),
+        "slurm_job_id": environ.get("SLURM_JOB_ID"),
+        "slurm_restart_count": int(environ.get("SLURM_RESTART_COUNT") or 0),
+    }
+
+
+def _read_record(fd: int) -> dict[str, Any]:
+    """The holder's record; empty when it is being written right now, or was written by something else."""
+    try:
+        record = json.loads(os.pread(fd, 65536, 0))
+    except ValueError:
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _earlier_incarnation(holder: dict[str, Any], mine: dict[str, Any]) -> bool:
+    """Whether the holder is this SLURM job before a requeue (same cluster and job id, fewer restarts). SLURM
+    runs one incarnation of a job at a time, so such a holder is gone even while its lock is still held. Two runs
+    of one incarnation (two sruns in one allocation) have the same restart count and are refused."""
+    if mine["slurm_job_id"] is None or holder.get("slurm_job_id") != mine["slurm_job_id"]:
+        return False
+    if holder.get("slurm_cluster") != mine["slurm_cluster"]:
+        return False
+    restarts = holder.get("slurm_restart_count")
+    return isinstance(restarts, int) and restarts < mine["slurm_restart_count"]
+
+
+def _describe(holder: dict[str, Any]) -> str:
+    if not holder.get("host"):
+        return "holder unknown: its record is being written or was not written by this trainer"
+    text = f"host {holder['host']}, pid {holder.get('pid')}, started {holder.get('started')}"
+    if holder.get("slurm_job_id"):
+        text += f", SLURM job {holder['slurm_job_id']} (restart {holder.get('slurm_restart_count')})"
+    return text
