@@ -45,7 +45,7 @@ import torch
 
 from data_prep.redaction import redact
 from model.config import BACKEND_FIELDS
-from pipeline.train import dist
+from pipeline.train import dist, save_failure
 
 log = logging.getLogger(__name__)
 
@@ -440,7 +440,13 @@ class CheckpointManager:
                     raise _not_ours(final, f"the save of step {step}")
                 tmp.mkdir(parents=True)
                 owner = {"writer": OWNER_WRITER, "step": step, "run_dir": redact(str(self.root.parent.resolve()))}
-                (tmp / OWNER_FILE).write_text(json.dumps(owner, sort_keys=True))
+                try:
+                    (tmp / OWNER_FILE).write_text(json.dumps(owner, sort_keys=True))
+                except OSError:
+                    # Created just above, so ours to remove: left with a torn OWNER.json it would look foreign
+                    # and stop the next start.
+                    shutil.rmtree(tmp)
+                    raise
             except CheckpointError as err:
                 problem = str(err)
         problem = dist.broadcast_object(problem)
@@ -456,11 +462,45 @@ class CheckpointManager:
         save_point: Callable[[str], None] | None = None,
     ) -> Path:
         """Save everything needed for an exact resume (collective: every rank must call it); ``save_point`` is
-        called with each of `SAVE_POINTS` as the save passes it."""
-        t0 = time.perf_counter()
+        called with each of `SAVE_POINTS` as the save passes it.
+
+        Raises:
+            SaveFailedError: a file could not be written (disk full, file-size limit, permission): one line with
+                the cause, the file and the last good checkpoint, which the failed save never touches.
+        """
         final = self.root / f"step_{step:08d}"
         tmp = final.with_name(final.name + ".tmp")
-        reached = save_point or (lambda point: None)
+        try:
+            return self._save(step, final, tmp, engine, trainer_state, export, save_point or (lambda point: None))
+        except Exception as err:
+            # A failure after the rename (the marker's write) leaves the unfinished save at ``final``.
+            cause = save_failure.describe(err, final if final.exists() and not tmp.exists() else tmp)
+            if cause is None:
+                raise
+            raise save_failure.SaveFailedError(
+                f"checkpoint save of step {step} failed: {cause}; {self._last_good()}"
+            ) from err
+
+    def _last_good(self) -> str:
+        good = self.committed()
+        if not good:
+            return f"no checkpoint was committed before in {self.root}, so a relaunch starts from step 0"
+        return (
+            f"the last good checkpoint is step {_step_of(good[-1])} ({good[-1]}), untouched; the same command "
+            "resumes from it once that is fixed (the unfinished save is removed at the next start)"
+        )
+
+    def _save(
+        self,
+        step: int,
+        final: Path,
+        tmp: Path,
+        engine: Any,
+        trainer_state: dict[str, Any],
+        export: Callable[[dict[str, torch.Tensor], Path], None] | None,
+        reached: Callable[[str], None],
+    ) -> Path:
+        t0 = time.perf_counter()
         self._start_save(step, final, tmp)
         dist.barrier()
         engine.save(tmp)

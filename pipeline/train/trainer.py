@@ -68,6 +68,7 @@ from pipeline.train.optim import freeze_for_stage, lr_at, set_lr
 from pipeline.train.parallel import build_engine
 from pipeline.train.preflight import version_mismatches
 from pipeline.train.resume_check import ResumeRefusedError, check_resume, config_record
+from pipeline.train.save_failure import SaveFailedError
 
 log = logging.getLogger(__name__)
 
@@ -395,7 +396,7 @@ def main(config_path: str | None, overrides: list[str]) -> int:
             err,
         )
         return 1
-    except EvalError as err:
+    except (EvalError, SaveFailedError) as err:  # one line each, naming what the relaunch resumes from
         log.error("%s", err)
         return 1
     except KeyboardInterrupt:
