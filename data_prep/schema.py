@@ -25,7 +25,7 @@ import json
 import re
 import textwrap
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -65,8 +65,12 @@ def quote_hint(key: str) -> str:
     )
 
 
+Derive = Callable[[DictConfig, Mapping[str, str]], Mapping[str, Any]]
+"""``derive`` of `load_schema`: (merged config, dotted key -> the layer that set it) -> dotted key -> value."""
+
+
 def load_schema(
-    schema: type[T], path: str | Path | None, overrides: Sequence[str], *, what: str
+    schema: type[T], path: str | Path | None, overrides: Sequence[str], *, what: str, derive: Derive | None = None
 ) -> tuple[T, dict[str, str]]:
     """The YAML file at ``path`` (if any) with ``overrides`` applied in order, as an instance of ``schema``.
 
@@ -75,6 +79,11 @@ def load_schema(
         path: YAML file holding a mapping of keys, or None to start from the schema's defaults.
         overrides: ``key=value`` strings (dotted keys for nested fields); each value is read as YAML.
         what: what the keys configure (``prep``, ``train``, ``eval``, ``demo``), for the messages.
+        derive: values that follow from other values (a checkpoint's shapes), set after the layers are merged and
+            before the dataclass is built, so its own rules see them. It gets the merged config and the keys the
+            file or an override set (a key absent there holds its schema default): only the merged tree knows
+            that, the built dataclass cannot tell a default from the same value written out. It may raise
+            ``ConfigError``.
 
     Returns:
         The instance, and dotted key -> raw ``${oc.env:...}`` text of every value that came from the environment.
@@ -97,6 +106,8 @@ def load_schema(
         except OmegaConfBaseException as err:
             raise _explain(err, schema, source) from None
         origins.update(dict.fromkeys(_leaf_keys(layer), source))
+    for derived, value in (derive(merged, origins) if derive is not None else {}).items():
+        OmegaConf.update(merged, derived, value, merge=False)
     env_paths = raw_env_paths(OmegaConf.to_container(merged, resolve=False))
     try:
         built = OmegaConf.to_object(merged)

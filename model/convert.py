@@ -34,7 +34,7 @@ import torch
 
 from model.config import GCAConfig
 from model.gca import GCAForCausalLM
-from model.io import ExportError, check_safetensors
+from model.io import ExportError, check_safetensors, read_export_config
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 """``config.json`` ``model_type`` values whose layout (pre-norm RMSNorm, SwiGLU, RoPE, GQA) converts."""
@@ -159,6 +159,21 @@ def dense_overrides(hf: dict[str, Any]) -> dict[str, Any]:
     }
     assert tuple(values) == DENSE_KEYS
     return values
+
+
+def checkpoint_model_keys(directory: str | Path, *, dense: bool) -> dict[str, Any]:
+    """The `DENSE_KEYS` values of a model that starts from ``directory``: a dense ``transformers`` folder's
+    (`dense_overrides` of its checked ``config.json``) or a GCA export's (the model of its ``config.json``), whose
+    weights fix the same shapes. The one place both are read, for the trainer's ``checkpoint.init_from``.
+
+    Raises:
+        ConversionError: a dense folder whose layout does not convert (named).
+        ExportError, FileNotFoundError: an export without a readable ``config.json``.
+    """
+    if dense:
+        return dense_overrides(read_dense_config(directory))
+    exported, _ = read_export_config(directory)
+    return {key: getattr(exported, key) for key in DENSE_KEYS}
 
 
 def check_fits(cfg: GCAConfig, directory: str | Path) -> dict[str, Any]:

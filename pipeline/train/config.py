@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from data_prep import schema
 from data_prep.redaction import restore_env_interpolations
@@ -23,7 +23,8 @@ from data_prep.safe_files import is_within
 from data_prep.schema import load_schema
 from model.config import GCAConfig
 from model.context_parallel import check_cp_spans
-from model.convert import PARAMETER_ROLES, ConversionError, check_fits
+from model.convert import PARAMETER_ROLES, ConversionError, check_fits, checkpoint_model_keys
+from model.io import ExportError
 from pipeline.data.retrieval_tasks import FAMILIES, TaskShape
 from pipeline.evaluation.ppl import default_score_len
 from pipeline.train.dist import TIMEOUT_ENV, collective_timeout_s
@@ -217,8 +218,10 @@ class CheckpointConfig:
     init_from: str | None = None
     """An eval export directory whose weights start a fresh run (a curriculum stage, fine-tuning); the optimizer,
     schedule and data start anew. A checkpoint of this run (``resume``) takes precedence. ``hf:<dir>``: a dense
-    Llama/Mistral/Qwen2 ``transformers`` folder converted into this GCA model (``model/convert.py``, docs/cpt.md);
-    ``model.*`` must fit it (the error names the key and the value)."""
+    Llama/Mistral/Qwen2 ``transformers`` folder converted into this GCA model (``model/convert.py``, docs/cpt.md).
+    Either way the shape keys (``model.convert.DENSE_KEYS``: vocab, widths, heads, norm eps, RoPE base, ties, ...)
+    are read from its ``config.json``; one set in the config must agree (the error names the key and both
+    values)."""
 
 
 @dataclass
@@ -317,10 +320,38 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), world_si
         ConfigError: unknown key, wrong type, missing value or a broken cross-field rule; the message names the
             full key.
     """
-    cfg, env_paths = load_schema(TrainConfig, path, overrides, what="train")
+    cfg, env_paths = load_schema(TrainConfig, path, overrides, what="train", derive=_init_from_model_keys)
     setattr(cfg, _ENV_PATHS, env_paths)
     validate(cfg, world_size)
     return cfg
+
+
+def _init_from_model_keys(merged: DictConfig, origins: Mapping[str, str]) -> dict[str, Any]:
+    """``checkpoint.init_from``'s shapes (``model.convert.checkpoint_model_keys``) as ``model.*`` values, so a CPT
+    config holds only the layout keys. A key the config file or an override set explicitly must agree (even one
+    set to the schema default); a key left out takes the checkpoint's value. A native init_from without
+    ``model.safetensors`` derives nothing: ``validate`` refuses it."""
+    init_from = OmegaConf.select(merged, "checkpoint.init_from")
+    if init_from is None:
+        return {}
+    dense = init_from.startswith(HF_INIT_PREFIX)
+    directory = init_from.removeprefix(HF_INIT_PREFIX)
+    if not dense and not (Path(directory) / "model.safetensors").is_file():
+        return {}
+    try:
+        values = checkpoint_model_keys(directory, dense=dense)
+    except (ConversionError, ExportError, FileNotFoundError) as err:
+        raise ConfigError(f"checkpoint.init_from={init_from!r}: {err}") from None
+    for key, want in values.items():
+        source = origins.get(f"model.{key}")
+        have = OmegaConf.select(merged, f"model.{key}")
+        if source is not None and have != want:
+            raise ConfigError(
+                f"model.{key}={have!r} (in {source}) does not fit checkpoint.init_from={init_from}, which needs "
+                f"model.{key}={want!r}: leave model.{key} out (it is read from the checkpoint) or set "
+                f"model.{key}={want!r}"
+            )
+    return {f"model.{key}": want for key, want in values.items()}
 
 
 def _numbers(node: Any, path: str = "") -> list[tuple[str, float]]:

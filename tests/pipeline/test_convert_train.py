@@ -115,7 +115,10 @@ def test_per_role_learning_rates():
 @pytest.mark.parametrize(
     "extra,message",
     [
-        ({"model.d_model": 64, "model.ffn_hidden": 128}, r"model\.d_model=64 does not fit .* set model\.d_model=32"),
+        (
+            {"model.d_model": 64, "model.ffn_hidden": 128},
+            r"model\.d_model=64 \(in override .* does not fit .* set model\.d_model=32",
+        ),
         ({"model.position": "alibi"}, r"model\.position='alibi' .* set model\.position='rope'"),
         ({"model.groups": "[2]"}, "num_hidden_layers=2"),
     ],
@@ -210,3 +213,114 @@ def test_the_tinyllama_recipe_fits_a_checkpoint_of_tinyllamas_shapes(tmp_path, t
     extra = [f"checkpoint.init_from=hf:{tmp_path / 'tinyllama'}", f"run_dir={tmp_path / 'run'}"]
     cfg = load_config(repo / "configs/cpt/tinyllama.yaml", [*extra, f"data.path={tiny_data}"])
     assert cfg.optim.trainable == "new" and cfg.model.n_lower_layers + sum(cfg.model.groups) == 22
+    # The recipe holds only the layout: the shapes are the checkpoint's.
+    assert (cfg.model.d_model, cfg.model.n_kv_heads, cfg.model.ffn_hidden, cfg.model.tie_embeddings) == (
+        2048,
+        4,
+        5632,
+        False,
+    )
+
+
+DENSE_MODEL_KEYS = {
+    "model.arch",
+    "model.vocab_size",
+    "model.d_model",
+    "model.n_heads",
+    "model.n_kv_heads",
+    "model.ffn_hidden",
+    "model.norm_eps",
+    "model.rope_theta",
+    "model.qkv_bias",
+    "model.tie_embeddings",
+    "model.position",
+}
+"""What a CPT config no longer spells: the checkpoint decides it (written out here, not imported, as the reference)."""
+
+
+@pytest.fixture(scope="module")
+def odd_dense(tmp_path_factory) -> Path:
+    """A dense Llama whose every shape differs from the schema's defaults (GQA, untied, its own RoPE base), so a
+    value taken from the defaults cannot pass for one read from the checkpoint."""
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        rms_norm_eps=1e-6,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    directory = tmp_path_factory.mktemp("odd") / "llama"
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+def layout_only(overrides, run: Path, data: Path, **extra) -> list[str]:
+    """The tiny run's overrides without any dense shape key (what a CPT config holds)."""
+    return [o for o in overrides(run, data, **extra) if o.partition("=")[0] not in DENSE_MODEL_KEYS]
+
+
+def test_a_cpt_config_of_layout_keys_only_takes_the_dense_shapes_from_the_checkpoint(
+    tmp_path, tiny_data, overrides, odd_dense
+):
+    hf = transformers.AutoConfig.from_pretrained(odd_dense)
+    want = {
+        "arch": "gca",
+        "vocab_size": hf.vocab_size,
+        "d_model": hf.hidden_size,
+        "n_heads": hf.num_attention_heads,
+        "n_kv_heads": hf.num_key_value_heads,
+        "ffn_hidden": hf.intermediate_size,
+        "norm_eps": hf.rms_norm_eps,
+        "rope_theta": 500000.0,
+        "qkv_bias": False,
+        "tie_embeddings": False,
+        "position": "rope",
+    }
+    assert {f"model.{k}" for k in want} == DENSE_MODEL_KEYS
+    init = f"checkpoint.init_from=hf:{odd_dense}"
+    cfg = load_config(None, [*layout_only(overrides, tmp_path / "run", tiny_data), init])
+    assert {k: getattr(cfg.model, k) for k in want} == want
+    model = Trainer(cfg, dist.init_distributed("none")).engine.module
+    dense = load_file(odd_dense / "model.safetensors")
+    assert torch.equal(model.embed.weight, dense["model.embed_tokens.weight"])
+    assert torch.equal(model.head.weight, dense["lm_head.weight"])
+    # A value given explicitly must agree with the checkpoint, even one equal to the schema default.
+    for key, value, theirs in (
+        ("rope_theta", 10000.0, 500000.0),
+        ("n_kv_heads", 4, 1),
+        ("tie_embeddings", True, False),
+    ):
+        with pytest.raises(ConfigError, match=rf"model\.{key}={value}\b.*override 'model\.{key}=\.\.\.'.*{theirs}"):
+            load_config(None, [*layout_only(overrides, tmp_path / "run", tiny_data), init, f"model.{key}={value}"])
+    cfg_file = tmp_path / "cpt.yaml"
+    cfg_file.write_text("model:\n  norm_eps: 1.0e-5\n")
+    with pytest.raises(ConfigError, match=rf"model\.norm_eps=1e-05 \(in config file {cfg_file}\).*1e-06"):
+        load_config(cfg_file, [*layout_only(overrides, tmp_path / "run", tiny_data), init])
+    agreed = load_config(None, [*layout_only(overrides, tmp_path / "run", tiny_data), init, "model.d_model=32"])
+    assert agreed.model == cfg.model
+
+
+def test_a_stage_from_a_native_export_takes_the_shapes_from_its_config_json(tmp_path, tiny_data, overrides, odd_dense):
+    import json
+
+    from pipeline.cli.convert import main as convert
+
+    layout = [o for o in layout_only(overrides, tmp_path, tiny_data) if o.startswith("model.")]
+    export = tmp_path / "export"
+    assert convert(["--dense", str(odd_dense), "--out", str(export), *layout]) == 0
+    exported = json.loads((export / "config.json").read_text())["model"]
+    init = f"checkpoint.init_from={export}"
+    cfg = load_config(None, [*layout_only(overrides, tmp_path / "run", tiny_data), init])
+    assert {k: getattr(cfg.model, k.removeprefix("model.")) for k in DENSE_MODEL_KEYS} == {
+        k: exported[k.removeprefix("model.")] for k in DENSE_MODEL_KEYS
+    }
+    model = Trainer(cfg, dist.init_distributed("none")).engine.module
+    weights = load_file(export / "model.safetensors")
+    assert all(torch.equal(t, weights[n]) for n, t in model.state_dict().items())
+    with pytest.raises(ConfigError, match=r"model\.d_model=64\b.*override 'model\.d_model=\.\.\.'.*32"):
+        load_config(None, [*layout_only(overrides, tmp_path / "run", tiny_data), init, "model.d_model=64"])

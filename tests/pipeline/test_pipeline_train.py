@@ -207,11 +207,11 @@ def test_init_from_starts_a_fresh_run_from_exported_weights(tmp_path, tiny_data,
     assert all(torch.equal(state[name], tensor) for name, tensor in exported.items())
     fresh = Trainer(load_config(None, overrides(tmp_path / "fresh", tiny_data)), dist.init_distributed("none"))
     assert not torch.equal(fresh.engine.module.state_dict()["embed.weight"], exported["embed.weight"])
-    # An export of another shape is refused before training, naming the key.
+    # An export of another shape is refused before training, naming the key and both values.
     caplog.clear()
     wider = {**extra, "model.d_model": 64, "model.ffn_hidden": 128}
     assert main(None, overrides(tmp_path / "third", tiny_data, **wider)) == 2
-    assert "checkpoint.init_from" in caplog.text and "does not fit model" in caplog.text
+    assert "model.d_model=64 (in override" in caplog.text and "which needs model.d_model=32" in caplog.text
     with pytest.raises(Exception, match="checkpoint.init_from must be a model export directory"):
         load_config(None, overrides(tmp_path / "fourth", tiny_data, **{"checkpoint.init_from": str(tmp_path)}))
 
