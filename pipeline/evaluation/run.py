@@ -33,6 +33,7 @@ from pipeline.evaluation.config import (
     stream_budget,
     validate,
 )
+from pipeline.evaluation.footprint import check_footprint
 from pipeline.evaluation.haystack import UNBOUNDED, TokenSource
 from pipeline.evaluation.passkey import evaluate_passkey
 from pipeline.evaluation.plots import plot_passkey, plot_ppl, plot_ruler
@@ -90,6 +91,7 @@ def run_eval(checkpoint: str, task: str, out: str | Path, overrides: list[str], 
     if task not in TASKS:
         raise ConfigError(f"--task {task!r} is not one of {TASKS}")
     cfg, env_paths = load_eval_config(config, overrides, task)
+    check_footprint(checkpoint, task, cfg)
     out = Path(out)
     created = prepare_out(out, task, cfg.data)
     try:

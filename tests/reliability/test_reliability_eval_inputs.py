@@ -480,3 +480,42 @@ def test_environment_values_never_reach_errors(export, tmp_path, capsys, caplog,
     monkeypatch.setenv("GCA_SHOW_ENV_VALUES", "1")
     assert _eval(export, tmp_path / "out", "lengths=[64]", "samples=${oc.env:GCA_EVAL_SAMPLES}") == 2
     assert SECRET in _one_error_line(capsys.readouterr().err)
+
+
+# --- what a length costs ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("task", ["passkey", "ruler"])
+def test_a_length_no_host_can_hold_is_one_line_before_the_export_loads(task, export, tmp_path, capsys, no_load):
+    """10^12 tokens: their int64 ids alone are 7.3 TiB (before: numpy's 'Unable to allocate 931 GiB' traceback)."""
+    assert _eval(export, tmp_path / "out", "lengths=[1000000000000]", task=task) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "lengths=[1000000000000]" in line and "memory" in line and "GiB" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_chunk_memory_past_offload_mb_must_fit_the_free_disk_of_offload_dir(export, tmp_path, capsys, monkeypatch):
+    """The chunk K/V past ``offload_mb`` spill to ``offload_dir``: 2 (K and V) x 4 bytes (fp32) x d_model per
+    token (written out here as the reference); a disk with less free space than that is refused by name, one with
+    as much runs."""
+    from pipeline.data import host_memory
+
+    cfg = tiny_config()
+    length, offload_mb = 1 << 20, 1
+    spill = 2 * 4 * cfg.d_model * length - (offload_mb << 20)
+    loads: list[str] = []
+
+    def loaded(checkpoint, *args, **kwargs):
+        loads.append(checkpoint)
+        raise OSError("stub: the check passed and the export would load now")
+
+    monkeypatch.setattr(eval_run, "load_checkpoint", loaded)
+    args = [f"lengths=[{length}]", f"offload_mb={offload_mb}", f"offload_dir={tmp_path}"]
+    monkeypatch.setattr(host_memory, "free_disk_bytes", lambda path: spill - 1)
+    assert _eval(export, tmp_path / "out", *args, task="passkey") == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"offload_dir={tmp_path}" in line and f"lengths=[{length}]" in line and not loads
+    monkeypatch.setattr(host_memory, "free_disk_bytes", lambda path: spill)
+    with pytest.raises(OSError, match="stub"):
+        _eval(export, tmp_path / "out", *args, task="passkey")
+    assert loads == [str(export)]
