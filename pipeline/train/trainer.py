@@ -63,6 +63,7 @@ from pipeline.train.checkpoint import CheckpointManager
 from pipeline.train.config import ConfigError, TrainConfig, check_context_parallel, load_config, mix_settings
 from pipeline.train.export import write_export
 from pipeline.train.inputs import build_mix, check_inputs, check_no_secrets, init_weights_from
+from pipeline.train.memory_estimate import check_host_memory
 from pipeline.train.metrics import memory_gb, peak_flops, setup_logging
 from pipeline.train.optim import freeze_for_stage, lr_at, set_lr
 from pipeline.train.parallel import build_engine
@@ -351,6 +352,7 @@ def main(config_path: str | None, overrides: list[str]) -> int:
         cfg = load_config(config_path, overrides, dist.world_size_from_env())
         check_no_secrets(cfg)
         check_inputs(cfg)
+        check_host_memory(cfg, dist.world_size_from_env())
     except ConfigError as err:
         log.error("configuration error: %s", err)
         return 2
