@@ -26,6 +26,7 @@ from pipeline.data.reader import UnsafeDatasetError, is_remote, read_tokenizer
 from pipeline.train.checkpoint import OWNER_FILE, foreign_leftovers
 from pipeline.train.config import HF_INIT_PREFIX, ConfigError, TrainConfig, mix_settings
 from pipeline.train.metrics import resolve_wandb_mode
+from pipeline.train.wandb_online import online_refusal
 
 log = logging.getLogger(__name__)
 
@@ -217,6 +218,9 @@ def check_inputs(cfg: TrainConfig) -> None:
             resolve_wandb_mode(cfg.logging.wandb_mode, os.environ)
         except ValueError as err:
             raise ConfigError(f"logging.wandb_mode=auto reads WANDB_MODE, and {err}") from None
+        refusal = online_refusal(cfg.logging.wandb_mode, os.environ)  # wandb.init would hang ~90 s, or raise
+        if refusal is not None:
+            raise ConfigError(refusal)
     foreign = foreign_leftovers(cfg.run_dir)
     if foreign:
         raise ConfigError(

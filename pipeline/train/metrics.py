@@ -19,6 +19,7 @@ from typing import Any, Literal
 import torch
 
 from data_prep.redaction import install_log_redaction, redact_tree
+from pipeline.train.wandb_online import asked_online, online_problem
 
 log = logging.getLogger(__name__)
 
@@ -144,9 +145,11 @@ def memory_gb() -> float:
 class MetricsLogger:
     """Rank-0 sink for per-step metrics: ``<run_dir>/metrics.jsonl`` (always), console, wandb, progress bar.
 
-    wandb runs offline unless ``logging.wandb_mode=online`` or (``auto``) ``WANDB_API_KEY`` is set, so a run
-    never waits on the network. Only the resolved training config and metrics are sent; the environment
-    (which holds keys and tokens) never is, and values that came from the environment stay ``${oc.env:...}``.
+    wandb runs offline unless ``logging.wandb_mode=online`` or (``auto``) ``WANDB_API_KEY`` is set, and ``auto``
+    falls back to offline when the server does not answer (``pipeline.train.wandb_online``), so a run never waits
+    on the network for more than a few seconds. Only the resolved training config and metrics are sent; the
+    environment (which holds keys and tokens) never is, and values that came from the environment stay
+    ``${oc.env:...}``.
     """
 
     def __init__(
@@ -178,6 +181,18 @@ class MetricsLogger:
         import wandb
 
         mode = resolve_wandb_mode(self.cfg.logging.wandb_mode, os.environ)
+        if mode == "online" and asked_online(self.cfg.logging.wandb_mode, os.environ) is None:
+            # auto chose online only because WANDB_API_KEY is set (online asked for was checked before any work,
+            # in pipeline.train.inputs): a server that does not answer means offline logging, not a ~90 s hang.
+            problem = online_problem(os.environ)
+            if problem is not None:
+                log.warning(
+                    "wandb: logging.wandb_mode=auto went online because WANDB_API_KEY is set, but %s; logging "
+                    "offline into %s instead (upload it later with `wandb sync`)",
+                    problem,
+                    run_dir / "wandb",
+                )
+                mode = "offline"
         run_id_file = run_dir / "wandb_run_id"
         run_id = run_id_file.read_text().strip() if resumed and run_id_file.is_file() else uuid.uuid4().hex[:8]
         run_id_file.write_text(run_id)
