@@ -64,3 +64,32 @@ def test_a_run_the_host_cannot_hold_is_one_line_before_any_work(
     monkeypatch.setattr(host_memory, "available_memory", lambda: host_memory.Memory(need, "test"))
     with pytest.raises(Started):
         trainer.main(None, args)
+
+
+def test_under_ulimit_v_the_real_reading_refuses_the_run(tmp_path, tiny_data, overrides):
+    """No reading replaced: the trainer in its own process under a 4 GiB address-space limit (``ulimit -v``; the
+    issue's probe ended in a numpy MemoryError traceback there) reads the limit itself and refuses in one line."""
+    import os
+    import resource
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    run, config = tmp_path / "run", tmp_path / "empty.yaml"
+    config.write_text("")  # every key is an override
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli.train", "--config", str(config), *overrides(run, tiny_data, **LONG)],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        preexec_fn=limit,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    errors = [line for line in proc.stderr.splitlines() if "ERROR" in line]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "train.seq_len=16777216" in errors[0] and "(ulimit -v)" in errors[0]
+    assert not run.exists()
