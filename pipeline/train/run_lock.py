@@ -92,8 +92,8 @@ def acquire(run_dir: Path, environ: Mapping[str, str]) -> RunLock:
             holder = _read_record(fd)
             if not _earlier_incarnation(holder, mine):
                 raise RunDirLockError(
-                    f"run_dir={run_dir} is in use by another training ({_describe(holder)}; lock {path}); wait for "
-                    "it to end, or set another run_dir"
+                    f"run_dir={run_dir} is in use by another training ({_describe(holder)}; lock {path})"
+                    f"{_leftover_hint(holder, path)}; wait for it to end, or set another run_dir"
                 ) from None
             log.warning(
                 "run_dir=%s: the lock %s is still held by an earlier run of this SLURM job (%s), which SLURM ended "
@@ -149,6 +149,21 @@ def _earlier_incarnation(holder: dict[str, Any], mine: dict[str, Any]) -> bool:
         return False
     restarts = holder.get("slurm_restart_count")
     return isinstance(restarts, int) and restarts < mine["slurm_restart_count"]
+
+
+def _leftover_hint(holder: dict[str, Any], path: Path) -> str:
+    """When the recorded holder ran on this host and is gone, a process it started (inheriting the open lock file)
+    holds the lock. It may still write, so the run is refused all the same; this says how to find it."""
+    pid = holder.get("pid")
+    if holder.get("host") != socket.gethostname() or not isinstance(pid, int):
+        return ""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return f"; pid {pid} no longer runs on this host, but a process it started keeps the lock: `fuser {path}`"
+    except PermissionError:
+        pass  # it runs, as another user
+    return ""
 
 
 def _describe(holder: dict[str, Any]) -> str:

@@ -156,3 +156,40 @@ def test_two_ranks_are_one_run_and_a_refused_run_stops_on_every_rank(data, tmp_p
     done = train_ranks(2, command, timeout=180)
     assert done.returncode == 0, done.output[-3000:]
     assert logged_steps(run) == [1, 2, 3]
+
+
+FORK_AND_EXIT = textwrap.dedent(
+    """
+    import fcntl, json, os, socket, sys, time
+    fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": "-"}).encode())
+    if os.fork() == 0:
+        time.sleep(120)  # the child keeps the inherited lock, like a worker the run left behind
+        os._exit(0)
+    print("held", flush=True)
+    """
+)
+
+
+def test_a_lock_kept_by_a_leftover_child_of_a_dead_holder_is_refused_with_the_way_to_find_it(data, tmp_path, caplog):
+    """The holder (on this host) is gone but a process it forked still holds the lock: still refused, since that
+    process may still write, and the line says the recorded pid no longer runs and how to find the one that does."""
+    run = tmp_path / "run"
+    run.mkdir()
+    parent = subprocess.Popen(
+        [sys.executable, "-c", FORK_AND_EXIT, str(run / LOCK_FILE)],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert parent.stdout is not None and parent.stdout.readline().strip() == "held"
+        assert parent.wait(timeout=30) == 0
+        assert main(None, overrides(run, data, **{"train.max_steps": 3})) == 2
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and f"pid {parent.pid}" in errors[0], errors
+    assert "no longer runs" in errors[0] and f"fuser {run / LOCK_FILE}" in errors[0], errors[0]
+    assert sorted(p.name for p in run.iterdir()) == [LOCK_FILE]
