@@ -16,6 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+"""Where the cgroup hierarchies are mounted: v2 here (or under ``unified/`` on a hybrid host), v1's memory
+controller under ``memory/``."""
+PROC_CGROUP = Path("/proc/self/cgroup")
+"""This process's cgroup in each hierarchy: ``<id>:<controllers>:<path>`` (v2: ``0::<path>``)."""
+UNLIMITED = 1 << 60
+"""cgroup v1 writes no limit as a huge number (9223372036854771712)."""
 
 
 @dataclass(frozen=True)
@@ -36,32 +42,47 @@ def _meminfo() -> dict[str, int]:
 
 
 def _cgroup_file(directory: Path, name: str) -> int | None:
-    """A cgroup v2 limit file as bytes; None for ``max`` or a file that is not there."""
+    """A cgroup limit file as bytes; None for no limit (``max``, v1's huge number) or a file that is not there."""
     try:
         text = (directory / name).read_text().strip()
     except OSError:
         return None
-    return int(text) if text.isdigit() else None
+    return int(text) if text.isdigit() and int(text) < UNLIMITED else None
 
 
-def _cgroup_limit(swap_free: int) -> int | None:
-    """The tightest memory limit (plus the swap it may use) of this process's cgroup v2 and its ancestors. The
-    whole limit, not limit minus usage: usage counts page cache the kernel reclaims on demand."""
+def _ancestors(root: Path, path: str) -> list[Path]:
+    """The cgroup directory of ``path`` under ``root`` and each one above it: every level's limit applies."""
+    directory = root / path.lstrip("/")
+    return [directory, *(d for d in directory.parents if d == root or root in d.parents)]
+
+
+def _cgroup_limit(swap_free: int) -> Memory | None:
+    """The tightest memory limit of this process's cgroups and their ancestors, with the swap it may use: v2
+    ``memory.max`` plus ``memory.swap.max`` (swap on top), v1 ``memory.limit_in_bytes`` plus free swap, capped by
+    ``memory.memsw.limit_in_bytes`` (memory and swap together). The whole limit, not limit minus usage: usage
+    counts page cache the kernel reclaims on demand."""
     try:
-        line = next(x for x in Path("/proc/self/cgroup").read_text().splitlines() if x.startswith("0::"))
-    except (OSError, StopIteration):
+        lines = PROC_CGROUP.read_text().splitlines()
+    except OSError:
         return None
-    directory = CGROUP_ROOT / line[3:].lstrip("/")
-    limits = []
-    while directory == CGROUP_ROOT or CGROUP_ROOT in directory.parents:
-        memory = _cgroup_file(directory, "memory.max")
-        if memory is not None:
-            swap = _cgroup_file(directory, "memory.swap.max")
-            limits.append(memory + min(swap if swap is not None else swap_free, swap_free))
-        if directory == CGROUP_ROOT:
-            break
-        directory = directory.parent
-    return min(limits, default=None)
+    found: list[Memory] = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if not controllers:  # v2
+            for directory in (d for root in (CGROUP_ROOT, CGROUP_ROOT / "unified") for d in _ancestors(root, path)):
+                memory = _cgroup_file(directory, "memory.max")
+                if memory is not None:
+                    swap = _cgroup_file(directory, "memory.swap.max")
+                    extra = swap_free if swap is None else min(swap, swap_free)
+                    found.append(Memory(memory + extra, f"cgroup {directory / 'memory.max'} + swap"))
+        elif "memory" in controllers.split(","):  # v1
+            for directory in _ancestors(CGROUP_ROOT / "memory", path):
+                memory = _cgroup_file(directory, "memory.limit_in_bytes")
+                if memory is not None:
+                    total = _cgroup_file(directory, "memory.memsw.limit_in_bytes")
+                    limit = memory + swap_free if total is None else min(memory + swap_free, total)
+                    found.append(Memory(limit, f"cgroup {directory / 'memory.limit_in_bytes'} + swap"))
+    return min(found, key=lambda m: m.bytes, default=None)
 
 
 def _address_space_left() -> int | None:
@@ -86,7 +107,7 @@ def available_memory() -> Memory | None:
     found = [Memory(info["MemAvailable"] + swap_free, "MemAvailable + SwapFree")]
     cgroup = _cgroup_limit(swap_free)
     if cgroup is not None:
-        found.append(Memory(cgroup, "the cgroup's memory.max (+ swap)"))
+        found.append(cgroup)
     address_space = _address_space_left()
     if address_space is not None:
         found.append(Memory(address_space, "ulimit -v"))
