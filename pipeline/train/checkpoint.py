@@ -18,7 +18,10 @@ file present, no file added, sha256 equal: ``CheckpointCorruptError`` names the 
 and architecture; the parallel layout (engine, ZeRO stage, and whether the world size may change); and that no
 pickle in the directory can run code (``UnsafeCheckpointError``). Torch files are only ever read with
 ``weights_only=True``; DeepSpeed and DCP unpickle with ``weights_only=False`` internally, so their files are
-scanned first with the restricted unpicklers below.
+scanned first with the restricted unpicklers below. A committed checkpoint that fails the integrity check or the
+scan is never loaded; by default (``checkpoint.fallback_to_previous``) it is renamed to ``step_N.rejected`` and
+the newest one that passes is resumed from. It is never deleted: the files that would prove it ours are among
+those that failed.
 
 Cost: each file is read once more at save and once at resume to hash it, the work split over the ranks; the
 pickle scan reads only pickles (tensor data is memory-mapped, not read). Like DeepSpeed and DCP, this assumes
@@ -248,7 +251,7 @@ def _torch_load_checked(path: Path, allowed: list[Any]) -> None:
             f"{path}: refusing to load: {_reason(err)} (weights_only=True; the file may be crafted to run code)"
         ) from None
     except (RuntimeError, ValueError, EOFError, OSError) as err:
-        raise CheckpointError(f"{path}: not a readable torch file: {str(err).splitlines()[0]}") from None
+        raise CheckpointCorruptError(f"{path}: not a readable torch file: {str(err).splitlines()[0]}") from None
 
 
 def _scan_dcp(metadata_path: Path) -> None:
@@ -373,8 +376,8 @@ class CheckpointManager:
         keep_last: committed checkpoints kept after each commit (>= 1; 1 is safe: a new checkpoint commits
             before the old one is deleted).
         info: this process's rank and world size.
-        fallback_to_previous: when the newest checkpoint fails verification, resume from the newest one that
-            passes (with a warning) instead of stopping.
+        fallback_to_previous: with ``resume=auto``, set aside a checkpoint that fails verification or the pickle
+            scan (`set_aside`) and resume from the newest one that passes, with a warning, instead of stopping.
     """
 
     def __init__(
@@ -382,7 +385,7 @@ class CheckpointManager:
         run_dir: str | Path,
         keep_last: int,
         info: dist.DistInfo,
-        fallback_to_previous: bool = False,
+        fallback_to_previous: bool = True,
     ) -> None:
         self.root = Path(run_dir) / "checkpoints"
         self.keep_last, self.info = keep_last, info
@@ -633,8 +636,8 @@ class CheckpointManager:
             )
 
     def load(self, path: Path, engine: Any) -> None:
-        """Restore engine state and this rank's RNG from a checkpoint that passed `read_state`."""
-        scan_pickles(path)
+        """Restore engine state and this rank's RNG from a checkpoint that passed `read_state` and
+        `scan_pickles`."""
         engine.load(path)
         rng_file = path / f"rng_rank{self.info.dp_rank}.pt"  # the stream of this data-parallel rank, any CP degree
         if rng_file.is_file():
@@ -655,22 +658,88 @@ class CheckpointManager:
         parallel: dict[str, Any],
         check: Callable[[Path, dict[str, Any]], None] | None = None,
     ) -> tuple[Path, dict[str, Any]] | None:
-        """Resume per ``checkpoint.resume``: verify, check, then load; returns (path, trainer state) or None.
+        """Resume per ``checkpoint.resume``: verify, check, scan, then load; returns (path, trainer state) or None.
 
-        With ``fallback_to_previous``, a newest checkpoint that fails verification is skipped with a warning and
-        the next older committed one is tried. ``check(path, state)`` runs after verification and before any
-        tensor is loaded (see `read_state`; the trainer's config comparison and data-fingerprint check).
+        ``check(path, state)`` runs after verification and before any tensor is loaded (see `read_state`; the
+        trainer's config comparison and data-fingerprint check). A checkpoint that fails verification or the
+        pickle scan is never loaded; with ``fallback_to_previous`` and ``resume=auto`` the next older committed
+        one is tried, and once one passes, every one that failed is set aside (`set_aside`) with a warning line.
+
+        Raises:
+            CheckpointCorruptError, UnsafeCheckpointError: the checkpoint (or, falling back, every one) failed;
+                one line naming it, why, and the way out; nothing was loaded, moved or deleted.
         """
         found = self.candidates(resume)
-        for i, path in enumerate(found):
+        may_fall_back = self.fallback_to_previous and resume == "auto"
+        rejected: list[tuple[Path, CheckpointError]] = []
+        for path in found:
             try:
                 state = self.read_state(path, model_config, parallel, check)
-            except CheckpointCorruptError as err:
-                if not self.fallback_to_previous or i == len(found) - 1:
-                    raise
-                log.warning("%s; falling back to the previous checkpoint %s", err, found[i + 1])
+                scan_pickles(path)
+            except (CheckpointCorruptError, UnsafeCheckpointError) as err:
+                if not may_fall_back:
+                    raise type(err)(f"{err}; {_way_out(path, resume)}") from None
+                rejected.append((path, err))
                 continue
+            self._set_aside(rejected, path, int(state["step"]))
             self.load(path, engine)
             log.info("resumed from %s at step %d", path, state["step"])
             return path, state
+        if rejected:
+            why = rejected[0][1]
+            others = f"; the older ones fail too: {', '.join(str(p) for p, _ in rejected[1:])}" if rejected[1:] else ""
+            raise type(why)(
+                f"{why}{others}; no committed checkpoint in {self.root} passes, nothing was loaded: move the damaged "
+                "ones out of it to start afresh, or start a new run in another run_dir"
+            ) from None
         return None
+
+    def _set_aside(self, rejected: list[tuple[Path, CheckpointError]], good: Path, step: int) -> None:
+        """Rank 0 renames each rejected checkpoint out of the trainer's way, one warning line each; every rank
+        stops together if a rename fails."""
+        problem = None
+        if self.info.is_main:
+            for path, err in rejected:
+                try:
+                    aside = set_aside(path)
+                except OSError as oserr:
+                    problem = f"{err}; could not set it aside ({oserr}): move it out of {self.root} and relaunch"
+                    break
+                log.warning(
+                    "not resuming from %s: %s; set aside as %s (kept for inspection, never loaded, deleted or saved "
+                    "over); resuming from %s (step %d), the newest checkpoint that passes "
+                    "(checkpoint.fallback_to_previous=false stops instead)",
+                    path,
+                    err,
+                    aside,
+                    good,
+                    step,
+                )
+        problem = dist.broadcast_object(problem)
+        if problem is not None:
+            raise CheckpointCorruptError(problem)
+
+
+def _way_out(path: Path, resume: str) -> str:
+    if resume == "auto":
+        return (
+            f"nothing was loaded (checkpoint.fallback_to_previous=false): move {path} out of {path.parent} to resume "
+            "from the checkpoint before it, or drop that setting to have it set aside"
+        )
+    return f"nothing was loaded: checkpoint.resume={resume} names this checkpoint and no other"
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a checkpoint that failed verification or the pickle scan to ``step_N.rejected`` (``-2``, ``-3``,
+    ... when taken) and return the new path.
+
+    Its content is not proven to be this trainer's (``OWNER.json`` is one of the files that may have been changed),
+    so it is never deleted; and left at ``step_N`` it would be saved over when the run reaches step N again.
+    Under its new name no listing of step entries matches it: it is never resumed from, pruned or cleaned up.
+    """
+    aside, n = path.with_name(f"{path.name}.rejected"), 1
+    while aside.exists() or aside.is_symlink():
+        n += 1
+        aside = path.with_name(f"{path.name}.rejected-{n}")
+    path.rename(aside)
+    return aside

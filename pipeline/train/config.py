@@ -213,6 +213,10 @@ class CheckpointConfig:
     """Committed checkpoints kept; older ones are deleted after a new one commits."""
     resume: str = "auto"
     """``auto`` (latest committed checkpoint in ``run_dir``, else fresh), ``none``, or a checkpoint directory."""
+    fallback_to_previous: bool = True
+    """With ``resume=auto``: a newest checkpoint that fails verification or holds a pickle that could run code is
+    named in a warning, renamed to ``step_N.rejected`` unread (kept, never deleted) and the newest intact one is
+    resumed from; ``false``: the run stops with exit 2 instead, changing nothing."""
     export: bool = True
     """Write an eval export (safetensors + config.json + tokenizer.model) into every checkpoint."""
     init_from: str | None = None

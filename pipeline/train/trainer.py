@@ -59,7 +59,7 @@ from pipeline.train.callbacks import (
     SignalStop,
     fault_injection,
 )
-from pipeline.train.checkpoint import CheckpointManager
+from pipeline.train.checkpoint import CheckpointCorruptError, CheckpointManager, UnsafeCheckpointError
 from pipeline.train.config import ConfigError, TrainConfig, check_context_parallel, load_config, mix_settings
 from pipeline.train.export import write_export
 from pipeline.train.inputs import build_mix, check_inputs, check_no_secrets, init_weights_from
@@ -131,7 +131,7 @@ class Trainer:
         self.tokenizer = read_tokenizer(cfg.data.path)  # once, read safely; the needles and every export use it
         self.batches, self.data_fingerprint = self._train_batches()
         self.callbacks = CallbackList([*default_callbacks(cfg, info), *(callbacks or [])])
-        self.ckpt = CheckpointManager(self.run_dir, cfg.checkpoint.keep_last, info)
+        self.ckpt = CheckpointManager(self.run_dir, cfg.checkpoint.keep_last, info, cfg.checkpoint.fallback_to_previous)
         self.step = 0
         self.tokens_seen = 0
         self.resumed = False
@@ -386,6 +386,9 @@ def main(config_path: str | None, overrides: list[str]) -> int:
         return trainer.train()
     except ResumeRefusedError as err:  # found on resume, before any step
         log.error("configuration error: %s", err)
+        return 2
+    except (CheckpointCorruptError, UnsafeCheckpointError) as err:  # found on resume, before any tensor loads
+        log.error("checkpoint error: %s", err)
         return 2
     except DataFingerprintError as err:  # found on resume, before any step
         log.error("data error: %s", err)

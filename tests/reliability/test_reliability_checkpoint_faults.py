@@ -1,6 +1,7 @@
 """Checkpoint faults met by a real run (issue 51): a save that cannot write (disk full, a file-size limit, a
 permission) is one line naming the cause, the file and the last good checkpoint, and nothing already written is
-lost.
+lost; a damaged or crafted newest checkpoint is named in one line, set aside unread and kept, and the run resumes
+from the newest intact one (``checkpoint.fallback_to_previous=false``: refused instead).
 
 Every run keeps the trainer's defaults that matter here (eval export on, default ``keep_last`` and backends) on
 the tiny model and dataset of reliability_harness.py, saving every 4 steps. The reference is an independent
@@ -27,13 +28,14 @@ from reliability_harness import (
     assert_same_checkpoint,
     assert_same_steps,
     committed,
+    flip_byte,
     overrides,
     run_process,
 )
 from safetensors import SafetensorError
 
 from pipeline.train import dist
-from pipeline.train.checkpoint import verify_integrity
+from pipeline.train.checkpoint import verify_integrity, write_integrity
 from pipeline.train.trainer import main
 
 pytestmark = pytest.mark.reliability
@@ -153,3 +155,76 @@ def test_a_file_size_limit_during_a_save_is_one_line_not_torchs_unexpected_pos(r
     assert re.search(r"the last good checkpoint is step 4 \(\S+/checkpoints/step_00000004\)", line), line
     assert tree(step4) == before
     assert_relaunch_finishes_like_the_reference(run, data, reference)
+
+
+# -- a damaged or crafted newest checkpoint --------------------------------------------------------------------------
+
+
+class Payload:
+    """Unpickling this runs ``touch <marker>``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _flipped_byte(ckpt: Path, marker: Path) -> str:
+    flip_byte(ckpt / "state.pt")
+    return r"state\.pt: sha256 [0-9a-f]{64}, expected [0-9a-f]{64}"
+
+
+def _crafted_pickle(ckpt: Path, marker: Path) -> str:
+    """An attacker who can write the run directory: a payload in state.pt and the integrity manifest resealed."""
+    torch.save({"model": Payload(marker)}, ckpt / "state.pt")
+    write_integrity(ckpt, ONE_RANK)
+    return r"state\.pt: refusing to load: .*GLOBAL posix\.system"
+
+
+@pytest.fixture
+def damaged_newest(request, data, tmp_path) -> tuple[Path, str, dict[str, bytes]]:
+    """A run saved at steps 4 and 8, its step 8 then damaged by ``request.param``: the run, the pattern naming why
+    step 8 is refused, and step 8's files as they are after the damage."""
+    run = tmp_path / "run"
+    assert main(None, args(run, data)) == 0
+    newest = run / "checkpoints/step_00000008"
+    why = request.param(newest, tmp_path / "MARKER")
+    return run, why, tree(newest)
+
+
+@pytest.mark.parametrize("damaged_newest", [_flipped_byte, _crafted_pickle], indirect=True)
+def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_resumes_from_the_newest_intact_one(
+    damaged_newest, reference, data, tmp_path, caplog
+):
+    """Before: ``CheckpointCorruptError`` / ``UnsafeCheckpointError`` tracebacks, though step 4 was intact. Now, by
+    default: one warning line naming step 8 and why, step 8 renamed aside unread and byte for byte kept (the
+    relaunch saves a new step 8 beside it), and the run resumes from step 4 to the uninterrupted run's end."""
+    run, why, damaged = damaged_newest
+    with caplog.at_level(logging.WARNING):
+        assert main(None, args(run, data)) == 0
+    assert errors(caplog) == []
+    [line] = [r.getMessage() for r in caplog.records if "not resuming from" in r.getMessage()]
+    assert re.search(rf"not resuming from \S+/checkpoints/step_00000008: .*{why}", line), line
+    assert re.search(r"set aside as \S+/checkpoints/step_00000008\.rejected \(kept", line), line
+    assert re.search(r"resuming from \S+/checkpoints/step_00000004 \(step 4\)", line), line
+    assert "checkpoint.fallback_to_previous=false" in line and "\n" not in line
+    assert not (tmp_path / "MARKER").exists(), "the crafted pickle ran"
+    assert tree(run / "checkpoints/step_00000008.rejected") == damaged
+    assert starts(run) == [0, 4]
+    assert_same_steps(reference, run, range(1, STEPS + 1))
+    assert_same_checkpoint(reference / "checkpoints/step_00000008", run / "checkpoints/step_00000008")
+
+
+@pytest.mark.parametrize("damaged_newest", [_flipped_byte, _crafted_pickle], indirect=True)
+def test_fallback_to_previous_false_refuses_in_one_line_and_changes_nothing(damaged_newest, data, tmp_path, caplog):
+    run, why, _ = damaged_newest
+    before = tree(run / "checkpoints")
+    with caplog.at_level(logging.ERROR):
+        assert main(None, args(run, data, **{"checkpoint.fallback_to_previous": "false"})) == 2
+    [line] = errors(caplog)
+    assert re.search(rf"\S+/checkpoints/step_00000008\b.*{why}", line), line
+    assert "checkpoint.fallback_to_previous=false" in line and "\n" not in line
+    assert tree(run / "checkpoints") == before
+    assert not (tmp_path / "MARKER").exists(), "the crafted pickle ran"
+    assert starts(run) == [0]

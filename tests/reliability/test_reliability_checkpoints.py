@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -16,10 +17,9 @@ import torch
 from reliability_harness import assert_same_checkpoint, assert_same_steps, committed, flip_byte, overrides
 
 from pipeline.train import dist, faults
-from pipeline.train.checkpoint import COMMIT_MARKER, INTEGRITY_FILE, CheckpointCorruptError
-from pipeline.train.config import load_config
+from pipeline.train.checkpoint import COMMIT_MARKER, INTEGRITY_FILE
 from pipeline.train.parallel import TorchEngine
-from pipeline.train.trainer import Trainer, main
+from pipeline.train.trainer import main
 
 pytestmark = pytest.mark.reliability
 
@@ -91,7 +91,9 @@ def no_engine_load(monkeypatch):
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "append", "add_file", "delete_file", "delete_manifest"])
-def test_t04_corruption_is_caught_before_load_naming_the_file(damage, two_checkpoints, data, no_engine_load):
+def test_t04_corruption_is_caught_before_load_naming_the_file(damage, two_checkpoints, data, no_engine_load, caplog):
+    """With checkpoint.fallback_to_previous=false the run stops there (exit 2, one line); by default it falls back
+    (below)."""
     ckpt = two_checkpoints / "checkpoints/step_00000008"
     target = ckpt / "state.pt"
     before = target.read_bytes()
@@ -113,22 +115,21 @@ def test_t04_corruption_is_caught_before_load_naming_the_file(damage, two_checkp
     else:
         (ckpt / INTEGRITY_FILE).unlink()
         match = "missing integrity manifest"
-    with pytest.raises(CheckpointCorruptError, match=match):
-        main(None, _resume_args(two_checkpoints, data))
+    with caplog.at_level(logging.ERROR):
+        assert main(None, [*_resume_args(two_checkpoints, data), "checkpoint.fallback_to_previous=false"]) == 2
+    [line] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert re.search(match, line) and "step_00000008" in line, line
     assert no_engine_load == [], "no tensor may reach the model before verification"
 
 
 def test_t04_fallback_to_previous_verified_checkpoint(two_checkpoints, data, caplog):
-    """With fallback_to_previous, a corrupt newest checkpoint is skipped with a warning; the run resumes from
-    step 4 and ends equal to a run that never had the corrupt checkpoint."""
+    """By default (checkpoint.fallback_to_previous), a corrupt newest checkpoint is set aside with a warning; the
+    run resumes from step 4 and ends equal to a run that never had the corrupt checkpoint."""
     flip_byte(two_checkpoints / "checkpoints/step_00000008/state.pt")
-    cfg = load_config(None, _resume_args(two_checkpoints, data))
-    trainer = Trainer(cfg, dist.init_distributed("none"))
-    trainer.ckpt.fallback_to_previous = True
     with caplog.at_level(logging.WARNING):
-        assert trainer.train() == 0
-    assert "failed verification" in caplog.text and "falling back to the previous checkpoint" in caplog.text
-    assert "step_00000004" in caplog.text
+        assert main(None, _resume_args(two_checkpoints, data)) == 0
+    assert "failed verification" in caplog.text and "set aside as" in caplog.text
+    assert "resuming from" in caplog.text and "step_00000004" in caplog.text
     starts = [
         json.loads(line)["start_step"]
         for line in (two_checkpoints / "metrics.jsonl").read_text().splitlines()

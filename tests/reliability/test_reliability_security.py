@@ -11,6 +11,7 @@ import importlib.util
 import logging
 import os
 import pickle
+import re
 import runpy
 import shutil
 import traceback
@@ -22,7 +23,7 @@ from reliability_harness import REPO, overrides
 
 from model import load_pretrained
 from pipeline.train import dist
-from pipeline.train.checkpoint import UnsafeCheckpointError, write_integrity
+from pipeline.train.checkpoint import write_integrity
 from pipeline.train.trainer import NonFiniteError, main
 
 pytestmark = pytest.mark.reliability
@@ -61,19 +62,22 @@ def trained(tmp_path_factory, data) -> Path:
 
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # the bare-pickle case, refused all the same
 @pytest.mark.parametrize("target, as_torch", [("state.pt", True), ("state.pt", False), ("rng_rank0.pt", True)])
-def test_t18_crafted_torch_files_in_a_checkpoint_never_run(target, as_torch, trained, data, tmp_path):
+def test_t18_crafted_torch_files_in_a_checkpoint_never_run(target, as_torch, trained, data, tmp_path, caplog):
+    """The only checkpoint is crafted, so there is none to fall back to: one line, exit 2, nothing moved."""
     run = Path(shutil.copytree(trained, tmp_path / "run"))
     ckpt = run / "checkpoints/step_00000004"
     marker = tmp_path / "MARKER"
     _plant(ckpt / target, marker, as_torch)
     _reseal(ckpt)
     refused = rf"{target}: refusing to load: (.*GLOBAL posix\.system|Unsupported operand)"
-    with pytest.raises(UnsafeCheckpointError, match=refused):
-        main(None, overrides(run, data, **{"train.max_steps": 8}))
-    assert not marker.exists()
+    with caplog.at_level(logging.ERROR):
+        assert main(None, overrides(run, data, **{"train.max_steps": 8})) == 2
+    [line] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert re.search(refused, line) and "no committed checkpoint in" in line, line
+    assert not marker.exists() and ckpt.is_dir()
 
 
-def test_t18_crafted_dcp_metadata_in_a_user_supplied_checkpoint_never_runs(data, tmp_path):
+def test_t18_crafted_dcp_metadata_in_a_user_supplied_checkpoint_never_runs(data, tmp_path, caplog):
     """FSDP2 checkpoints are DCP, whose .metadata DCP reads with plain pickle: a user-supplied
     ``checkpoint.resume=<dir>`` with a crafted .metadata is refused by the restricted unpickler first."""
     run = tmp_path / "run"
@@ -83,11 +87,13 @@ def test_t18_crafted_dcp_metadata_in_a_user_supplied_checkpoint_never_runs(data,
     marker = tmp_path / "MARKER"
     (given / "dcp" / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
     _reseal(given)
-    with pytest.raises(UnsafeCheckpointError, match=r"\.metadata: refusing to unpickle global posix\.system"):
-        main(
-            None,
-            overrides(tmp_path / "new_run", data, **{**fsdp, "train.max_steps": 8, "checkpoint.resume": str(given)}),
+    with caplog.at_level(logging.ERROR):
+        resumed = overrides(
+            tmp_path / "new_run", data, **{**fsdp, "train.max_steps": 8, "checkpoint.resume": str(given)}
         )
+        assert main(None, resumed) == 2
+    [line] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert re.search(r"\.metadata: refusing to unpickle global posix\.system", line), line
     assert not marker.exists()
 
 
