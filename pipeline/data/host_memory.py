@@ -91,9 +91,10 @@ def _address_space_left() -> int | None:
     if soft == resource.RLIM_INFINITY:
         return None
     try:
-        mapped = int(re.search(r"^VmSize:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)[1]) * 1024  # type: ignore[index]
-    except (OSError, TypeError):
-        mapped = 0
+        found = re.search(r"^VmSize:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
+    except OSError:
+        found = None
+    mapped = int(found[1]) * 1024 if found else 0  # unknown: the whole limit, an upper bound
     return max(soft - mapped, 0)
 
 
