@@ -31,6 +31,7 @@ from reliability_harness import (
     flip_byte,
     overrides,
     run_process,
+    train_ranks,
 )
 from safetensors import SafetensorError
 
@@ -228,3 +229,18 @@ def test_fallback_to_previous_false_refuses_in_one_line_and_changes_nothing(dama
     assert tree(run / "checkpoints") == before
     assert not (tmp_path / "MARKER").exists(), "the crafted pickle ran"
     assert starts(run) == [0]
+
+
+@pytest.mark.dist
+def test_two_ranks_set_the_damaged_checkpoint_aside_together_and_resume_from_the_intact_one(data, tmp_path):
+    """Rank 0 renames, every rank waits for it (a broadcast) and loads step 4; neither rank sees step 8."""
+    run = tmp_path / "run"
+    assert train_ranks(2, args(run, data)).returncode == 0
+    flip_byte(run / "checkpoints/step_00000008/state.pt")
+    damaged = tree(run / "checkpoints/step_00000008")
+    again = train_ranks(2, args(run, data))
+    assert again.returncode == 0, again.output[-3000:]
+    assert len(re.findall(r"\[WARNING\] .*not resuming from \S+/step_00000008: ", again.output)) == 1
+    assert starts(run) == [0, 4]
+    assert committed(run) == ["step_00000004", "step_00000008", "step_00000008.rejected"]
+    assert tree(run / "checkpoints/step_00000008.rejected") == damaged
