@@ -599,6 +599,16 @@ MIX_STATE_KEY = "retrieval_mix"
 """Where a data state records the retrieval mix's settings (``RetrievalMix.describe``)."""
 
 
+def refuse_prep_work_dir(data_path: str) -> None:
+    """Raise `data_prep.format.IncompleteDatasetError` when ``data_path`` is the work directory of a data-prep run
+    (an interrupted one: a finished run renames it to its output)."""
+    if fmt.is_prep_temporary(Path(data_path).resolve()):
+        raise fmt.IncompleteDatasetError(
+            f"data.path={data_path} is a work directory of an interrupted data-prep run "
+            "(no _COMPLETE marker); re-run data prep and use its output directory"
+        )
+
+
 def eos_id_of(data_path: str) -> int | None:
     """The EOS id recorded by data prep (joined between documents), or None when unknown or remote.
 
@@ -612,12 +622,8 @@ def eos_id_of(data_path: str) -> int | None:
     """
     if is_remote(data_path):
         return None
+    refuse_prep_work_dir(data_path)
     root = Path(data_path)
-    if fmt.is_prep_temporary(root.resolve()):
-        raise fmt.IncompleteDatasetError(
-            f"data.path={data_path} is a work directory of an interrupted data-prep run "
-            "(no _COMPLETE marker); re-run data prep and use its output directory"
-        )
     if not (root / fmt.MANIFEST_FILENAME).is_file() and not (root / fmt.COMPLETE_MARKER).is_file():
         log.warning(
             "no manifest in %s (not written by data prep); documents are packed without an EOS separator", data_path

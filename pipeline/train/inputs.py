@@ -22,7 +22,7 @@ from model import CausalLM, GCAForCausalLM, read_export_config
 from model.convert import ConversionError, convert_dense_into
 from model.io import ExportError, check_safetensors
 from pipeline.data.mix import RetrievalMix, tokenizer_codec
-from pipeline.data.reader import UnsafeDatasetError, is_remote, read_tokenizer
+from pipeline.data.reader import UnsafeDatasetError, is_remote, read_tokenizer, refuse_prep_work_dir
 from pipeline.train.checkpoint import OWNER_FILE, foreign_leftovers
 from pipeline.train.config import HF_INIT_PREFIX, ConfigError, TrainConfig, mix_settings
 from pipeline.train.metrics import resolve_wandb_mode
@@ -211,6 +211,10 @@ def check_inputs(cfg: TrainConfig) -> None:
                 f"data.path={cfg.data.path} is not a directory; run make prep (or launch/prep.py) "
                 "and point data.path at its output"
             )
+        try:
+            refuse_prep_work_dir(cfg.data.path)
+        except fmt.IncompleteDatasetError as err:
+            raise ConfigError(str(err)) from None
         _check_tokenizer(cfg)
         _check_splits(cfg)
     if cfg.logging.wandb:

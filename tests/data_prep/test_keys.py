@@ -130,9 +130,10 @@ def test_eval_keys_needs_no_checkpoint_and_finds_inherited_docstrings(capsys, tm
     monkeypatch.chdir(tmp_path)
     listed = entries(run_keys(capsys, "eval"))
     assert listed["score_len"] == (
-        "int",
-        "1024",
-        "ppl: the final tokens of each document scored at every context length.",
+        "int | None",
+        "null",
+        "ppl: the final tokens of each document scored at every context length (default: half the shortest length, "
+        "at most 1024; ``pipeline.evaluation.ppl.default_score_len``).",
     )
     assert listed["lengths"][1] == "[2048, 4096, 16384]"  # a default_factory lambda
     assert listed["key_digits"] == ("int", "5", "passkey: digits of the key.")  # declared in NeedleSpec, the base
