@@ -8,7 +8,6 @@ costs one error line and exit code 2, never a half-started run (tests/reliabilit
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 from data_prep import format as fmt
 from data_prep.dataset_tokenizer import HF, SENTENCEPIECE, TokenizerFiles, folder_tokenizer
 from data_prep.redaction import find_secret, is_secret_name
-from data_prep.safe_files import read_regular
+from data_prep.safe_files import read_index, read_regular
 from model import CausalLM, GCAForCausalLM, read_export_config
 from model.convert import ConversionError, convert_dense_into
 from model.io import ExportError, check_safetensors
@@ -158,14 +157,17 @@ def split_mismatch(root: Path, split: str, manifest: fmt.Manifest) -> str | None
 
 
 def _index_samples(root: Path, split: str) -> int | None:
-    """Samples the split's ``index.json`` lists; None when there is no index."""
-    index = root / split / "index.json"
-    if not index.is_file():
-        return None
+    """Samples the split's ``index.json`` lists, read as the readers read it (`read_index`: a regular file, a safe
+    MDS index); None when there is no index."""
     try:
-        return sum(int(shard["samples"]) for shard in json.loads(index.read_text())["shards"])
-    except (ValueError, KeyError, TypeError) as err:
-        raise ConfigError(f"{index} is not a readable MDS index ({err}); re-run data prep") from None
+        index, _ = read_index(root / split)
+    except FileNotFoundError:
+        return None
+    except UnsafeDatasetError as err:
+        raise ConfigError(str(err)) from None
+    except OSError as err:
+        raise ConfigError(f"cannot read {root / split / 'index.json'}: {err.strerror or err}") from None
+    return sum(int(shard["samples"]) for shard in index["shards"])
 
 
 def _check_splits(cfg: TrainConfig) -> None:

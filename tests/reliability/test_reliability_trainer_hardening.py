@@ -190,6 +190,26 @@ def test_a_missing_validation_split_is_refused_before_any_work_not_at_the_first_
     assert main(None, args(run, data_copy, **{"train.max_steps": 3})) == 0, "without evaluation val/ is not read"
 
 
+
+@pytest.mark.parametrize("manifest", [True, False], ids=["prepared", "hand_written"])
+def test_a_linked_split_index_is_refused_before_any_work(manifest, data_copy, tmp_path, caplog):
+    """The start check reads a split's index.json as the readers do: a symbolic link planted there (to a file
+    outside the dataset) is never followed, with or without a manifest."""
+    if not manifest:
+        (data_copy / "manifest.json").unlink()
+        (data_copy / "_COMPLETE").unlink()
+    outside = tmp_path / "outside.json"
+    outside.write_bytes((data_copy / "val" / "index.json").read_bytes())
+    (data_copy / "val" / "index.json").unlink()
+    (data_copy / "val" / "index.json").symlink_to(outside)
+    run = tmp_path / "run"
+    with caplog.at_level(logging.ERROR):
+        assert main(None, args(run, data_copy, **{"train.eval_every": 2})) == 2
+    [message] = errors(caplog)
+    assert str(data_copy / "val" / "index.json") in message and "symbolic link" in message, message
+    assert not run.exists()
+
+
 # -- inputs checked before any work --------------------------------------------------------------------------------
 
 
