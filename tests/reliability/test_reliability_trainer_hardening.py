@@ -190,7 +190,6 @@ def test_a_missing_validation_split_is_refused_before_any_work_not_at_the_first_
     assert main(None, args(run, data_copy, **{"train.max_steps": 3})) == 0, "without evaluation val/ is not read"
 
 
-
 @pytest.mark.parametrize("manifest", [True, False], ids=["prepared", "hand_written"])
 def test_a_linked_split_index_is_refused_before_any_work(manifest, data_copy, tmp_path, caplog):
     """The start check reads a split's index.json as the readers do: a symbolic link planted there (to a file
