@@ -156,9 +156,14 @@ def _check_shapes(weights: Path, file_shapes: dict[str, list[int]], model: torch
         )
 
 
-def _check_finite(weights: Path, model: torch.nn.Module) -> None:
-    """Refuse NaN or infinite weights (a diverged run's export): they would give NaN scores or a sampling error far
-    from their cause. One pass over tensors just read, so cheap next to the load itself."""
+def check_finite_weights(weights: str | os.PathLike, model: torch.nn.Module) -> None:
+    """Refuse NaN or infinite weights just loaded from ``weights`` (a diverged run's export): they would give NaN
+    scores, a sampling error or a NaN first training step far from their cause. One pass over tensors just read, so
+    cheap next to the load itself.
+
+    Raises:
+        ExportError: naming the file, the first non-finite tensor and how many of its values are bad.
+    """
     for name, tensor in model.state_dict().items():
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             bad = int((~torch.isfinite(tensor)).sum())
@@ -196,5 +201,5 @@ def load_pretrained(directory: str | os.PathLike, *, device: str | torch.device 
         raise ExportError(f"{weights}: cannot be loaded ({str(exc).splitlines()[0]})") from None
     if missing or unexpected:
         raise ExportError(f"{weights}: missing tensors {sorted(missing)}, unexpected tensors {sorted(unexpected)}")
-    _check_finite(weights, model)
+    check_finite_weights(weights, model)
     return model.to(device).eval()

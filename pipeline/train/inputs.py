@@ -19,7 +19,7 @@ from data_prep.redaction import find_secret, is_secret_name
 from data_prep.safe_files import read_index, read_regular
 from model import CausalLM, GCAForCausalLM, read_export_config
 from model.convert import ConversionError, convert_dense_into
-from model.io import ExportError, check_safetensors
+from model.io import ExportError, check_finite_weights, check_safetensors
 from pipeline.data.mix import RetrievalMix, tokenizer_codec
 from pipeline.data.reader import UnsafeDatasetError, is_remote, read_tokenizer, refuse_prep_work_dir
 from pipeline.train.checkpoint import OWNER_FILE, foreign_leftovers
@@ -300,6 +300,7 @@ def init_weights_from(model: CausalLM, export_dir: str) -> None:
             f"checkpoint.init_from: {weights} does not fit model.*: missing tensors "
             f"{sorted(missing)}, unexpected tensors {sorted(unexpected)}"
         )
+    _refuse_non_finite(model, weights)
     log.info("initial weights from %s", weights)
 
 
@@ -316,7 +317,17 @@ def convert_dense_weights(model: CausalLM, init_from: str) -> None:
         source = convert_dense_into(model, directory)
     except ConversionError as err:
         raise ConfigError(f"checkpoint.init_from={init_from!r}: {err}") from None
+    _refuse_non_finite(model, directory)
     new = sum(origin.startswith("new") for origin in source.values())
     log.info(
         "initial weights converted from the dense checkpoint %s (%d GCA tensors, %d new)", directory, len(source), new
     )
+
+
+def _refuse_non_finite(model: CausalLM, source: str | Path) -> None:
+    """A NaN or infinite initial weight would make the first step's loss NaN, reported as a training failure far
+    from its cause; refused here, before the engine is built or anything is written."""
+    try:
+        check_finite_weights(source, model)
+    except ExportError as exc:
+        raise ConfigError(f"checkpoint.init_from: {exc}") from None

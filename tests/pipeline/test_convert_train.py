@@ -324,3 +324,19 @@ def test_a_stage_from_a_native_export_takes_the_shapes_from_its_config_json(tmp_
     assert all(torch.equal(t, weights[n]) for n, t in model.state_dict().items())
     with pytest.raises(ConfigError, match=r"model\.d_model=64\b.*override 'model\.d_model=\.\.\.'.*32"):
         load_config(None, [*layout_only(overrides, tmp_path / "run", tiny_data), init, "model.d_model=64"])
+
+
+def test_a_dense_checkpoint_with_a_non_finite_weight_is_refused_before_training(tmp_path, tiny_data, overrides, caplog):
+    """An inf in the dense model's weights would carry into the GCA model and make the first loss NaN; refused at
+    start (exit 2), naming the checkpoint folder and the converted tensor."""
+    from safetensors.torch import save_file
+
+    dense = save_dense(tmp_path / "diverged", tied=True)
+    weights = dense / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["model.layers.1.mlp.down_proj.weight"][0, 0] = float("inf")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    run = tmp_path / "run"
+    assert main(None, overrides(run, tiny_data, **stage(dense))) == 2
+    assert f"checkpoint.init_from: {dense}: tensor " in caplog.text and "1 non-finite value(s)" in caplog.text
+    assert not (run / "checkpoints").exists()

@@ -28,7 +28,7 @@ from reliability_harness import (
     train_process,
     write_dataset,
 )
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from pipeline.train.checkpoint import COMMIT_MARKER, OWNER_FILE, CheckpointError
 from pipeline.train.config import load_config
@@ -258,6 +258,27 @@ def test_a_damaged_init_from_export_is_one_line_naming_the_file(damage, referenc
     [message] = errors(caplog)
     assert message.startswith("configuration error: checkpoint.init_from: ") and str(weights) in message, message
     assert not (run / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_an_init_from_export_with_a_non_finite_weight_is_refused_naming_the_tensor(
+    value, reference, data, tmp_path, caplog
+):
+    """A diverged run's export as ``checkpoint.init_from``: before, the new stage started and its first step was a
+    NaN loss (T14, far from the cause). Now exit 2 with one line naming the file and the tensor, before any step."""
+    export = Path(shutil.copytree(reference / "export", tmp_path / "export"))
+    weights = export / "model.safetensors"
+    tensors = load_file(weights)
+    name = sorted(tensors)[len(tensors) // 2]
+    tensors[name].view(-1)[3] = value
+    save_file(tensors, weights)
+    run = tmp_path / "run"
+    with caplog.at_level(logging.ERROR):
+        assert main(None, args(run, data, **{"checkpoint.init_from": export})) == 2
+    [message] = errors(caplog)
+    assert message.startswith("configuration error: checkpoint.init_from: ") and str(weights) in message, message
+    assert f"tensor {name} holds 1 non-finite value(s)" in message, message
+    assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
 
 
 @pytest.mark.parametrize(
