@@ -49,7 +49,9 @@ class SlidingWindowLM(CausalLM):
         """The receptive field in tokens: every logit depends on this many tokens, itself included."""
         return len(self.layers) * self.cfg.window + 1
 
-    def _step(self, input_ids: torch.Tensor, state: StreamState | None, last_logits: int | None = None) -> torch.Tensor:
+    def _step(
+        self, input_ids: torch.Tensor, state: StreamState | None, last_logits: int | None = None, hidden: bool = False
+    ) -> torch.Tensor:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens]; got shape {tuple(input_ids.shape)}")
         h = self.embed(input_ids)  # [B, T, d_model]
@@ -62,4 +64,5 @@ class SlidingWindowLM(CausalLM):
             state.n_tokens += input_ids.shape[1]
         if last_logits is not None:
             h = h[:, max(0, h.shape[1] - last_logits) :]
-        return self.lm_head(self.norm(h))
+        h = self.norm(h)
+        return h if hidden else self.lm_head(h)

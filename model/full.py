@@ -119,6 +119,7 @@ class FullAttentionLM(CausalLM):
         state: StreamState | None,
         last_logits: int | None = None,
         memory_only: bool = False,
+        hidden: bool = False,
     ) -> torch.Tensor:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens]; got shape {tuple(input_ids.shape)}")
@@ -133,4 +134,5 @@ class FullAttentionLM(CausalLM):
             return h.new_empty(input_ids.shape[0], 0, self.cfg.vocab_size)
         if last_logits is not None:
             h = h[:, max(0, h.shape[1] - last_logits) :]
-        return self.lm_head(self.norm(h))
+        h = self.norm(h)
+        return h if hidden else self.lm_head(h)

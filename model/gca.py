@@ -208,6 +208,7 @@ class GCAForCausalLM(CausalLM):
         last_logits: int | None = None,
         memory_only: bool = False,
         cp: ContextParallel | None = None,
+        hidden: bool = False,
     ) -> torch.Tensor:
         """``cp``: run one rank's span of a sequence under context parallelism (``model.context_parallel``): the
         step starts after ``cp.n_prev`` tokens and takes from the other ranks what ``state`` would hold."""
@@ -252,7 +253,7 @@ class GCAForCausalLM(CausalLM):
             return x.new_empty(B, 0, cfg.vocab_size)
         token_pos = layout.token_pos if last_logits is None else layout.token_pos[max(0, T - last_logits) :]
         h = self.norm(x[:, token_pos])  # [B, T, d_model]
-        return self.lm_head(h)
+        return h if hidden else self.lm_head(h)
 
     def _encode_chunks(
         self, x: torch.Tensor, layout: StepLayout, state: StreamState | None

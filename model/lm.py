@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model.chunk_store import ChunkStore
+from model.chunked_loss import chunked_lm_loss
 from model.config import GCAConfig
 from model.context_parallel import ContextParallel
 from model.stream import StreamState
@@ -70,16 +71,27 @@ class CausalLM(nn.Module):
     """``None`` when the LM head is the embedding matrix (``model.tie_embeddings``, the default)."""
 
     def forward(
-        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, cp: ContextParallel | None = None
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        cp: ContextParallel | None = None,
+        return_logits: bool = True,
     ) -> CausalLMOutput:
         """Logits for every token of ``input_ids [B, T]``; the mean next-token loss (``lm_loss``) when ``labels``
         (aligned with ``input_ids``, ``-100`` ignored) are given.
+
+        ``return_logits=False`` with ``labels`` (the trainer's loss): the loss is computed by ``chunked_lm_loss``
+        from the final hidden states, never holding the whole ``[B, T, vocab]`` logits, and ``logits`` is an empty
+        ``[B, 0, vocab]`` tensor.
 
         ``cp``: ``input_ids`` is this rank's span of a sequence split over a context-parallel group (what
         ``model.context_parallel.cp_loss`` passes; it scores the span itself, so no ``labels``). The span goes
         through the module call rather than ``_step`` so that wrappers' forward hooks run (FSDP2 unshards the
         root-level parameters there).
         """
+        if cp is None and labels is not None and not return_logits:
+            loss = chunked_lm_loss(self._step(input_ids, None, hidden=True), self.head_weight, labels)
+            return CausalLMOutput(logits=loss.new_empty(input_ids.shape[0], 0, self.cfg.vocab_size), loss=loss)
         if cp is None:
             logits = self._step(input_ids, None)
         elif labels is not None:
@@ -88,7 +100,9 @@ class CausalLM(nn.Module):
             logits = self._cp_step(input_ids, cp)
         return CausalLMOutput(logits=logits, loss=None if labels is None else lm_loss(logits, labels))
 
-    def _step(self, input_ids: torch.Tensor, state: StreamState | None) -> torch.Tensor:
+    def _step(self, input_ids: torch.Tensor, state: StreamState | None, *, hidden: bool = False) -> torch.Tensor:
+        """Logits of ``input_ids`` continuing ``state`` (``None``: a whole sequence); with ``hidden`` the final
+        normalised hidden states ``[B, T, d_model]`` the LM head would read instead."""
         raise NotImplementedError
 
     def _cp_step(self, input_ids: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
@@ -110,6 +124,11 @@ class CausalLM(nn.Module):
     def window_reach(self) -> int | None:
         """Tokens after ``memory_only`` steps from which logits are exact again (``None``: unsupported)."""
         raise NotImplementedError
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's ``[vocab, d_model]`` matrix: the tied embedding matrix, or the untied ``head``'s."""
+        return self.embed.weight if self.head is None else self.head.weight
 
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits of final hidden states ``h [..., d_model]``: the tied embedding matrix, or the untied ``head``."""

@@ -104,10 +104,11 @@ def next_token_loss(model: nn.Module, x: torch.Tensor, weights: torch.Tensor | N
     (aligned with ``x`` as labels) the weighted mean over the predicted positions.
 
     The weights stay outside the model's forward: FSDP's mixed precision would cast a floating-point forward
-    argument to bf16.
+    argument to bf16. Without them the model computes the loss from its final hidden states in slices
+    (``return_logits=False``, ``model.chunked_loss``): the ``[B, T, vocab]`` logits are never held whole.
     """
     if weights is None:
-        return model(x, labels=x).loss
+        return model(x, labels=x, return_logits=False).loss
     return lm_loss(model(x).logits, x, weights)
 
 
