@@ -475,14 +475,50 @@ class CheckpointManager:
         tmp = final.with_name(final.name + ".tmp")
         try:
             return self._save(step, final, tmp, engine, trainer_state, export, save_point or (lambda point: None))
+        except save_failure.SaveFailedError:
+            raise
         except Exception as err:
             # A failure after the rename (the marker's write) leaves the unfinished save at ``final``.
             cause = save_failure.describe(err, final if final.exists() and not tmp.exists() else tmp)
             if cause is None:
                 raise
-            raise save_failure.SaveFailedError(
-                f"checkpoint save of step {step} failed: {cause}; {self._last_good()}"
-            ) from err
+            raise self._failed(step, cause) from err
+
+    def _save_part(self, step: int, directory: Path, part: Callable[[], None]) -> None:
+        """Run one part of a save, then agree with every rank on how it went, in place of a barrier.
+
+        A write that fails on one rank (often only rank 0 writes: the export, the trainer state, the manifest)
+        stops every rank here together, each with the same one-line `SaveFailedError` naming the rank, so the run
+        reports the cause once. Without the agreement the other ranks went on into the next collective and failed
+        there, described as if they had hit the write error themselves (over gloo) or waited out the collective
+        timeout (NCCL). An error that is not a failed write is re-raised on its rank with its traceback (a bug);
+        the other ranks still stop here.
+
+        Raises:
+            SaveFailedError: some rank could not write (``directory`` is where its files were going).
+        """
+        error: Exception | None = None
+        cause: str | None = None
+        try:
+            part()
+        except Exception as err:
+            error, cause = err, save_failure.describe(err, directory)
+        outcomes = dist.all_gather_object(
+            None if error is None else (cause is not None, cause or f"{type(error).__name__} (not a failed write)")
+        )
+        failed = [(rank, outcome[1]) for rank, outcome in enumerate(outcomes) if outcome is not None]
+        if not failed:
+            return
+        if error is not None and cause is None:
+            raise error
+        rank, first = failed[0]
+        raise self._failed(step, first, rank)
+
+    def _failed(self, step: int, cause: str, rank: int | None = None) -> save_failure.SaveFailedError:
+        where = f" on rank {rank}" if rank is not None and self.info.world_size > 1 else ""
+        return save_failure.SaveFailedError(
+            f"checkpoint save of step {step} failed{where}: {cause}; {self._last_good()}"
+        )
 
     def _last_good(self) -> str:
         good = self.committed()
@@ -506,25 +542,32 @@ class CheckpointManager:
         t0 = time.perf_counter()
         self._start_save(step, final, tmp)
         dist.barrier()
-        engine.save(tmp)
-        reached("engine")
-        if self.info.cp_rank == 0:  # one RNG stream per data-parallel rank: its context-parallel group shares it
-            torch.save(_rng_state(), tmp / f"rng_rank{self.info.dp_rank}.pt")
-        reached("rng")
-        if export is not None:
-            weights = engine.full_state_dict()
+
+        def shards() -> None:
+            engine.save(tmp)
+            reached("engine")
+            if self.info.cp_rank == 0:  # one RNG stream per data-parallel rank: its context-parallel group shares it
+                torch.save(_rng_state(), tmp / f"rng_rank{self.info.dp_rank}.pt")
+            reached("rng")
+
+        def export_and_state() -> None:
+            if export is not None:
+                weights = engine.full_state_dict()
+                if self.info.is_main:
+                    export(weights, tmp / "export")
+            reached("export")
             if self.info.is_main:
-                export(weights, tmp / "export")
-        reached("export")
-        if self.info.is_main:
-            state = {"format": STATE_FORMAT, "step": step, "world_size": self.info.world_size, **trainer_state}
-            (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=1, sort_keys=True))
-        reached("trainer_state")
-        dist.barrier()
-        write_integrity(tmp, self.info)
-        reached("manifest")
-        dist.barrier()
-        if self.info.is_main:
+                state = {"format": STATE_FORMAT, "step": step, "world_size": self.info.world_size, **trainer_state}
+                (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=1, sort_keys=True))
+            reached("trainer_state")
+
+        def manifest() -> None:
+            write_integrity(tmp, self.info)
+            reached("manifest")
+
+        def commit() -> None:
+            if not self.info.is_main:
+                return
             if final.exists():
                 _remove_own(final, f"the save of step {step}")  # checked by _start_save: this trainer's own
             os.replace(tmp, final)
@@ -536,7 +579,10 @@ class CheckpointManager:
                 os.fsync(f.fileno())
             _fsync_dir(final)
             self._prune()
-        dist.barrier()
+
+        for part in (shards, export_and_state, manifest):
+            self._save_part(step, tmp, part)
+        self._save_part(step, final, commit)
         log.info("checkpoint step %d committed at %s (%.1f s)", step, final, time.perf_counter() - t0)
         return final
 

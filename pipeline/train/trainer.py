@@ -63,7 +63,7 @@ from pipeline.train.checkpoint import CheckpointCorruptError, CheckpointManager,
 from pipeline.train.config import ConfigError, TrainConfig, check_context_parallel, load_config, mix_settings
 from pipeline.train.export import write_export
 from pipeline.train.inputs import build_mix, check_inputs, check_no_secrets, init_weights_from
-from pipeline.train.memory_estimate import check_host_memory
+from pipeline.train.memory_estimate import check_device_memory, check_host_memory
 from pipeline.train.metrics import memory_gb, peak_flops, setup_logging
 from pipeline.train.optim import freeze_for_stage, lr_at, set_lr
 from pipeline.train.parallel import build_engine
@@ -353,6 +353,7 @@ def main(config_path: str | None, overrides: list[str]) -> int:
         check_no_secrets(cfg)
         check_inputs(cfg)
         check_host_memory(cfg, dist.world_size_from_env())
+        check_device_memory(cfg, dist.world_size_from_env())
     except ConfigError as err:
         log.error("configuration error: %s", err)
         return 2
@@ -401,8 +402,12 @@ def main(config_path: str | None, overrides: list[str]) -> int:
             err,
         )
         return 1
-    except (EvalError, SaveFailedError) as err:  # one line each, naming what the relaunch resumes from
+    except EvalError as err:  # one line, naming what the relaunch resumes from
         log.error("%s", err)
+        return 1
+    except SaveFailedError as err:  # every rank holds the same line (the ranks agree on a failed save): logged once
+        if info.is_main:
+            log.error("%s", err)
         return 1
     except KeyboardInterrupt:
         log.error(

@@ -244,3 +244,31 @@ def test_two_ranks_set_the_damaged_checkpoint_aside_together_and_resume_from_the
     assert starts(run) == [0, 4]
     assert committed(run) == ["step_00000004", "step_00000008", "step_00000008.rejected"]
     assert tree(run / "checkpoints/step_00000008.rejected") == damaged
+
+
+@pytest.mark.dist
+def test_a_save_only_rank_0_cannot_write_stops_both_ranks_with_one_line(data, tmp_path):
+    """A real ``ulimit -f`` below the size of the trainer state, which only rank 0 writes. Before: two error lines,
+    rank 1's blaming the file-size limit for a gloo "Connection closed by peer" (under NCCL it would have waited
+    for the collective timeout). Now the ranks agree on the outcome of each part of the save: exit 1, one line
+    naming rank 0, the cause, the file and the last good checkpoint, which is untouched."""
+    run = tmp_path / "run"
+    first = train_ranks(2, args(run, data, **{"train.max_steps": 4}))
+    assert first.returncode == 0, first.output[-3000:]
+    step4 = run / "checkpoints/step_00000004"
+    before = tree(step4)
+    limit = (step4 / "state.pt").stat().st_size // 2
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    launch = [*torchrun, "--max-restarts", "0", str(REPO / "launch/pretrain.py"), "--config", CONFIG]
+    result = run_process(["prlimit", f"--fsize={limit}", *launch, *args(run, data)], timeout=180)
+    assert result.returncode == 1, result.output[-3000:]
+    [line] = [line for line in result.output.splitlines() if "[ERROR] pipeline" in line]
+    assert re.search(
+        rf"checkpoint save of step 8 failed on rank 0: the file-size limit \(ulimit -f, {limit} bytes\) was reached "
+        r"writing \S+/step_00000008\.tmp/state\.pt",
+        line,
+    ), line
+    assert re.search(r"the last good checkpoint is step 4 \(\S+/checkpoints/step_00000004\)", line), line
+    # torchrun's own report of a child's non-zero exit (ChildFailedError) follows; no traceback from the trainer.
+    assert "Connection closed" not in result.output and "/pipeline/" not in result.output, result.output[-3000:]
+    assert tree(step4) == before
