@@ -197,6 +197,11 @@ def rank_from_env() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def local_rank_from_env() -> int:
+    """This process's index on its node, which is its CUDA device (read before any process group exists)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
