@@ -56,12 +56,17 @@ def _tail(path: Path) -> list[str]:
 
 
 class Runner:
+    """Runs stages under one budget. A subclass (``make demo-lm-gpu``) sets ``NAME`` (its JSON, log and header
+    lines) and ``summarize`` (the JSON's ``summary``, recomputed after every stage)."""
+
+    NAME = "gpu-check"
+
     def __init__(self, plan: Plan, out: Path, budget_s: float) -> None:
         self.plan, self.out, self.budget_s = plan, out, budget_s
         out.mkdir(parents=True, exist_ok=True)
         self.start = time.monotonic()
         self.results: dict[str, dict] = {}
-        self.log_path = out / "gpu-check.log"
+        self.log_path = out / f"{self.NAME}.log"
         self.report = {
             "schema": SCHEMA,
             "mode": "cuda" if plan.cuda else "cpu-dry-run",
@@ -82,10 +87,13 @@ class Runner:
         with self.log_path.open("a") as log:
             log.write(line)
 
+    def summarize(self) -> dict:
+        return summary(self.results)
+
     def write(self) -> None:
         self.report["seconds"] = round(time.monotonic() - self.start, 1)
-        self.report["summary"] = summary(self.results)
-        path = self.out / "gpu-check.json"
+        self.report["summary"] = self.summarize()
+        path = self.out / f"{self.NAME}.json"
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(redact_tree(self.report), indent=2) + "\n")
         tmp.replace(path)
@@ -146,7 +154,7 @@ class Runner:
 
     def run(self, stages: list[Stage]) -> dict:
         self.log_path.write_text("")
-        self.log(f"== gpu-check ({self.report['mode']}), budget {self.budget_s:.0f} s, work dir {self.plan.work}")
+        self.log(f"== {self.NAME} ({self.report['mode']}), budget {self.budget_s:.0f} s, work dir {self.plan.work}")
         self.log(f"== machine: {json.dumps(self.report['machine'])}")
         self.write()
         for stage in stages:
@@ -158,7 +166,7 @@ class Runner:
                 + (f" ({res['reason']})" if "reason" in res else "")
             )
             self.write()
-        self.log(f"== gpu-check done in {self.report['seconds']} s: {json.dumps(self.report['summary'])}")
+        self.log(f"== {self.NAME} done in {self.report['seconds']} s: {json.dumps(self.report['summary'])}")
         return self.report
 
 
