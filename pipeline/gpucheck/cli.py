@@ -10,6 +10,10 @@ ZeRO-1 and FSDP2 plus the sliding-window and full-attention models, and a 1M-tok
 Packages the machine lacks (``configs/gpu/wheels.txt``) are installed first from ``--wheels`` (default ``.whl``,
 made by ``make gpu-wheels``) with ``pip install --no-index --no-deps --target --site``; the script then restarts
 itself with ``--site`` on ``PYTHONPATH`` so every stage sees them.
+
+Around a device run, in the checkout: ``--stamp`` (before) writes the code's commit into the carried wheel folder,
+since the device gets the working tree without ``.git``; ``--publish DIR/gpu-check.json`` (after) commits the
+results as ``docs/results/gpu/<date>-<machine>.json`` and the table in ``docs/gpu-check.md``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 from pipeline.gpucheck import wheels
+from pipeline.gpucheck.stages import DEFAULT_CUDA_BUDGET_S
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -100,10 +105,10 @@ def check_args(args: argparse.Namespace) -> str | None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line; ``--budget-s`` stays None until ``main`` knows whether CUDA is there."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="directory for gpu-check.json and gpu-check.log")
+    parser.add_argument("--out", help="directory for gpu-check.json and gpu-check.log")
     parser.add_argument("--cpu", action="store_true", help="the tiny-shape dry run even when CUDA is present")
     parser.add_argument("--budget-s", type=float, default=None, help="whole-run budget (CUDA 450, CPU 900)")
-    parser.add_argument("--steps", type=int, default=30, help="training steps per run on CUDA (CPU: 4)")
+    parser.add_argument("--steps", type=int, default=20, help="training steps per run on CUDA (CPU: 4)")
     parser.add_argument("--export", help="export for the passkey stage (default: the ZeRO-1 run's export)")
     parser.add_argument("--data", help="a prepared dataset to use instead of preparing one")
     parser.add_argument(
@@ -113,12 +118,52 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--site", default=os.path.join(tempfile.gettempdir(), "gca-gpu-site"), help="where the wheels are installed"
     )
+    parser.add_argument(
+        "--stamp", action="store_true", help="write the checkout's commit into --wheels (before carrying) and stop"
+    )
+    parser.add_argument("--publish", help="a finished run's gpu-check.json: write it and its table into docs/")
+    parser.add_argument("--results-dir", default=str(ROOT / "docs/results/gpu"), help="--publish: JSON folder")
+    parser.add_argument("--docs", default=str(ROOT / "docs/gpu-check.md"), help="--publish: the page for the table")
     return parser.parse_args(argv)
+
+
+def stamp(wheel_dir: Path) -> int:
+    from pipeline.gpucheck.runner import STAMP_NAME, write_stamp
+
+    try:
+        source = write_stamp(wheel_dir / STAMP_NAME)
+    except (RuntimeError, OSError) as err:
+        print(f"gpu-check: error: --stamp: {err}", file=sys.stderr)
+        return 2
+    dirty = f", plus {source['changed_files']} changed tracked files" if source["dirty"] else ""
+    print(f"gpu-check: stamped {wheel_dir / STAMP_NAME}: commit {source['commit']}{dirty}; carry {wheel_dir}")
+    return 0
+
+
+def publish(args: argparse.Namespace) -> int:
+    from pipeline.gpucheck.publish import PublishError
+    from pipeline.gpucheck.publish import publish as write
+
+    try:
+        target, table = write(Path(args.publish), Path(args.results_dir), Path(args.docs))
+    except PublishError as err:
+        print(f"gpu-check: error: --publish: {err}", file=sys.stderr)
+        return 2
+    print(table, end="")
+    print(f"gpu-check: wrote {target} and the table in {args.docs}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default: ``sys.argv[1:]``), install missing wheels, run every stage; returns the exit code."""
     args = parse_args(argv)
+    if args.stamp:
+        return stamp(Path(args.wheels))
+    if args.publish:
+        return publish(args)
+    if not args.out:
+        print("gpu-check: error: --out DIR is required (or --stamp, or --publish FILE)", file=sys.stderr)
+        return 2
     missing = missing_packages()
     if missing:
         error = install_wheels(Path(args.wheels), Path(args.site), missing)
@@ -128,12 +173,12 @@ def main(argv: list[str] | None = None) -> int:
 
     cuda = torch.cuda.is_available() and not args.cpu
     if args.budget_s is None:
-        args.budget_s = 450.0 if cuda else 900.0
+        args.budget_s = DEFAULT_CUDA_BUDGET_S if cuda else 900.0
     error = check_args(args)
     if error:
         print(f"gpu-check: error: {error}", file=sys.stderr)
         return 2
-    from pipeline.gpucheck.runner import run_check
+    from pipeline.gpucheck.runner import STAMP_NAME, run_check
     from pipeline.gpucheck.stages import Plan
 
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="gca-gpu-check-"))
@@ -145,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         export=args.export,
         data=Path(args.data) if args.data else None,
         steps=args.steps,
+        stamp=Path(args.wheels) / STAMP_NAME,
     )
     try:
         report = run_check(plan, Path(args.out), args.budget_s)

@@ -186,8 +186,9 @@ def parse_ptxas_log(log: str) -> dict[str, int]:
     }
 
 
-def build_launch(case: Case) -> Any:
-    """The ``kernels.gca`` launch of ``case`` on small CPU tensors (only their dtype, alignment and shape matter)."""
+def build_launch(case: Case, device: str = "cpu") -> Any:
+    """The ``kernels.gca`` launch of ``case`` on small tensors (only their dtype, alignment and shape matter; CPU
+    ones for a compile without a GPU)."""
     import torch
 
     from kernels.gca import triton_utils as tu
@@ -196,10 +197,10 @@ def build_launch(case: Case) -> Any:
 
     dtype = getattr(torch, case.dtype)
     acc = tu.accumulator_dtype(dtype)
-    q = torch.empty(BATCH, KV_HEADS, case.GQ, case.head_dim, dtype=dtype)
-    k = torch.empty(BATCH, KV_HEADS, CHUNKS, case.S, case.head_dim, dtype=dtype)
-    weights = torch.empty(BATCH, CHUNKS, dtype=torch.float32)
-    lse = torch.empty(BATCH, KV_HEADS, CHUNKS, case.GQ, dtype=acc)
+    q = torch.empty(BATCH, KV_HEADS, case.GQ, case.head_dim, dtype=dtype, device=device)
+    k = torch.empty(BATCH, KV_HEADS, CHUNKS, case.S, case.head_dim, dtype=dtype, device=device)
+    weights = torch.empty(BATCH, CHUNKS, dtype=torch.float32, device=device)
+    lse = torch.empty(BATCH, KV_HEADS, CHUNKS, case.GQ, dtype=acc, device=device)
     blocks = tu.Blocks(case.BQ, case.BS, case.BD, case.num_warps, case.num_stages, case.maxnreg)
     scale = case.head_dim**-0.5
     if case.kernel in ("fwd", "decode"):
@@ -299,6 +300,33 @@ def compile_case(case: Case, dump_dir: str | None = None) -> Result:
         occupancy_limit=limiter,
         seconds=time.monotonic() - start,
     )
+
+
+def device_resources(case: Case) -> dict[str, int | None]:
+    """Registers, local memory and shared memory of ``case`` as this machine's triton compiles it for its own GPU.
+
+    ``warmup`` compiles exactly what a launch of these arguments would (without launching); loading the cubin makes
+    the driver report ``n_regs`` and ``n_spills`` (local bytes per thread / 4), the compiled kernel's metadata holds
+    the dynamic shared memory. The static shared memory (which the committed table adds in) is not in the metadata:
+    it is read from the same cubin with the wheel's ``cuobjdump``, None where that tool is missing. Needs CUDA; the
+    committed table's numbers come from ``compile_case`` on a machine without one."""
+    launch = build_launch(case, device="cuda")
+    compiled = launch.kernel.warmup(*launch.args, grid=launch.grid, **launch.kwargs)
+    compiled._init_handles()
+    static: int | None = None
+    with contextlib.suppress(ToolMissing), tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage = subprocess.run(
+            [cuda_tool("cuobjdump"), "--dump-resource-usage", str(cubin)], capture_output=True, text=True, check=True
+        )
+        static = parse_resource_usage(usage.stdout, compiled.metadata.name)["SHARED"]
+    return {
+        "registers": int(compiled.n_regs),
+        "local_bytes": 4 * int(compiled.n_spills),
+        "dynamic_shared_bytes": int(compiled.metadata.shared),
+        "static_shared_bytes": static,
+    }
 
 
 def case_id(case: Case) -> str:

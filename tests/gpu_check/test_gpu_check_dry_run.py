@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.gpucheck.stages import gpu_test_files
+from pipeline.gpucheck.stages import GPU_TEST_SELECTION, gpu_test_files
 
 pytestmark = [pytest.mark.gpucheck, pytest.mark.slow]
 
@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 STAGES = [
     "prep",
     "kernel_bench",
+    "kernel_registers",
     "gpu_tests",
     "train_gca_zero1",
     "train_gca_fsdp2",
@@ -65,7 +66,7 @@ def test_every_stage_runs_ok_on_cpu(dry_run):
 
 
 def test_training_numbers_match_the_trainers_metrics(dry_run):
-    for name in STAGES[3:]:
+    for name in STAGES:
         if not name.startswith("train_"):
             continue
         numbers = dry_run["report"]["stages"][name]["numbers"]
@@ -74,7 +75,11 @@ def test_training_numbers_match_the_trainers_metrics(dry_run):
         assert numbers["steps"] == len(rows) == 4
         assert numbers["losses"] == [r["loss"] for r in rows]
         assert numbers["loss_first"] == rows[0]["loss"] and numbers["loss_last"] == rows[-1]["loss"]
-        assert numbers["tokens_per_s"] == statistics.median(r["tokens_per_s"] for r in rows[2:])
+        # the first step (compile) apart, the steady state the median of the others, as the trainer logs them
+        assert numbers["first_step_time_s"] == rows[0]["first_step_time_s"] == rows[0]["step_time_s"]
+        assert numbers["step_time_s"] == rows[-1]["steady_step_time_s"]
+        assert numbers["step_time_s"] == statistics.median(r["step_time_s"] for r in rows[1:])
+        assert numbers["tokens_per_s"] == statistics.median(r["tokens_per_s"] for r in rows[1:])
         assert numbers["loss_finite"] is True and numbers["peak_mem_gb"] > 0
     summary = dry_run["report"]["summary"]
     swa = dry_run["report"]["stages"]["train_swa_zero1"]["numbers"]["step_time_s"]
@@ -102,24 +107,44 @@ def test_kernel_passkey_prep_and_test_tier_numbers(dry_run):
     manifest = json.loads((dry_run["work"] / "data" / "manifest.json").read_text())
     assert stages["prep"]["numbers"]["train_tokens"] == manifest["splits"]["train"]["tokens"] > 1_000_000
 
-    collected = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "--collect-only",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-m",
-            "gpu",
-            *gpu_test_files(),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    n_gpu = sum(1 for ln in collected.stdout.splitlines() if "::" in ln)
-    tier = stages["gpu_tests"]["numbers"]
-    assert n_gpu > 0 and tier["tests"] == tier["skipped"] == n_gpu and tier["passed"] == 0
+    def collect(*select: str) -> list[str]:
+        cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "gpu"]
+        done = subprocess.run([*cmd, *select, *gpu_test_files()], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        return [ln for ln in done.stdout.splitlines() if "::" in ln]
+
+    tier, chosen = collect(), collect("-k", GPU_TEST_SELECTION)
+    numbers = stages["gpu_tests"]["numbers"]
+    assert numbers["tests"] == numbers["skipped"] == len(chosen) and numbers["passed"] == 0
+    # The stage runs a proper subset of the GPU tier that keeps at least one case of every GPU test function.
+    assert set(chosen) < set(tier)
+    assert {t.split("[")[0] for t in chosen} == {t.split("[")[0] for t in tier}
+    assert {"torch.bfloat16", "torch.float32"} <= {t.rsplit("-", 1)[-1].rstrip("]") for t in chosen}
+
+
+def test_register_comparison_runs_on_the_committed_table(dry_run):
+    numbers = dry_run["report"]["stages"]["kernel_registers"]["numbers"]
+    table = (ROOT / "docs/results/gpu-compile.md").read_text()
+    cells = [[c.strip() for c in ln.split("|")[1:-1]] for ln in table.splitlines() if ln.startswith("| ")]
+    configs = [c for c in cells if c[0] in ("fwd", "decode", "bwd_dq", "bwd_dkdv") and c[1] == "sm_90"]
+    assert numbers["metadata_source"] == "committed" and numbers["target"] == "sm_90"
+    assert numbers["configs"] == numbers["same"] == len(configs) > 0
+    assert [r["committed_registers"] for r in numbers["rows"]] == [int(c[9]) for c in configs]
+
+
+def test_the_dry_runs_json_publishes(dry_run, tmp_path):
+    from pipeline.gpucheck.publish import RESULTS_BEGIN, RESULTS_END
+
+    docs = tmp_path / "gpu-check.md"
+    docs.write_text(f"{RESULTS_BEGIN}\n{RESULTS_END}\n")
+    cmd = [sys.executable, "launch/gpu_check.py", "--publish", str(dry_run["out"] / "gpu-check.json")]
+    cmd += ["--docs", str(docs), "--results-dir", str(tmp_path / "results")]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = dry_run["report"]
+    (written,) = (tmp_path / "results").iterdir()
+    assert written.name == f"{report['started'][:10]}-cpu-dry-run.json"
+    assert json.loads(written.read_text()) == report
+    assert report["source"]["commit"] and report["source"]["commit"][:10] in docs.read_text()
+    rows = [ln.split(" | ") for ln in docs.read_text().splitlines() if ln.startswith("| ") and " | ok | " in ln]
+    assert [r[0].lstrip("| ") for r in rows] == STAGES
+    assert [float(r[2]) for r in rows] == [report["stages"][n]["seconds"] for n in STAGES]

@@ -183,3 +183,261 @@ def test_the_gpu_checks_tiny_model_is_the_tiny_preset():
     assert {key: yaml.safe_load(value) for key, value in model_keys} == {
         key: getattr(tiny, key) for key, _ in model_keys
     }
+
+
+def test_runner_keeps_the_later_stages_expected_time_from_a_hang(tmp_path, monkeypatch):
+    """A hanging stage is cut at the budget left once the later stages' expected seconds are kept aside, so the
+    stage after it still runs; a later stage that will be skipped (its prerequisite failed) keeps nothing."""
+    from pipeline.gpucheck import runner
+
+    monkeypatch.setattr(runner, "MIN_STAGE_S", 2.0)
+    monkeypatch.setattr(runner, "machine", dict)  # the budget starts before the machine probe (seconds of torch)
+    hang = Stage("hang", "hang", [sys.executable, "-c", "import time; time.sleep(60)"], 30, lambda: {}, expect_s=1)
+    doomed = _stage("doomed", "print(1)", needs=("crash",))
+    doomed.expect_s = 100  # kept aside, the hang would get only MIN_STAGE_S
+    after = _stage("after", "print('ran')")
+    after.expect_s = 3
+    stages = [_stage("crash", "import sys; sys.exit(1)"), hang, doomed, after]
+    plan = Plan(cuda=False, work=tmp_path / "work", python=sys.executable)
+    report = Runner(plan, tmp_path / "out", budget_s=9).run(stages)
+    res = report["stages"]
+    assert {n: r["status"] for n, r in res.items()} == {
+        "crash": "failed",
+        "hang": "timeout",
+        "doomed": "skipped",
+        "after": "ok",
+    }
+    # 9 s of budget, minus the crash's fraction of a second, minus 3 s kept for "after"
+    assert 4.5 <= res["hang"]["timeout_s"] <= 6.0 and res["hang"]["expect_s"] == 1
+
+
+def test_budget_arithmetic_fits_the_default_budget():
+    from pipeline.gpucheck.stages import CUDA_BUDGET, DEFAULT_CUDA_BUDGET_S, ORDER, build
+
+    assert list(CUDA_BUDGET) == list(ORDER)
+    assert sum(expect for _, expect in CUDA_BUDGET.values()) <= DEFAULT_CUDA_BUDGET_S
+    assert all(0 < expect <= box for box, expect in CUDA_BUDGET.values())
+    stages = build(Plan(cuda=True, work=Path("/nonexistent"), python=sys.executable))
+    assert [(s.name, s.box_s, s.expect_s) for s in stages] == [(n, *CUDA_BUDGET[n]) for n in ORDER]
+
+
+def _metrics(run_dir: Path, step_times: list[float], compiles: list[int]) -> None:
+    """A metrics.jsonl as the trainer writes it with the compile budget: first_step_time_s on the first step,
+    steady_step_time_s (median since the first) on every later one, plus a validation row without a loss."""
+    run_dir.mkdir(parents=True)
+    rows = []
+    for i, (t, c) in enumerate(zip(step_times, compiles)):
+        row = {"step": i + 1, "loss": 9.0 - i, "step_time_s": t, "tokens": 100, "tokens_per_s": 100 / t, "mfu": t}
+        row["compiles"] = c
+        if i == 0:
+            row["first_step_time_s"] = t
+        else:
+            later = sorted(step_times[1 : i + 1])
+            mid = len(later) // 2
+            row["steady_step_time_s"] = later[mid] if len(later) % 2 else (later[mid - 1] + later[mid]) / 2
+        rows.append(row)
+    rows.insert(2, {"step": 2, "val_loss": 5.0})
+    (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+
+def test_training_numbers_separate_the_compile_step_from_the_steady_state(tmp_path):
+    from pipeline.gpucheck.stages import train_metrics
+
+    _metrics(tmp_path / "run", [40.0, 0.2, 0.3, 0.25, 0.1], [12, 0, 1, 0, 0])
+    n = train_metrics(tmp_path / "run")
+    assert n["steps"] == 5 and n["first_step_time_s"] == 40.0
+    assert n["step_time_s"] == pytest.approx(0.225)  # median of 0.2, 0.3, 0.25, 0.1: the compile step left out
+    assert n["tokens_per_s"] == pytest.approx(450.0)  # median of 500, 333, 400, 1000 tokens/s
+    assert n["mfu_sparse_aware"] == pytest.approx(0.225)
+    assert n["compiles_after_first_step"] == 1 and n["steps_total_s"] == pytest.approx(40.85)
+    assert n["losses"] == [9.0, 8.0, 7.0, 6.0, 5.0] and n["loss_falling"] is True
+
+
+def test_passkey_numbers_pool_the_depths_and_say_when_accuracy_means_nothing(tmp_path):
+    from pipeline.gpucheck.stages import passkey_stage
+
+    export = tmp_path / "demo-export"
+    with_export = passkey_stage(Plan(cuda=True, work=tmp_path, python=sys.executable, export=str(export)))
+    assert "depths=[0.0,0.5,1.0]" in with_export.cmd and "lengths=[1048576]" in with_export.cmd
+    assert with_export.needs == ()
+    rows = [
+        {"length": 1048576, "depth": d, "accuracy": a, "n": 1, "seconds": s, "tokens_per_s": 1048576 / s}
+        for d, a, s in [(0.0, 1.0, 10.0), (0.5, 0.0, 20.0), (1.0, 1.0, 30.0)]
+    ]
+    (tmp_path / "passkey").mkdir()
+    probe = {"rows": rows, "peak_gpu_mib": 1234.5, "peak_rss_mib": 99.0}
+    (tmp_path / "passkey" / "probe.json").write_text(json.dumps(probe))
+    n = with_export.parse()
+    assert n["samples"] == 3 and n["accuracy"] == pytest.approx(2 / 3) and n["accuracy_meaningful"] is True
+    assert n["tokens_per_s"] == pytest.approx(3 * 1048576 / 60, abs=0.1) and n["peak_gpu_mib"] == 1234.5
+    assert n["accuracy_note"] is None
+
+    own = passkey_stage(Plan(cuda=True, work=tmp_path, python=sys.executable))
+    assert "depths=[0.5]" in own.cmd and own.needs == ("train_gca_zero1",)
+    n = own.parse()
+    assert n["accuracy_meaningful"] is False and "20 steps" in n["accuracy_note"]
+    assert "speed and memory only" in own.what
+
+
+def test_source_comes_from_git_else_from_the_stamp(tmp_path, monkeypatch):
+    from pipeline.gpucheck import runner
+
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert runner.source_info()["commit"] == head and runner.source_info()["from"] == "git"
+    stamp = tmp_path / "wheels" / runner.STAMP_NAME
+    written = runner.write_stamp(stamp)
+    assert written["commit"] == head and json.loads(stamp.read_text())["commit"] == head
+
+    copy = tmp_path / "device-copy"  # a working tree without .git, as the device gets it
+    copy.mkdir()
+    monkeypatch.setattr(runner, "ROOT", copy)
+    got = runner.source_info(stamp)
+    assert got["commit"] == head and got["from"] == f"stamp {runner.STAMP_NAME}"
+    missing = runner.source_info(tmp_path / "none.json")
+    assert missing["commit"] is None and "--stamp" in missing["from"]
+    with pytest.raises(RuntimeError, match="not a git checkout"):
+        runner.write_stamp(tmp_path / "x.json")
+
+
+COMPILE_TABLE = ROOT / "docs/results/gpu-compile.md"
+
+
+def test_committed_register_table_matches_the_current_kernel_configurations():
+    """Every row of docs/results/gpu-compile.md is a configuration the code compiles today (else the GPU
+    comparison would compare stale tiles); the dry run's stand-in metadata, the table's own numbers, agree."""
+    from pipeline.gpucheck import kernel_compile as kc
+    from pipeline.gpucheck import registers
+
+    rows = registers.parse_table(COMPILE_TABLE.read_text())
+    for target in kc.TARGETS:
+        cases = kc.default_cases(targets=(target,))
+        mine = [r for r in rows if r["target"] == target]
+        assert len(mine) == len(cases)
+
+        def committed(found, mine=mine):
+            return {i: registers.committed_metadata(mine[i]) for i in found}
+
+        report = registers.check(rows, target, cases, committed, "committed", "x")
+        assert report["same"] == report["configs"] == len(cases) and report["failed"] == 0
+
+
+def test_register_comparison_flags_what_the_device_changed(tmp_path):
+    """Stand-in device metadata with four changes against the committed table: a register count, a spill, shared
+    memory past the sm_90 limit and one configuration left unread; plus a row whose tiles the code no longer has."""
+    from pipeline.gpucheck import kernel_compile as kc
+    from pipeline.gpucheck import registers
+
+    text = COMPILE_TABLE.read_text()
+    rows = [r for r in registers.parse_table(text) if r["target"] == "sm_90"]
+    cases = registers.match_cases(rows, kc.default_cases(targets=("sm_90",)))
+    ids = {i: kc.case_id(c) for i, c in cases.items()}
+    fake = {ids[i]: {**registers.committed_metadata(r), "static_shared_bytes": 0} for i, r in enumerate(rows)}
+    fake[ids[0]]["registers"] = rows[0]["registers"] + 8
+    fake[ids[1]]["local_bytes"] = 16
+    fake[ids[2]]["dynamic_shared_bytes"] = 240_000
+    del fake[ids[3]]
+    (tmp_path / "fake.json").write_text(json.dumps(fake))
+    # The last sm_90 row rewritten to tiles block_sizes never returns.
+    last = next(ln for ln in reversed(text.splitlines()) if ln.startswith("| bwd_dkdv | sm_90 |"))
+    stale = last.replace("| 16x16x128 |", "| 256x16x128 |")
+    assert stale != last
+    (tmp_path / "table.md").write_text(text.replace(last, stale))
+
+    out = tmp_path / "registers.json"
+    args = ["--table", str(tmp_path / "table.md"), "--out", str(out), "--fake-metadata", str(tmp_path / "fake.json")]
+    assert registers.main(args) == 1
+    report = json.loads(out.read_text())
+    status = {r["config"]: (r["status"], r.get("problems"), r.get("differs")) for r in report["rows"]}
+    assert report["configs"] == len(rows) and report["failed"] == 4 and report["differs"] == 1
+    assert report["same"] == len(rows) - 5 and report["register_delta_max"] == 8
+    got = [status[registers.compare(r, None, kc.TARGETS["sm_90"])["config"]] for r in rows[:4]]
+    assert got[0] == ("differs", [], [f"registers {rows[0]['registers']} -> {rows[0]['registers'] + 8}"])
+    assert got[1][0] == "failed" and "local memory 16 B" in got[1][1][0]
+    assert got[2][0] == "failed" and got[2][1] == [f"shared 240000 B > {kc.TARGETS['sm_90'].shared_per_block} B"]
+    assert got[3] == ("failed", ["no metadata read for it"], None)
+    assert report["rows"][-1]["problems"] == ["not a configuration of the current code: the table is stale"]
+
+
+@pytest.mark.parametrize(
+    "table, message",
+    [
+        ("# nothing\n", "no '## Every configuration' section"),
+        ("## Every configuration\n\n| kernel | target |\n|---|---|\n| fwd | sm_90 |\n", "has no column"),
+    ],
+)
+def test_unreadable_register_table_is_one_line(tmp_path, capsys, table, message):
+    from pipeline.gpucheck import registers
+
+    (tmp_path / "t.md").write_text(table)
+    args = ["--table", str(tmp_path / "t.md"), "--out", str(tmp_path / "o.json"), "--fake-metadata", "committed"]
+    assert registers.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and not (tmp_path / "o.json").exists()
+
+
+def _report(mode: str = "cuda") -> dict:
+    """A gpu-check.json of two stages with made-up numbers (not a measurement), for the publishing code."""
+    machine = {"device": "NVIDIA H200" if mode == "cuda" else None, "torch": "9.9", "triton": "8.8", "cuda": "7.7"}
+    return {
+        "schema": 2,
+        "mode": mode,
+        "started": "2031-01-02T03:04:05+00:00",
+        "budget_s": 450.0,
+        "seconds": 123.4,
+        "source": {"commit": "0123456789abcdef", "dirty": True, "from": "stamp gca-source.json"},
+        "machine": machine,
+        "stages": {
+            "prep": {"status": "ok", "seconds": 11.0, "timeout_s": 60.0, "numbers": {"train_tokens": 1234567}},
+            "train_gca_fsdp2": {"status": "failed", "seconds": 5.0, "timeout_s": 120.0, "log_tail": ["a", "boom|x"]},
+        },
+        "summary": {"stages_ok": ["prep"], "stages_not_ok": ["train_gca_fsdp2"]},
+    }
+
+
+def test_publish_writes_the_json_and_the_docs_table(tmp_path):
+    from pipeline.gpucheck import publish
+
+    run = tmp_path / "gpu-check.json"
+    run.write_text(json.dumps(_report()))
+    docs = tmp_path / "gpu-check.md"
+    docs.write_text(f"# page\nbefore\n{publish.RESULTS_BEGIN}\nold table\n{publish.RESULTS_END}\nafter\n")
+    target, table = publish.publish(run, tmp_path / "results", docs)
+    assert target == tmp_path / "results" / "2031-01-02-h200.json"
+    assert json.loads(target.read_text()) == _report()
+    lines = table.splitlines()
+    assert "**1 of 2 stages ok in 123.4 s** of a 450 s budget" in lines[0]
+    assert "torch 9.9, triton 8.8, CUDA 7.7" in lines[1] and "`0123456789` + uncommitted changes" in lines[1]
+    assert lines[-2] == "| prep | ok | 11.0 | 60.0 | 1,234,567 train tokens |"
+    assert lines[-1] == "| train_gca_fsdp2 | failed | 5.0 | 120.0 | boom\\|x |"
+    page = docs.read_text()
+    assert page.startswith("# page\nbefore\n") and page.endswith(f"{publish.RESULTS_END}\nafter\n")
+    assert "old table" not in page and table in page
+    publish.publish(run, tmp_path / "results", docs)
+    assert docs.read_text() == page  # publishing again changes nothing
+
+    run.write_text(json.dumps(_report("cpu-dry-run")))
+    assert publish.publish(run, tmp_path / "results", docs)[0].name == "2031-01-02-cpu-dry-run.json"
+
+
+@pytest.mark.parametrize(
+    "content, docs_text, message",
+    [
+        ("{not json", None, "is not JSON"),
+        ('{"mode": "cuda"}', None, "is not a gpu-check.json"),
+        (None, "no markers here\n", "needs the lines"),
+    ],
+)
+def test_publish_refuses_in_one_line_before_writing(tmp_path, content, docs_text, message):
+    from pipeline.gpucheck import publish
+
+    run = tmp_path / "gpu-check.json"
+    run.write_text(content if content is not None else json.dumps(_report()))
+    docs = tmp_path / "gpu-check.md"
+    docs.write_text(docs_text or f"{publish.RESULTS_BEGIN}\n{publish.RESULTS_END}\n")
+    before = docs.read_text()
+    cmd = [sys.executable, "launch/gpu_check.py", "--publish", str(run), "--docs", str(docs)]
+    cmd += ["--results-dir", str(tmp_path / "results")]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert len(done.stderr.strip().splitlines()) == 1 and message in done.stderr
+    assert docs.read_text() == before and not (tmp_path / "results").exists()
