@@ -8,9 +8,12 @@ device_resources``: the compiled kernel's ``n_regs``, ``n_spills`` and shared me
 committed numbers. Exit 1 when a configuration no longer compiles, spills or needs more shared memory than one
 program may have; different register counts are reported (``differ``), not failed: the table is a record.
 
-Without a GPU, ``--fake-metadata committed`` (the table's own numbers, what the CPU dry run uses) or
-``--fake-metadata FILE.json`` (``{config id: {"registers", "local_bytes", "dynamic_shared_bytes",
-"static_shared_bytes"}}``) stands in for the device, so the parsing and the comparison run on CPU.
+Without a GPU, ``--compiled FILE.json`` compares the table with ``launch/gpu_compile.py --json FILE.json`` made by
+another triton on this machine (put that triton first on ``PYTHONPATH`` for both commands: the compile-time numbers
+a GPU would load, though not read from a loaded kernel). ``--fake-metadata committed`` (the table's own numbers,
+what the CPU dry run uses) or ``--fake-metadata FILE.json`` (``{config id: {"registers", "local_bytes",
+"dynamic_shared_bytes", "static_shared_bytes"}}``) stands in for the device, so the parsing and the comparison run
+on CPU.
 """
 
 from __future__ import annotations
@@ -132,6 +135,24 @@ def committed_metadata(row: dict) -> dict:
     }
 
 
+def compiled_metadata(rows: list[dict]) -> dict[str, dict]:
+    """``launch/gpu_compile.py --json`` rows in the device's terms, by config id: its stack frame is the local
+    memory a loaded kernel reports (spills live there), its shared bytes already hold the static part."""
+    out = {}
+    for r in rows:
+        case = kc.Case(**r["case"])
+        if r.get("error"):
+            out[kc.case_id(case)] = {"error": r["error"]}
+            continue
+        out[kc.case_id(case)] = {
+            "registers": r["registers"],
+            "local_bytes": max(r["stack_bytes"], r["spill_store_bytes"]),
+            "dynamic_shared_bytes": r["shared_bytes"],
+            "static_shared_bytes": 0,
+        }
+    return out
+
+
 def compare(row: dict, measured: dict | None, target: kc.Target, matched: bool = True) -> dict:
     """One configuration: committed and device numbers side by side, and what differs or fails (``matched``:
     whether the current code still has this configuration)."""
@@ -247,62 +268,67 @@ def check(
     }
 
 
+Measure = Callable[[dict[int, kc.Case]], dict[int, dict]]
+
+
+def metadata_source(args: argparse.Namespace, mine: list[dict]) -> tuple[str, Measure]:
+    """What stands for the device's numbers, and its label: the device itself, a compile of another triton
+    (``--compiled``), or a stand-in (``--fake-metadata``); bad input raises ``TableError`` naming the file."""
+    if args.compiled or args.fake_metadata not in (None, "committed"):
+        path = Path(args.compiled or args.fake_metadata)
+        try:
+            loaded = json.loads(path.read_text())
+            given = compiled_metadata(loaded) if args.compiled else dict(loaded)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            option = "--compiled" if args.compiled else "--fake-metadata"
+            raise TableError(f"{option} {path}: {type(err).__name__}: {err}") from None
+        label = f"compiled without a GPU ({path.name})" if args.compiled else f"stand-in ({path.name})"
+        return label, lambda cases: {i: given[kc.case_id(c)] for i, c in cases.items() if kc.case_id(c) in given}
+    if args.fake_metadata == "committed":
+        return "committed", lambda cases: {i: committed_metadata(mine[i]) for i in cases}
+    return "device", lambda cases: device_metadata(cases, args.jobs)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="registers")
     parser.add_argument("--table", required=True, help="the committed table (docs/results/gpu-compile.md)")
     parser.add_argument("--out", required=True, help="write the comparison as JSON here")
-    parser.add_argument("--target", choices=tuple(kc.TARGETS), help="default: the device's architecture")
-    parser.add_argument(
-        "--fake-metadata", help="'committed' or a JSON file of per-configuration numbers: no device needed"
-    )
+    parser.add_argument("--target", choices=tuple(kc.TARGETS), help="default: the device's architecture, else sm_90")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--fake-metadata", help="'committed' or a JSON file of per-configuration numbers (no device)")
+    source.add_argument("--compiled", help="a launch/gpu_compile.py --json file of this triton (no device)")
     parser.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="compile processes")
     args = parser.parse_args(argv)
+    os.environ.pop("TRITON_INTERPRET", None)
+    import torch
+    import triton
+
+    on_device = args.fake_metadata is None and args.compiled is None
+    if on_device and not torch.cuda.is_available():
+        print(
+            "registers: error: no CUDA device; give --compiled or --fake-metadata to compare without one",
+            file=sys.stderr,
+        )
+        return 2
+    target = args.target
+    if target is None and on_device:
+        major, minor = torch.cuda.get_device_capability()
+        target = f"sm_{major}{minor}"
+    target = target or "sm_90"
     try:
-        rows = parse_table(Path(args.table).read_text(), args.table)
+        text = Path(args.table).read_text()
+        rows = parse_table(text, args.table)
+        if target not in kc.TARGETS:
+            raise TableError(f"this device is {target}; the table and the compile check cover {sorted(kc.TARGETS)}")
+        label, measure = metadata_source(args, [r for r in rows if r["target"] == target])
+        report = check(rows, target, kc.default_cases(targets=(target,)), measure, label, triton.__version__)
     except OSError as err:
         print(f"registers: error: --table {args.table}: {err.strerror}", file=sys.stderr)
         return 2
     except TableError as err:
         print(f"registers: error: {err}", file=sys.stderr)
         return 2
-    os.environ.pop("TRITON_INTERPRET", None)
-    import torch
-    import triton
-
-    fake = args.fake_metadata
-    target = args.target
-    if fake is None:
-        if not torch.cuda.is_available():
-            print("registers: error: no CUDA device; give --fake-metadata to run the comparison alone", file=sys.stderr)
-            return 2
-        major, minor = torch.cuda.get_device_capability()
-        target = target or f"sm_{major}{minor}"
-    target = target or "sm_90"
-    if target not in kc.TARGETS:
-        print(f"registers: error: this device is {target}; the table covers {sorted(kc.TARGETS)}", file=sys.stderr)
-        return 2
-    mine = [r for r in rows if r["target"] == target]
-    given: dict = {}
-    if fake not in (None, "committed"):
-        try:
-            given = json.loads(Path(fake).read_text())
-        except (OSError, ValueError) as err:
-            print(f"registers: error: --fake-metadata {fake}: {err}", file=sys.stderr)
-            return 2
-
-    def measure(cases: dict[int, kc.Case]) -> dict[int, dict]:
-        if fake is None:
-            return device_metadata(cases, args.jobs)
-        if fake == "committed":
-            return {i: committed_metadata(mine[i]) for i in cases}
-        return {i: given[kc.case_id(c)] for i, c in cases.items() if kc.case_id(c) in given}
-
-    try:
-        report = check(rows, target, kc.default_cases(targets=(target,)), measure, fake or "device", triton.__version__)
-    except TableError as err:
-        print(f"registers: error: {args.table}: {err}", file=sys.stderr)
-        return 2
-    report["committed_triton"] = committed_triton(Path(args.table).read_text())
+    report["committed_triton"] = committed_triton(text)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(markdown(report), flush=True)
     print(

@@ -318,7 +318,11 @@ def test_committed_register_table_matches_the_current_kernel_configurations():
             return {i: registers.committed_metadata(mine[i]) for i in found}
 
         report = registers.check(rows, target, cases, committed, "committed", "x")
-        assert report["same"] == report["configs"] == len(cases) and report["failed"] == 0
+        stale = [r["config"] for r in report["rows"] if r["status"] != "same"]
+        assert not stale and report["configs"] == len(cases), (
+            f"{COMPILE_TABLE.name} no longer matches kernels.gca.triton_utils.block_sizes for {target}: {stale}; "
+            "regenerate it with make test-gpu-compile"
+        )
 
 
 def test_register_comparison_flags_what_the_device_changed(tmp_path):
@@ -356,6 +360,47 @@ def test_register_comparison_flags_what_the_device_changed(tmp_path):
     assert got[2][0] == "failed" and got[2][1] == [f"shared 240000 B > {kc.TARGETS['sm_90'].shared_per_block} B"]
     assert got[3] == ("failed", ["no metadata read for it"], None)
     assert report["rows"][-1]["problems"] == ["not a configuration of the current code: the table is stale"]
+
+
+def test_register_comparison_reads_another_tritons_compile_check(tmp_path):
+    """``--compiled``: rows of ``launch/gpu_compile.py --json`` (made by another triton) as the device's numbers: a
+    spill there is local memory, a compile error fails the row, a register change is reported."""
+    from dataclasses import asdict
+
+    from pipeline.gpucheck import kernel_compile as kc
+    from pipeline.gpucheck import registers
+
+    rows = [r for r in registers.parse_table(COMPILE_TABLE.read_text()) if r["target"] == "sm_90"]
+    cases = registers.match_cases(rows, kc.default_cases(targets=("sm_90",)))
+    compiled = []
+    for i, r in enumerate(rows):
+        result = kc.Result(
+            cases[i], registers=r["registers"], stack_bytes=r["stack_bytes"], shared_bytes=r["shared_bytes"]
+        )
+        if i == 0:
+            result = kc.Result(cases[i], error="CompilationError: boom")
+        if i == 1:
+            result = kc.Result(cases[i], registers=r["registers"] - 2, shared_bytes=r["shared_bytes"])
+        if i == 2:
+            result = kc.Result(
+                cases[i],
+                registers=r["registers"],
+                spill_store_bytes=8,
+                spill_load_bytes=8,
+                shared_bytes=r["shared_bytes"],
+            )
+        compiled.append({**asdict(result), "problems": result.problems})
+    (tmp_path / "compiled.json").write_text(json.dumps(compiled))
+    out = tmp_path / "registers.json"
+    args = ["--table", str(COMPILE_TABLE), "--out", str(out), "--compiled", str(tmp_path / "compiled.json")]
+    assert registers.main(args) == 1
+    report = json.loads(out.read_text())
+    assert report["metadata_source"] == "compiled without a GPU (compiled.json)"
+    assert (report["same"], report["differs"], report["failed"]) == (len(rows) - 3, 1, 2)
+    first, second, third = report["rows"][:3]
+    assert first["problems"] == ["compile error: CompilationError: boom"]
+    assert second["differs"] == [f"registers {rows[1]['registers']} -> {rows[1]['registers'] - 2}"]
+    assert third["device_local_bytes"] == 8 and third["status"] == "failed"
 
 
 @pytest.mark.parametrize(
