@@ -30,22 +30,25 @@ INTERPRETER_ONLY_DTYPES = (torch.float64,)  # fp64 tl.dot/exp2 are only exercise
 # Upper bounds of the query-row and memory-slot tiles. Tests lower them to force several tiles on tiny,
 # interpreter-friendly shapes. The per-kernel choices below stay under them.
 MAX_BLOCK_Q = 64
-MAX_BLOCK_S = 32
+MAX_BLOCK_S = 64
 
-# Largest query-row tile per (kernel, padded head dim) for fp16/bf16, and the warps per program. Chosen from the
-# sm_90/sm_80 compile table (docs/results/gpu-compile.md, make test-gpu-compile): the largest tiles that compile
-# without a spill on both targets, preferring >= 3 programs per SM. Memory slots are always MAX_BLOCK_S (32) wide:
-# 64-slot tiles spill on sm_80 (forward, dq, dk/dv at D = 64) or leave one program per SM, and 16-slot tiles buy
-# nothing (a chunk shorter than 32 slots is masked).
+# (query rows, memory slots, warps) per (kernel, padded head dim) for fp16/bf16; the query-row tile is the
+# largest allowed, smaller when G * Q is. Forward and dk/dv: chosen from the sm_90/sm_80 compile table
+# (docs/results/gpu-compile.md, make test-gpu-compile), the largest tiles that compile without a spill on both
+# targets, preferring >= 3 programs per SM; 32 slots (a chunk shorter than that is masked). The fused backward
+# takes 64 slots, so a chunk of S <= 64 (DRT: 63 or 64) is one tile and its delta needs no pass of its own, and
+# needs every one of the G * Q rows of a kv head in one tile: 64 at both head dims.
 HALF_TILES = {
-    ("fwd", 64): (64, 4),
-    ("decode", 64): (64, 4),
-    ("bwd_dq", 64): (32, 4),
-    ("bwd_dkdv", 64): (64, 4),
-    ("fwd", 128): (32, 8),
-    ("decode", 128): (32, 8),
-    ("bwd_dq", 128): (16, 8),
-    ("bwd_dkdv", 128): (64, 8),
+    ("fwd", 64): (64, 32, 4),
+    ("decode", 64): (64, 32, 4),
+    ("bwd_dq", 64): (32, 32, 4),
+    ("bwd_dkdv", 64): (64, 32, 4),
+    ("bwd_fused", 64): (64, 64, 4),
+    ("fwd", 128): (32, 32, 8),
+    ("decode", 128): (32, 32, 8),
+    ("bwd_dq", 128): (16, 32, 8),
+    ("bwd_dkdv", 128): (64, 32, 8),
+    ("bwd_fused", 128): (64, 64, 8),
 }
 # fp32 (and interpreter-only fp64) dots are exact IEEE products on the FMA units, not tensor cores: every live
 # tile costs twice the registers, so the tiles are the smallest tl.dot allows. ptxas, left to itself, trades a few
@@ -92,16 +95,23 @@ class Launch:
 
 
 def block_sizes(GQ: int, S: int, D: int, dtype: torch.dtype, kernel: str) -> Blocks:
-    """Tile sizes of ``kernel`` (``fwd``, ``decode``, ``bwd_dq``, ``bwd_dkdv``) from the problem shape and dtype.
+    """Tile sizes of ``kernel`` (``fwd``, ``decode``, ``bwd_dq``, ``bwd_dkdv``, ``bwd_fused``) from the problem
+    shape and dtype.
 
-    No autotuning, so the interpreter needs no benchmarker. ``S`` does not matter: the slot tile is fixed."""
+    No autotuning, so the interpreter needs no benchmarker. ``S`` does not matter: the slot tile is fixed per
+    kernel."""
     BD = max(16, triton.next_power_of_2(D))
     if dtype in (torch.float32, torch.float64):
         tile = min(WIDE_TILE, MAX_BLOCK_Q, MAX_BLOCK_S)
         return Blocks(BQ=tile, BS=tile, BD=BD, num_warps=8 if BD > 64 else 4, maxnreg=FULL_REGISTERS)
-    cap, num_warps = HALF_TILES[(kernel, 64 if BD <= 64 else 128)]
+    cap, BS, num_warps = HALF_TILES[(kernel, 64 if BD <= 64 else 128)]
     BQ = min(cap, MAX_BLOCK_Q, max(16, triton.next_power_of_2(GQ)))
-    return Blocks(BQ=BQ, BS=MAX_BLOCK_S, BD=BD, num_warps=num_warps)
+    return Blocks(BQ=BQ, BS=min(BS, MAX_BLOCK_S), BD=BD, num_warps=num_warps)
+
+
+def fused_backward(GQ: int, S: int, D: int, dtype: torch.dtype) -> bool:
+    """Whether the backward takes the fused kernel: its query tile holds all ``GQ`` rows of a kv head."""
+    return block_sizes(GQ, S, D, dtype, "bwd_fused").BQ >= GQ
 
 
 def alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

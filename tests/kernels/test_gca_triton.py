@@ -1,8 +1,10 @@
 """Fused Triton GCA vs ``naive_gca`` on the CPU interpreter (tests/conftest.py sets TRITON_INTERPRET=1 without CUDA).
 
 Shapes are tiny (the interpreter is ~300x slower than torch) but awkward: Q=1, Q and S not multiples of the tile,
-S in {15, 16, 17}, R in {1, 2, 3}, G in {1, 2, 4}, D in {16, 24, 32}, and forced 16x16 tiles so several query
-and slot tiles (with ragged last tiles) run per launch. Every kernel-allocated buffer starts as NaN.
+S in {15, 16, 17}, R in {1, 2, 3}, G in {1, 2, 3, 4}, D in {16, 24, 32}, and forced 16x16 tiles so several query
+and slot tiles (with ragged last tiles) run per launch. Every dtype runs both backward layouts (fused: one query
+tile per kv head; split: dq then dk/dv), each with one-tile and several-tile chunks. Every kernel-allocated buffer
+starts as NaN.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ CASES = [
     # The official kernel's landmark-row bug: Q=65 with 16-row tiles leaves one row in the last tile.
     (1, 1, 1, 65, 64, 2, 16, False, True),
     (1, 2, 1, 20, 40, 2, 16, True, True),
+    # One query tile holds all G*Q = 12 rows (fused backward), the 40 slots take three 16-slot tiles.
+    (2, 3, 1, 4, 40, 2, 16, True, True),
 ]
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
@@ -55,6 +59,27 @@ def test_matches_naive(case, dtype, request):
         request.getfixturevalue("small_tiles")
     q, k, v, weights, do = make_inputs(B, HQ, H, Q, S, R, D, dtype)
     assert_gca_close(triton_gca, q, k, v, weights, do, softmax_off_by_one=off)
+
+
+def _backward_layout(case, dtype, monkeypatch):
+    """(fused, one slot tile per chunk) of the backward a case runs, with its tile overrides applied."""
+    B, HQ, H, Q, S, R, D, off, small = case
+    with monkeypatch.context() as m:
+        if small:
+            m.setattr(tu, "MAX_BLOCK_Q", 16)
+            m.setattr(tu, "MAX_BLOCK_S", 16)
+        GQ = HQ // H * Q
+        fused = tu.fused_backward(GQ, S, D, dtype)
+        blocks = tu.block_sizes(GQ, S, D, dtype, "bwd_fused" if fused else "bwd_dq")
+    return fused, S <= blocks.BS
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).removeprefix("torch."))
+def test_cases_run_every_backward_layout(dtype, monkeypatch):
+    """CASES reach the fused and the split backward, each with one-tile and several-tile chunks (fp32/fp64 and
+    fp16/bf16 choose different tiles)."""
+    layouts = {_backward_layout(case, dtype, monkeypatch) for case in CASES}
+    assert layouts == {(True, True), (True, False), (False, True), (False, False)}
 
 
 @pytest.mark.parametrize("off", [False, True], ids=["off0", "off1"])
