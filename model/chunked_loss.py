@@ -53,29 +53,28 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         want_h, want_w = (grad_enabled and need for need in ctx.needs_input_grad[:2])
         with torch.autocast(device, enabled=False):
             hc, wc = h.to(dtype), weight.to(dtype)
-            loss = torch.zeros((), dtype=torch.float32, device=h.device)
+            parts = []
             grad_h = torch.empty_like(h) if want_h else None
-            grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None
+            grad_w: torch.Tensor | None = None
+            minus_one = torch.full((min(rows, h.shape[0]), 1), -1.0, device=h.device) if want_h or want_w else None
             for s in range(0, h.shape[0], rows):
-                h_s, t_s, c_s = hc[s : s + rows], target[s : s + rows], coef[s : s + rows]
+                h_s, t_s, c_s = hc[s : s + rows], target[s : s + rows, None], coef[s : s + rows]
                 logits = F.linear(h_s, wc).float()  # [n, V], the only vocabulary-wide buffer of the slice
                 lse = torch.logsumexp(logits, dim=-1)
-                picked = logits.gather(1, t_s[:, None]).squeeze(1)
-                loss = loss + (c_s * (lse - picked)).sum()
-                if grad_h is None and grad_w is None:
+                parts.append(torch.dot(c_s, lse - logits.gather(1, t_s).squeeze(1)))
+                if minus_one is None:
                     continue
                 # d loss / d logits = coef * (softmax - onehot), made in place in the logits' buffer.
-                probs = logits.sub_(lse[:, None]).exp_()
-                probs.scatter_add_(1, t_s[:, None], torch.full_like(picked, -1.0)[:, None])
+                probs = logits.sub_(lse[:, None]).exp_().scatter_add_(1, t_s, minus_one[: len(t_s)])
                 g = probs.mul_(c_s[:, None]).to(dtype)
                 if grad_h is not None and grad_h.dtype == dtype:
                     torch.mm(g, wc, out=grad_h[s : s + rows])
                 elif grad_h is not None:
                     grad_h[s : s + rows] = g @ wc
-                if grad_w is not None and dtype == torch.float32:
-                    grad_w.addmm_(g.t(), h_s)
-                elif grad_w is not None:  # low-precision products summed in fp32 over the slices
-                    grad_w += (g.t() @ h_s).float()
+                if want_w:  # summed in fp32 over the slices, whatever the products' dtype
+                    grad_w_s = g.t() @ h_s
+                    grad_w = grad_w_s.float() if grad_w is None else grad_w.add_(grad_w_s)
+            loss = parts[0] if len(parts) == 1 else torch.stack(parts).sum()
         ctx.save_for_backward(
             grad_h if grad_h is not None else h.new_empty(0),
             (grad_w.to(weight.dtype) if grad_w is not None else weight.new_empty(0)),

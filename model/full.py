@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from model.chunk_store import ChunkStore
 from model.config import GCAConfig
-from model.layers import KVCache, RMSNorm, SwiGLU, apply_rope
+from model.layers import KVCache, RMSNorm, SwiGLU, rope_tables, rotate
 from model.lm import CausalLM
 from model.stream import StreamState
 
@@ -61,8 +61,11 @@ class FullAttention(nn.Module):
     def forward(self, x: torch.Tensor, start: int, cache: KVCache | None = None) -> torch.Tensor:
         """``x [B, T, d_model]`` at stream positions ``start .. start + T - 1``; ``cache`` holds the earlier ones."""
         B, T, _ = x.shape
-        q = apply_rope(self.wq(x).view(B, T, self.n_heads, self.head_dim), self.rope_theta, start)
-        k = apply_rope(self.wk(x).view(B, T, self.n_kv_heads, self.head_dim), self.rope_theta, start)
+        cos, sin = rope_tables(
+            T, self.head_dim, self.rope_theta, start, x.device, torch.promote_types(x.dtype, torch.float32)
+        )
+        q = rotate(self.wq(x).view(B, T, self.n_heads, self.head_dim), cos, sin)
+        k = rotate(self.wk(x).view(B, T, self.n_kv_heads, self.head_dim), cos, sin)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
         if cache is not None:
             k, v = cache.extend(k, v, window=None)  # [B, start + T, H, D]

@@ -334,8 +334,10 @@ class GCAForCausalLM(CausalLM):
         parts = [previous if previous is not None else RetrievalRows.empty(B, cfg.top_k, x.device)]
         if layout.n_landmarks:
             new_rows = score(queries, layout.landmark_chunk)
-            for name, value in retrieval_stats(new_rows, layout.landmark_chunk).items():
-                self.retrieval_stats[f"retrieval_{name}_g{g}"] = value
+            # A row retrieves something when its chunk has an earlier one: known from the layout, with no sync.
+            if layout.first_chunk + layout.n_landmarks >= 2:
+                for name, value in retrieval_stats(new_rows, layout.landmark_chunk).items():
+                    self.retrieval_stats[f"retrieval_{name}_g{g}"] = value
             parts.append(new_rows)
         rows = RetrievalRows.cat(parts)
         if state is not None:

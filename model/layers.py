@@ -129,7 +129,9 @@ class SlidingWindowAttention(nn.Module):
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
         pos = pos or WindowPositions()
         if pos.index is not None:  # rotated before caching: a cached key keeps the rotation of its own position
-            q, k = rope_at(q, self.rope_theta, pos.index), rope_at(k, self.rope_theta, pos.index)
+            dtype = torch.promote_types(x.dtype, torch.float32)
+            cos, sin = rope_tables_at(pos.index, self.head_dim, self.rope_theta, dtype)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if pos.landmark is not None:
             q, k = hide_landmarks(q, k, pos.landmark)  # the cache keeps the keys' extra dimensions
         if cache is not None:
@@ -161,29 +163,30 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.mlp_norm(h))
 
 
-def apply_rope(x: torch.Tensor, theta: float, start: int = 0) -> torch.Tensor:
-    """Rotary embedding of ``x [..., P, H, D]`` at positions ``start .. start + P - 1`` along axis -3, rotating the
-    pairs of dimensions (0, 1), (2, 3), ... The chunk encoder restarts at 0 in every chunk; the full-attention
-    model passes the stream position of its first token. Computed in fp32 (fp64 for fp64 inputs)."""
-    P, D = x.shape[-3], x.shape[-1]
-    dtype = torch.promote_types(x.dtype, torch.float32)
-    inv_freq = theta ** (-torch.arange(0, D, 2, device=x.device, dtype=dtype) / D)  # [D/2]
-    angles = torch.arange(start, start + P, device=x.device, dtype=dtype)[:, None] * inv_freq  # [P, D/2]
-    return _rotate(x, angles.cos(), angles.sin())
+def rope_tables(
+    length: int, head_dim: int, theta: float, start: int, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cosines and sines ``[length, D/2]`` of the rotary angles at positions ``start .. start + length - 1``,
+    computed in ``dtype`` (fp32, or fp64 for fp64 inputs), for ``rotate``; made once per layer for its queries and
+    keys alike. The chunk encoder restarts at 0 in every chunk; the full-attention model passes the stream position
+    of its first token."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=dtype) / head_dim)  # [D/2]
+    angles = torch.arange(start, start + length, device=device, dtype=dtype)[:, None] * inv_freq  # [P, D/2]
+    return angles.cos(), angles.sin()
 
 
-def rope_at(x: torch.Tensor, theta: float, positions: torch.Tensor) -> torch.Tensor:
-    """``apply_rope`` at arbitrary integer ``positions [P]`` (the sliding window's). The angles are computed in
-    fp64: at position 10^6 an fp32 angle is off by up to 0.06 rad, and the sliding window must read the same far
-    into a long input as near its start."""
-    D = x.shape[-1]
-    inv_freq = theta ** (-torch.arange(0, D, 2, device=x.device, dtype=torch.float64) / D)  # [D/2]
+def rope_tables_at(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope_tables`` at arbitrary integer ``positions [P]`` (the sliding window's), cast to ``dtype``. The angles
+    are computed in fp64: at position 10^6 an fp32 angle is off by up to 0.06 rad, and the sliding window must read
+    the same far into a long input as near its start."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim)
     angles = positions.to(torch.float64)[:, None] * inv_freq  # [P, D/2]
-    dtype = torch.promote_types(x.dtype, torch.float32)
-    return _rotate(x, angles.cos().to(dtype), angles.sin().to(dtype))
+    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the pairs of dimensions (0, 1), (2, 3), ... of ``x [..., P, H, D]`` by angles whose cosines and sines
     are ``[P, D/2]``, in their dtype."""
     dtype = cos.dtype
@@ -208,7 +211,10 @@ class EncoderLayer(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         NC, P, Dm = h.shape  # [B*N, S+1, d_model]
         q, k, v = self.wqkv(self.attn_norm(h)).view(NC, P, 3, self.n_heads, self.head_dim).unbind(2)
-        q, k = apply_rope(q, self.rope_theta), apply_rope(k, self.rope_theta)  # [B*N, S+1, HQ, D]
+        cos, sin = rope_tables(
+            P, self.head_dim, self.rope_theta, 0, h.device, torch.promote_types(h.dtype, torch.float32)
+        )
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)  # [B*N, S+1, HQ, D]
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         h = h + self.wo(o.transpose(1, 2).reshape(NC, P, Dm))
         return h + self.mlp(self.mlp_norm(h))

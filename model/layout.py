@@ -44,25 +44,27 @@ class StepLayout:
 
     @staticmethod
     def build(n_prev: int, n_tokens: int, chunk_size: int, device: torch.device) -> StepLayout:
+        """Every position in closed form from ``n_prev`` and ``n_tokens`` (no boolean masks: on a GPU each would
+        wait for the device to learn its output size)."""
         S = chunk_size
-        real = n_prev + torch.arange(n_tokens, device=device)  # absolute real-token index
-        closes_chunk = (real + 1) % S == 0
-        landmarks_before = torch.cumsum(closes_chunk.long(), 0) - closes_chunk.long()
-        token_pos = torch.arange(n_tokens, device=device) + landmarks_before
-        landmark_pos = token_pos[closes_chunk] + 1
-        n_landmarks = int(landmark_pos.numel())
+        first_chunk = n_prev // S
+        n_landmarks = (n_prev + n_tokens) // S - first_chunk
+        steps = torch.arange(n_tokens, device=device)
+        token_pos = steps + (n_prev + steps) // S - first_chunk  # each token after the landmarks before it
+        chunks = torch.arange(n_landmarks, device=device)  # landmark k closes chunk first_chunk + k ...
+        landmark_pos = (first_chunk + chunks + 1) * S - n_prev + chunks  # ... right after the chunk's last token
         order = torch.empty(n_tokens + n_landmarks, dtype=torch.long, device=device)
-        order[token_pos] = torch.arange(n_tokens, device=device)
-        order[landmark_pos] = n_tokens + torch.arange(n_landmarks, device=device)
+        order[token_pos] = steps
+        order[landmark_pos] = n_tokens + chunks
         lead = n_prev % S
         return StepLayout(
             n_prev=n_prev,
             n_tokens=n_tokens,
             token_pos=token_pos,
             landmark_pos=landmark_pos,
-            landmark_chunk=real[closes_chunk] // S,
+            landmark_chunk=first_chunk + chunks,
             order=order,
             lead=lead,
-            first_chunk=n_prev // S,
+            first_chunk=first_chunk,
             n_chunks=-(-(lead + n_tokens + n_landmarks) // (S + 1)),
         )

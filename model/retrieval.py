@@ -160,11 +160,14 @@ def record_picks(picks: Picks | None, group: int, rows: RetrievalRows, chunk: to
 def retrieval_stats(rows: RetrievalRows, query_chunk: torch.Tensor) -> dict[str, torch.Tensor]:
     """Telemetry of one group's retrieval, over the rows that retrieved anything: mean entropy of the weights
     (nats; ``log R`` = uniform) and mean weighted distance in chunks from the reading chunk ``i + 1`` back to the
-    retrieved chunks (at least 2, since chunk ``i + 1`` reads chunks ``j < i``)."""
+    retrieved chunks (at least 2, since chunk ``i + 1`` reads chunks ``j < i``).
+
+    Masked sums rather than a boolean-mask selection, so that nothing waits for the device inside the training
+    step; the means are NaN when no row retrieved anything (the caller knows when that can happen, from shapes).
+    """
     w = rows.weights  # [B, C, R]
-    used = (w > 0).any(-1)
-    if not used.any():
-        return {}
+    used = (w > 0).any(-1).float()
+    n_used = used.sum()
     entropy = -(w * w.clamp_min(1e-12).log()).sum(-1)
     distance = ((query_chunk[None, :, None] + 1 - rows.index).float() * w).sum(-1)
-    return {"entropy": entropy[used].mean(), "distance": distance[used].mean()}
+    return {"entropy": (entropy * used).sum() / n_used, "distance": (distance * used).sum() / n_used}

@@ -1,10 +1,11 @@
 """Training step throughput of GCA vs a same-depth sliding-window model vs full attention, and DeepSpeed ZeRO-2 on
 2 processes vs 1 process, printed as ratios measured in one run (``make bench-train``).
 
-Part 1 times one optimizer step (forward, backward, AdamW) of each model at each sequence length, every
-configuration in a fresh process, on random tokens. Part 2 runs the real trainer (``configs/train/debug.yaml`` on
-a prepared dataset) for a few steps with one process and with ``deepspeed --num_gpus 2`` and compares the median
-``tokens_per_s`` of ``metrics.jsonl``.
+Part 0 counts the ATen operators of one training step of each model (``pipeline.bench.step_ops``, the CPU proxy of
+the GPU step's kernel launches) and its host synchronisations. Part 1 times one optimizer step (forward, backward,
+AdamW) of each model at each sequence length, every configuration in a fresh process, on random tokens. Part 2 runs
+the real trainer (``configs/train/debug.yaml`` on a prepared dataset) for a few steps with one process and with
+``deepspeed --num_gpus 2`` and compares the median ``tokens_per_s`` of ``metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from typing import TextIO
 import torch
 
 from kernels.cpu_math import flush_denormals, retain_freed_memory
-from model.lm import lm_loss
 from pipeline.bench.model import BENCH_CONFIG, bench_model
+from pipeline.bench.step_ops import TINY_CONFIG, step_ops
 from pipeline.demos.runner import TRAIN_MODULE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,7 +45,7 @@ def time_step(kind: str, length: int, repeats: int) -> dict:
     times = []
     for _ in range(repeats + 1):  # the first step warms up allocator and kernels
         start = time.perf_counter()
-        lm_loss(model(ids).logits, ids).backward()
+        model(ids, labels=ids, return_logits=False).loss.backward()  # the trainer's loss
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
@@ -109,6 +110,26 @@ def trainer_throughput(data: str, steps: int) -> tuple[float, float]:
             capture_output=True,
         )
         return _median_tokens_per_s(single), _median_tokens_per_s(ds)
+
+
+def op_count_table(out: TextIO, seq_len: int = 256) -> None:
+    """Part 0: per model, the operators of forward + backward and of the optimizer step, views apart, and the host
+    synchronisations of forward + backward."""
+    out.write(
+        f"ATen operators per training step (CPU proxy of GPU kernel launches): {TINY_CONFIG} model, batch 1, "
+        f"{seq_len} tokens, multi-tensor AdamW\n\n"
+    )
+    header = f"{'model':>5} | {'fwd+bwd ops':>11} | {'optim ops':>9} | {'step ops':>8} | {'views':>5} | host syncs"
+    out.write(header + "\n" + "-" * len(header) + "\n")
+    for kind in KINDS:
+        r = step_ops(kind, seq_len)
+        syncs = ", ".join(f"{k} {v}" for k, v in r["host_syncs"].items()) or "none"
+        out.write(
+            f"{kind:>5} | {r['forward_backward_ops']:>11} | {r['optimizer_ops']:>9} | {r['step_ops']:>8} | "
+            f"{r['views']:>5} | {syncs}\n"
+        )
+    out.write("\n")
+    out.flush()
 
 
 def step_time_table(lengths: list[int], repeats: int, out: TextIO) -> None:

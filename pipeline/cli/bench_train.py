@@ -1,4 +1,5 @@
-"""Training step time of GCA vs sliding window vs full attention, and ZeRO-2 on 2 processes vs 1:
+"""ATen operators per training step, training step time of GCA vs sliding window vs full attention, and ZeRO-2 on
+2 processes vs 1:
 ``python -m pipeline.cli.bench_train [--lengths 1024 4096 16384] [--repeats N] [--data DIR] [--steps N]``.
 
 What is measured is described in ``pipeline/bench/train.py``; the results are printed as tables.
@@ -10,7 +11,7 @@ import argparse
 import json
 import sys
 
-from pipeline.bench.train import step_time_table, time_step, zero2_comparison
+from pipeline.bench.train import op_count_table, step_time_table, time_step, zero2_comparison
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:
         sys.stdout.write(json.dumps(time_step(args.one[0], int(args.one[1]), args.repeats)) + "\n")
         return 0
+    op_count_table(sys.stdout)
     step_time_table(args.lengths, args.repeats, sys.stdout)
     zero2_comparison(args.data, args.steps, sys.stdout)
     return 0
