@@ -221,8 +221,8 @@ def markdown(report: dict) -> str:
     """The comparison as a table, one row per configuration, for the stage's log."""
     results = report["rows"]
     lines = [
-        f"Committed (triton {report.get('committed_triton') or '?'}, compiled without a GPU) vs this device's "
-        f"compiled kernels (triton {report['triton']}, {report['metadata_source']} metadata), {report['target']}:",
+        f"Committed (triton {report.get('committed_triton') or '?'}, compiled without a GPU) vs triton "
+        f"{report['triton']} ({report['metadata_source']} metadata), {report['target']}:",
         "",
         "| configuration | registers committed | registers here | shared B committed | shared B here | "
         "local B here | status |",
