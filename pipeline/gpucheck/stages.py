@@ -76,7 +76,7 @@ CUDA_BUDGET: dict[str, tuple[float, float]] = {
     "prep": (60, 20),  # measured 17.1 s
     "kernel_bench": (60, 15),  # measured 12.8 s
     "kernel_registers": (60, 30),  # new: 70 sm_90 configurations compiled on the device's CPUs
-    "gpu_tests": (120, 75),  # the whole tier: 166.6 s for 38 tests; now 16 of them
+    "gpu_tests": (120, 90),  # the whole tier: 166.6 s for 38 tests; now 16, but 3 of 9 sliding-window compiles stay
     "train_gca_zero1": (120, 70),  # measured 67.0 s, of it ~42 s the first step's compile
     "train_gca_fsdp2": (120, 70),  # failed after 30.3 s then; expected like ZeRO-1
     "train_swa_zero1": (120, 60),  # timed out then (no step in 111.7 s), before FlexAttention compiled once
