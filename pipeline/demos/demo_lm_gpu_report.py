@@ -54,7 +54,11 @@ def _context_rows(results: dict[str, dict], name: str) -> list[dict]:
 def summarize(results: dict[str, dict], experiment: dict) -> dict:
     """Everything ``results.md`` shows, from the stage numbers (``Runner.results``) alone."""
     models = experiment["models"]
-    ppl, ppl_long, recall, passkey, ruler = {}, {}, {}, {}, {}
+    ppl: dict[str, dict[int, float]] = {}
+    ppl_long: dict[str, dict[int, float]] = {}
+    recall: dict[str, dict[int, dict]] = {}
+    passkey: dict[str, dict[int, float]] = {}
+    ruler: dict[str, dict[int, float]] = {}
     scored: dict[str, dict] = {}
     train_len = None
     for model in models:
@@ -95,7 +99,11 @@ def summarize(results: dict[str, dict], experiment: dict) -> dict:
 
 
 def _untested(results: dict[str, dict], stages: list[str]) -> str:
-    missing = [f"{s} ({results[s]['status']})" if s in results else f"{s} (not run yet)" for s in stages]
+    missing = [
+        f"{s} ({results[s]['status']})" if s in results else f"{s} (not run yet)"
+        for s in stages
+        if results.get(s, {}).get("status") != "ok"
+    ]
     return f"untested: {', '.join(missing)} did not finish ok"
 
 
@@ -130,18 +138,18 @@ def claims(
         ("3", "swa", 1, "at or below swa (the sliding-window model) at every length from the second on"),
     ):
         statement = f"gca's perplexity is {wording}"
-        cells = {}
+        pairs: dict[str, tuple[float, float]] = {}
         for table in (ppl, ppl_long):
             both = sorted(n for n in table.get("gca", {}) if n in table.get(other, {}))
             key = "" if table is ppl else " (long books)"
-            cells.update({f"{short_length(n)}{key}": (table["gca"][n], table[other][n]) for n in both[table_from:]})
-        if not cells:
+            pairs.update({f"{short_length(n)}{key}": (table["gca"][n], table[other][n]) for n in both[table_from:]})
+        if not pairs:
             out.append(_claim(name, statement, _untested(results, ["ppl-gca", f"ppl-{other}"]), {}))
             continue
         strict = name == "2"
-        worse = [k for k, (a, b) in cells.items() if (a >= b if strict else a > b)]
+        worse = [k for k, (a, b) in pairs.items() if (a >= b if strict else a > b)]
         verdict = f"fails at {', '.join(worse)}" if worse else "holds"
-        out.append(_claim(name, statement, verdict, {k: {"gca": a, other: b} for k, (a, b) in cells.items()}))
+        out.append(_claim(name, statement, verdict, {k: {"gca": a, other: b} for k, (a, b) in pairs.items()}))
     statement = "gca's far recall is above the recency rule's from the second length on"
     second = lengths[1] if len(lengths) > 1 else None
     cells = {n: r for n, r in sorted(recall.get("gca", {}).items()) if second is not None and n >= second}
