@@ -3,7 +3,7 @@ with growing context, in one time-boxed command on one CUDA GPU:
 ``python launch/demo_lm_gpu.py --books DIR --out DIR [--config configs/demo_lm_gpu/gpu.yaml] [key=value ...]``.
 
 ``--books`` is a folder of ``gutenberg-*.tar.xz`` shards of ``<id>.txt`` books. The stages are described in
-``pipeline/demos/demo_lm_gpu.py``; ``--cpu`` runs them at tiny shapes (``configs/demo_lm_gpu/cpu.yaml``) without
+``pipeline/gpucheck/demo_lm_gpu.py``; ``--cpu`` runs them at tiny shapes (``configs/demo_lm_gpu/cpu.yaml``) without
 CUDA. Writes ``DIR/demo-lm-gpu.json``, ``DIR/results.md``, ``DIR/ppl.png`` and ``DIR/demo-lm-gpu.log``. Exit status:
 0 every stage ok, 1 a stage did not finish ok (the outputs hold what did), 2 bad arguments or config, before any
 work (one line). Missing pinned packages are installed from ``--wheels`` first, as ``make gpu-check`` does.
@@ -20,9 +20,8 @@ import tempfile
 from pathlib import Path
 
 from pipeline.demos.books import BooksError, choose_holdout, scan
-from pipeline.gpucheck.cli import install_wheels, missing_packages
+from pipeline.gpucheck.cli import ROOT, install_wheels, missing_packages
 
-ROOT = Path(__file__).resolve().parents[2]
 GPU_CONFIG = "configs/demo_lm_gpu/gpu.yaml"
 CPU_CONFIG = "configs/demo_lm_gpu/cpu.yaml"
 
@@ -74,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch  # after the cheap checks: its import takes seconds
 
     from data_prep.schema import ConfigError
-    from pipeline.demos.demo_lm_gpu import load_config, run_experiment
+    from pipeline.gpucheck.demo_lm_gpu import load_config, run_experiment
     from pipeline.gpucheck.stages import Plan
 
     if not args.cpu and not torch.cuda.is_available():

@@ -1,4 +1,5 @@
-"""``make demo-lm-gpu``: the paper's language-modelling claim on real books, in one time-boxed GPU command.
+"""``make demo-lm-gpu``: the paper's language-modelling claim on real books, in one time-boxed GPU command. It
+lives beside ``make gpu-check`` because it runs on that check's stage runner (the demos group may not import it).
 
 Whole books of the shipped Project Gutenberg shards are held out by a seeded rule before anything trains
 (``pipeline.demos.books``); the rest become a tokenizer and MDS shards through data prep; ``gca`` (learned retriever),
