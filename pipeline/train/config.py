@@ -62,6 +62,10 @@ class TrainLoopConfig:
     retain_freed_memory: bool = True
     """Keep freed host memory for reuse instead of returning it to the OS (glibc): ~12% faster CPU steps for
     ~15% more resident memory (``kernels.cpu_math.retain_freed_memory``)."""
+    compile: Literal["none", "blocks"] = "none"
+    """``blocks``: ``torch.compile`` each transformer block in place (identical blocks share one compiled graph;
+    ``pipeline.train.parallel.compile_blocks``). Off by default: the first step then compiles for minutes on CPU,
+    and its speed-up and bf16 numerics on the GPU are not measured yet."""
 
 
 DEFAULT_MIX_FAMILIES = {"single": 1.0, "multikey": 1.0, "multivalue": 1.0, "multiquery": 1.0, "vt": 1.0}
