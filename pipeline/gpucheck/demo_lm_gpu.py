@@ -65,6 +65,9 @@ class DemoLMGPUConfig:
     """The whole run's budget after the wheels are installed; stages the rest cannot fit are skipped."""
     boxes: dict[str, float] = field(default_factory=dict)
     """Seconds each kind of stage may take at most (``BOX_KEYS``)."""
+    expect: dict[str, float] = field(default_factory=dict)
+    """Seconds each kind of stage is expected to take (the budget arithmetic; absent: 0). While a stage runs, the
+    runner keeps the expected seconds of the later stages aside, so a hang costs its own share only."""
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.models if m not in MODEL_OVERRIDES]
@@ -76,6 +79,10 @@ class DemoLMGPUConfig:
         stray = sorted(set(self.boxes) - set(BOX_KEYS))
         if missing or stray:
             raise ValueError(f"config key 'boxes' has a wrong value {self.boxes}: give each of {BOX_KEYS} seconds > 0")
+        if set(self.expect) - set(BOX_KEYS) or any(not 0 <= v <= self.boxes[k] for k, v in self.expect.items()):
+            raise ValueError(
+                f"config key 'expect' has a wrong value {self.expect}: seconds from 0 to the box, per kind"
+            )
         if not self.lengths or min(self.lengths) <= self.score_len or self.score_len < 1:
             raise ValueError(
                 f"config keys 'lengths' {self.lengths} and 'score_len' {self.score_len}: every length must exceed "
@@ -142,7 +149,11 @@ def books_stage(plan: Plan, cfg: DemoLMGPUConfig, books: Path) -> Stage:
     cmd = [plan.python, "-m", "pipeline.demos.books", "--books", str(books)]
     cmd += ["--holdout", str(paths.holdout), "--out", str(paths.books)]
     what = "unpack the book shards: the held-out books to books/heldout, the rest to books/train"
-    return Stage("books", what, cmd, cfg.boxes["books"], lambda: _read_json(paths.books / INDEX))
+
+    def parse() -> dict:
+        return _read_json(paths.books / INDEX)
+
+    return Stage("books", what, cmd, cfg.boxes["books"], parse, expect_s=cfg.expect.get("books", 0.0))
 
 
 def prep_stage(plan: Plan, cfg: DemoLMGPUConfig) -> Stage:
@@ -157,9 +168,8 @@ def prep_stage(plan: Plan, cfg: DemoLMGPUConfig) -> Stage:
         numbers.update({f"{split}_documents": splits.get(split, {}).get("documents") for split in ("train", "val")})
         return numbers
 
-    return Stage(
-        "prep", "the training books -> SentencePiece tokenizer -> MDS shards", cmd, cfg.boxes["prep"], parse, ("books",)
-    )
+    what = "the training books -> SentencePiece tokenizer -> MDS shards"
+    return Stage("prep", what, cmd, cfg.boxes["prep"], parse, ("books",), expect_s=cfg.expect.get("prep", 0.0))
 
 
 def train_stage(plan: Plan, cfg: DemoLMGPUConfig, model: str) -> Stage:
@@ -178,7 +188,8 @@ def train_stage(plan: Plan, cfg: DemoLMGPUConfig, model: str) -> Stage:
 
     env = {} if plan.cuda else {"DS_ACCELERATOR": "cpu"}
     what = f"train {model} ({' '.join(MODEL_OVERRIDES[model]) or 'learned retriever'})"
-    return Stage(f"train-{model}", what, cmd, cfg.boxes["train"], parse, ("prep",), env)
+    expect = cfg.expect.get("train", 0.0)
+    return Stage(f"train-{model}", what, cmd, cfg.boxes["train"], parse, ("prep",), env, expect_s=expect)
 
 
 def _metric_rows(run_dir: Path) -> list[dict]:
@@ -213,7 +224,8 @@ def eval_stage(plan: Plan, cfg: DemoLMGPUConfig, model: str, kind: str) -> Stage
         result = _read_json(out / f"{task}.json")
         return {"rows": result["results"], "seconds": result["seconds"], "train_seq_len": result["train_seq_len"]}
 
-    return Stage(f"{kind}-{model}", what, cmd, cfg.boxes[kind], parse, (f"train-{model}",), env)
+    expect = cfg.expect.get(kind, 0.0)
+    return Stage(f"{kind}-{model}", what, cmd, cfg.boxes[kind], parse, (f"train-{model}",), env, expect_s=expect)
 
 
 def build_stages(plan: Plan, cfg: DemoLMGPUConfig, books: Path) -> list[Stage]:

@@ -270,3 +270,35 @@ def test_cpu_dry_run_every_stage_and_its_numbers(tmp_path):
     markdown = (out / "results.md").read_text()
     assert "## Claims" in markdown and f"{summary['ppl']['gca']['1024']:.2f}" in markdown
     assert (out / "ppl.png").stat().st_size > 0
+
+
+def test_gpu_plan_keeps_its_budget_arithmetic(tmp_path):
+    """The GPU config as planned in docs/demo-lm.md: the core stages first, their expected seconds inside the budget,
+    4,586,400 training tokens a model, each model's own override, and eval keys the eval itself accepts."""
+    from omegaconf import OmegaConf
+
+    from pipeline.evaluation.config import load_eval_config
+    from pipeline.gpucheck.demo_lm_gpu import build_stages, load_config
+    from pipeline.gpucheck.stages import Plan
+
+    cfg = load_config(ROOT / "configs/demo_lm_gpu/gpu.yaml", [])
+    stages = build_stages(Plan(cuda=True, work=tmp_path, python="python3"), cfg, tmp_path / "books")
+    names = [s.name for s in stages]
+    core = ["books", "prep"] + [f"{kind}-{m}" for m in ("gca", "gca_random", "swa") for kind in ("train", "ppl")]
+    assert names[: len(core)] == core and len(names) == len(core) + 9
+    assert sum(s.expect_s for s in stages) == 10 + 40 + 3 * (96 + 25) <= cfg.budget_s
+    assert all(s.expect_s <= s.box_s for s in stages)
+    train = OmegaConf.load(ROOT / cfg.train_config).train
+    assert train.max_steps * train.global_batch * train.seq_len == 4_586_400
+    overrides = {s.name: [a for a in s.cmd if a.startswith("model.")] for s in stages if s.name.startswith("train-")}
+    expected = {"train-gca": [], "train-gca_random": ["model.retrieval=random"], "train-swa": ["model.arch=swa"]}
+    assert overrides == expected
+    for stage in stages[2:]:
+        if stage.name.startswith("train-"):
+            continue
+        task = stage.cmd[stage.cmd.index("--task") + 1]
+        keys = stage.cmd[stage.cmd.index("--out") + 2 :]
+        assert {"device=cuda", "offload_mb=-1"} <= set(keys)
+        checked = [k for k in keys if not k.startswith("device=")]  # this machine has no CUDA device to accept
+        eval_cfg, _ = load_eval_config(None, checked, task=task)
+        assert max(eval_cfg.lengths) == (262144 if not stage.name.startswith("ppl-") else 65536)
