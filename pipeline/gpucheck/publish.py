@@ -68,7 +68,7 @@ def stage_numbers(name: str, stage: dict) -> str:
         return (
             f"{n.get('configs')} {n.get('target')} configurations, triton {n.get('triton')} vs committed "
             f"{n.get('committed_triton')}: {n.get('same')} same, {n.get('differs')} differ, {n.get('spills')} spill, "
-            f"{n.get('failed')} failed; "
+            f"{n.get('stale')} stale, {n.get('failed')} failed; "
             f"register change {n.get('register_delta_min')}..{n.get('register_delta_max')} "
             f"({n.get('metadata_source')} metadata)"
         )

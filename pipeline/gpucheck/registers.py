@@ -5,9 +5,10 @@ image ships another triton (3.6), whose register allocation may differ. On the G
 ``python -m pipeline.gpucheck.registers --table docs/results/gpu-compile.md --out registers.json`` compiles every
 configuration of the table for the device's architecture with the image's triton (``kernel_compile.
 device_resources``: the compiled kernel's ``n_regs``, ``n_spills`` and shared memory) and prints them beside the
-committed numbers. Exit 1 when a configuration no longer compiles, needs more shared memory than one program may
-have, or the table no longer describes the code (stale); other register counts (``differs``) and spills the table
-has not (``spills``) are reported with ``table_holds: false``, not failed: they cost speed, not correctness.
+committed numbers. Exit 1 when a configuration no longer compiles or needs more shared memory than one program may
+have; other register counts (``differs``), spills the table has not (``spills``) and rows the code no longer
+produces (``stale``: the table wants regenerating) are reported with ``table_holds: false``, not failed: they cost
+speed or say the record is old, not that the machine is broken.
 
 Without a GPU, ``--compiled FILE.json`` compares the table with ``launch/gpu_compile.py --json FILE.json`` made by
 another triton on this machine (put that triton first on ``PYTHONPATH`` for both commands: the compile-time numbers
@@ -49,9 +50,10 @@ ROW_FIELDS = (
 OFF_BY_ONE = {"off": False, "on": True, "either": None}
 
 
-STATUSES = ("same", "differs", "spills", "failed")
+STATUSES = ("same", "differs", "spills", "stale", "failed")
 """Per configuration: as committed; other register counts or shared memory; local memory the table has not (a
-spill: slower, still correct); or broken (a compile error, shared memory over the limit, a stale or unread row)."""
+spill: slower, still correct); a row the code no longer produces (the table needs ``make test-gpu-compile``, so it
+cannot be compared); or broken (a compile error, shared memory over the limit, no reading)."""
 
 
 class TableError(ValueError):
@@ -171,7 +173,7 @@ def compare(row: dict, measured: dict | None, target: kc.Target, matched: bool =
         "committed_shared_bytes": row["shared_bytes"],
     }
     if not matched:
-        return {**out, "status": "failed", "problems": ["not a configuration of the current code: the table is stale"]}
+        return {**out, "status": "stale", "problems": ["not a configuration of the current code: the table is stale"]}
     if measured is None:
         return {**out, "status": "failed", "problems": ["no metadata read for it"]}
     if "error" in measured:
@@ -339,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(report), flush=True)
     print(
         f"registers: {report['configs']} {target} configurations: {report['same']} same, {report['differs']} differ, "
-        f"{report['spills']} spill, {report['failed']} failed (metadata: {report['metadata_source']})"
+        f"{report['spills']} spill, {report['stale']} stale, {report['failed']} failed "
+        f"(metadata: {report['metadata_source']})"
     )
     return 1 if report["failed"] else 0
 

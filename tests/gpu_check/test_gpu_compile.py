@@ -139,3 +139,25 @@ def test_a_spilling_config_fails_the_check(tmp_path):
     cubin = tmp_path / f"{kc.case_id(kc.Case(**rows[0]['case']))}.cubin"
     sass = subprocess.run([kc.cuda_tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True).stdout
     assert re.search(r"\bSTL(\.\w+)*\s", sass)
+
+
+@pytest.mark.gpucompile
+@pytest.mark.slow
+def test_the_committed_table_describes_todays_kernels():
+    """docs/results/gpu-compile.md against the code: the harness compiles every kernel triton_utils chooses tiles
+    for, and every row of the table is a configuration the code produces today, so the GPU check's register
+    comparison (``kernel_registers``) compares the kernels that run. Fails after a tile or kernel change until
+    ``make test-gpu-compile`` regenerates the table."""
+    from kernels.gca import triton_utils as tu
+    from pipeline.gpucheck import registers
+
+    chosen = {kernel for kernel, _ in tu.HALF_TILES}  # every kernel block_sizes picks tiles for
+    assert chosen <= set(kc.KERNELS), f"kernel_compile.KERNELS lacks {sorted(chosen - set(kc.KERNELS))}"
+    rows = registers.parse_table((ROOT / "docs/results/gpu-compile.md").read_text())
+    for target in kc.TARGETS:
+        mine = [r for r in rows if r["target"] == target]
+        cases = kc.default_cases(targets=(target,))
+        matched = registers.match_cases(mine, cases)
+        stale = [f"{r['kernel']} {r['dtype']} D{r['head_dim']} {r['tiles']}" for i, r in enumerate(mine)]
+        stale = [name for i, name in enumerate(stale) if i not in matched]
+        assert not stale and len(mine) == len(cases), f"{target}: stale rows {stale}; {len(cases)} configurations today"
