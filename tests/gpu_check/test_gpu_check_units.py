@@ -299,6 +299,18 @@ def test_source_comes_from_git_else_from_the_stamp(tmp_path, monkeypatch):
         runner.write_stamp(tmp_path / "x.json")
 
 
+def test_stamp_command_writes_the_commit_into_the_carried_folder(tmp_path):
+    """``launch/gpu_check.py --stamp --wheels DIR``: exit 0 before any wheel or torch work, the file names HEAD."""
+    from pipeline.gpucheck.runner import STAMP_NAME
+
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    cmd = [sys.executable, "launch/gpu_check.py", "--stamp", "--wheels", str(tmp_path / "whl")]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "whl" / STAMP_NAME).read_text())["commit"] == head
+    assert head in done.stdout and done.stderr == ""
+
+
 COMPILE_TABLE = ROOT / "docs/results/gpu-compile.md"
 
 
