@@ -9,7 +9,7 @@ PYTEST := $(PY) -m pytest -q
 # The default CPU tier: everything not behind a heavier marker.
 DEFAULT_MARKERS := not slow and not gpu and not dist and not slurm and not multinode
 
-.PHONY: install lint format typecheck test test-slow test-dist test-gpu test-kernels test-reliability test-slurm test-multinode preflight demo demo-16m demo-multihop demo-smoke demo-lm demo-lm-smoke demo-cpt demo-cpt-smoke prep bench bench-train bench-kernels bench-cp bench-reader bench-prep test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv gpu-wheels gpu-check test-gpu-wheels test-gpu-check test-gpu-compile reference-curves
+.PHONY: install lint format typecheck test test-slow test-dist test-gpu test-kernels test-reliability test-slurm test-multinode preflight demo demo-16m demo-multihop demo-smoke demo-lm demo-lm-smoke demo-cpt demo-cpt-smoke prep bench bench-train bench-kernels bench-cp bench-reader bench-prep test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv gpu-wheels gpu-check gpu-stamp gpu-publish demo-lm-gpu test-gpu-wheels test-gpu-check test-gpu-compile reference-curves
 
 install: $(STAMP)
 
@@ -198,6 +198,20 @@ GPU_CHECK_PY := $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
 	$(GPU_CHECK_PY) launch/gpu_check.py --out $(OUT) $(ARGS)
 
+# Before a device run: the code's commit into the carried .whl (the device gets no .git). After it: the run's JSON
+# into docs/results/gpu/<date>-<machine>.json and its table into docs/gpu-check.md.
+gpu-stamp:
+	$(GPU_CHECK_PY) launch/gpu_check.py --stamp
+gpu-publish:
+	$(GPU_CHECK_PY) launch/gpu_check.py --publish $(OUT)/gpu-check.json
+
+# GCA, its random-retriever ablation and the sliding-window model on Project Gutenberg books, scored on held-out
+# books, in one time-boxed GPU command (docs/demo-lm.md, GPU section); without CUDA: ARGS=--cpu for the dry run.
+BOOKS ?= data/gutenberg
+LM_GPU_OUT ?= runs/demo_lm_gpu
+demo-lm-gpu:
+	$(GPU_CHECK_PY) launch/demo_lm_gpu.py --books $(BOOKS) --out $(LM_GPU_OUT) $(ARGS)
+
 # The wheel set installed into a clean venv that sees only the GPU image's packages; imports and a tiny
 # prep/train/eval there (~1 min, plus ~4 min and network the first time for the wheels).
 test-gpu-wheels: install
@@ -209,6 +223,6 @@ test-gpu-compile: install
 	$(PY) launch/gpu_compile.py --out docs/results/gpu-compile.md
 	$(PYTEST) -m gpucompile tests/gpu_check
 
-# The CPU dry run of make gpu-check: every stage at tiny shapes must finish ok (~2 min on 2 cores).
+# The CPU dry runs of make gpu-check and make demo-lm-gpu: every stage at tiny shapes must finish ok (~5 min on 2 cores).
 test-gpu-check: install ds-warmup
-	OMP_NUM_THREADS=1 timeout 1800 $(PYTEST) -m gpucheck tests/gpu_check
+	OMP_NUM_THREADS=1 timeout 1800 $(PYTEST) -m gpucheck tests/gpu_check tests/pipeline/test_demo_lm_gpu.py
