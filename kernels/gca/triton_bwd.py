@@ -77,6 +77,123 @@ def _chunk_delta(
 
 
 @triton.jit
+def _dq_tile(
+    b_q,
+    b_do,
+    b_dq,
+    b_lse,
+    b_delta,
+    b_w,
+    p_kr,
+    p_vr,
+    p_dkr,
+    p_dvr,
+    o_s,
+    m_m,
+    o_d,
+    m_d,
+    scale,
+    qk_scale,
+    S,
+    D,
+    ONE_TILE: tl.constexpr,
+    DKDV: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PREC: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """One (query tile, slot tile ``o_s``) of chunk ``r``: returns ``dq + dS K`` and ``delta_r`` (computed here when
+    the chunk is this one tile, else passed in). With ``DKDV`` the query tile holds every row reading these slots,
+    so it also stores their complete ``dk`` and ``dv`` at ``p_dkr``/``p_dvr``."""
+    m_s = o_s < S
+    m_sd = m_s[:, None] & m_d[None, :]
+    o_sd = o_s[:, None] * D + o_d[None, :]
+    b_k = tl.load(p_kr + o_sd, mask=m_sd, other=0.0)  # [BS, BD]
+    b_v = tl.load(p_vr + o_sd, mask=m_sd, other=0.0)  # [BS, BD]
+    b_p = _probs(b_q, b_k, b_lse, m_m[:, None] & m_s[None, :], qk_scale, UPCAST, PREC, ACC)
+    b_dp = tu.dot(b_do, tl.trans(b_v), UPCAST, PREC, ACC)  # [BQ, BS]
+    if ONE_TILE:  # the whole chunk is this tile: delta_r from the same P and dP
+        b_delta = tl.sum(b_p * b_dp, 1)
+    b_pw = b_w * b_p  # w_r P
+    b_ds = b_pw * (b_dp - b_delta[:, None])
+    if DKDV:
+        # [BS, BQ] x [BQ, BD]
+        b_dv = tu.dot(tl.trans(b_pw).to(b_do.dtype), b_do, UPCAST, PREC, ACC)
+        b_dk = tu.dot(tl.trans(b_ds).to(b_q.dtype), b_q, UPCAST, PREC, ACC)
+        tl.store(p_dvr + o_sd, b_dv.to(p_dvr.dtype.element_ty), mask=m_sd)
+        tl.store(p_dkr + o_sd, (b_dk * scale).to(p_dkr.dtype.element_ty), mask=m_sd)
+    # [BQ, BS] x [BS, BD]
+    return b_dq + tu.dot(b_ds.to(b_k.dtype), b_k, UPCAST, PREC, ACC), b_delta
+
+
+@triton.jit
+def _dq_rows(
+    p_q,
+    p_k,
+    p_v,
+    p_w,
+    p_do,
+    p_lse,
+    p_dq,
+    p_dk,
+    p_dv,
+    i_bh,
+    o_m,
+    p_delta_out,  # [B*H, R, GQ] delta per row (not DKDV), or [B*H, R] its sum over the rows (DKDV)
+    scale,
+    qk_scale,
+    H,
+    GQ,
+    S,
+    D,
+    R,
+    BQ: tl.constexpr,
+    BS: tl.constexpr,
+    BD: tl.constexpr,
+    ONE_TILE: tl.constexpr,
+    DKDV: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PREC: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """``dq`` of the query rows ``o_m`` of kv head ``i_bh`` over all chunks (and, with ``DKDV``, the chunks'
+    ``dk``, ``dv``). A one-tile chunk has no slot loop, so the chunk loop is innermost and Triton's pipeliner
+    prefetches the next chunk's K and V (``num_stages``) while this one is computed."""
+    i_b = i_bh // H
+    o_d = tl.arange(0, BD)
+    m_m = o_m < GQ
+    m_d = o_d < D
+    m_qd = m_m[:, None] & m_d[None, :]
+    o_qd = (i_bh * GQ + o_m[:, None]) * D + o_d[None, :]
+    b_q = tl.load(p_q + o_qd, mask=m_qd, other=0.0)  # [BQ, BD]
+    b_do = tl.load(p_do + o_qd, mask=m_qd, other=0.0)  # [BQ, BD]
+    b_dq = tl.zeros([BQ, BD], dtype=ACC)
+    for i_r in range(R):
+        o_chunk = (i_bh * R + i_r) * S * D
+        p_kr, p_vr, p_dkr, p_dvr = p_k + o_chunk, p_v + o_chunk, p_dk + o_chunk, p_dv + o_chunk
+        b_lse = tl.load(p_lse + (i_bh * R + i_r) * GQ + o_m, mask=m_m, other=0.0)  # [BQ]
+        b_w = tl.load(p_w + i_b * R + i_r).to(ACC)
+        b_delta = tl.zeros_like(b_lse)
+        if ONE_TILE:
+            b_dq, b_delta = _dq_tile(
+                b_q, b_do, b_dq, b_lse, b_delta, b_w, p_kr, p_vr, p_dkr, p_dvr, tl.arange(0, BS), m_m, o_d, m_d,
+                scale, qk_scale, S, D, ONE_TILE, DKDV, UPCAST, PREC, ACC,
+            )  # fmt: skip
+        else:  # a long chunk: delta_r needs every slot tile before the first dS
+            b_delta = _chunk_delta(b_q, b_do, p_kr, p_vr, b_lse, m_m, o_d, m_d, qk_scale, S, D, BS, UPCAST, PREC, ACC)
+            for i_s in range(0, S, BS):
+                b_dq, b_delta = _dq_tile(
+                    b_q, b_do, b_dq, b_lse, b_delta, b_w, p_kr, p_vr, p_dkr, p_dvr, i_s + tl.arange(0, BS), m_m, o_d,
+                    m_d, scale, qk_scale, S, D, ONE_TILE, DKDV, UPCAST, PREC, ACC,
+                )  # fmt: skip
+        if DKDV:
+            tl.store(p_delta_out + i_bh * R + i_r, tl.sum(b_delta, 0))
+        else:
+            tl.store(p_delta_out + (i_bh * R + i_r) * GQ + o_m, b_delta, mask=m_m)
+    tl.store(p_dq + o_qd, (b_dq * scale).to(p_dq.dtype.element_ty), mask=m_qd)
+
+
+@triton.jit
 def _gca_bwd_dq_kernel(
     p_q,  # [B*H, GQ, D]
     p_k,  # [B*H, R, S, D]
@@ -102,40 +219,12 @@ def _gca_bwd_dq_kernel(
     ACC: tl.constexpr,
 ):
     i_bh, i_q = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    i_b = i_bh // H
     o_m = i_q * BQ + tl.arange(0, BQ)
-    o_d = tl.arange(0, BD)
-    m_m = o_m < GQ
-    m_d = o_d < D
-
-    m_qd = m_m[:, None] & m_d[None, :]
-    o_qd = (i_bh * GQ + o_m[:, None]) * D + o_d[None, :]
-    b_q = tl.load(p_q + o_qd, mask=m_qd, other=0.0)  # [BQ, BD]
-    b_do = tl.load(p_do + o_qd, mask=m_qd, other=0.0)  # [BQ, BD]
-    b_dq = tl.zeros([BQ, BD], dtype=ACC)
-    for i_r in range(R):
-        p_kr = p_k + (i_bh * R + i_r) * S * D
-        p_vr = p_v + (i_bh * R + i_r) * S * D
-        b_lse = tl.load(p_lse + (i_bh * R + i_r) * GQ + o_m, mask=m_m, other=0.0)  # [BQ]
-        b_w = tl.load(p_w + i_b * R + i_r).to(ACC)
-        b_delta = tl.zeros_like(b_lse)
-        if not ONE_TILE:  # a long chunk: delta_r needs every slot tile before the first dS
-            b_delta = _chunk_delta(b_q, b_do, p_kr, p_vr, b_lse, m_m, o_d, m_d, qk_scale, S, D, BS, UPCAST, PREC, ACC)
-        for i_s in range(0, S, BS):
-            o_s = i_s + tl.arange(0, BS)
-            m_s = o_s < S
-            m_sd = m_s[:, None] & m_d[None, :]
-            b_k = tl.load(p_kr + o_s[:, None] * D + o_d[None, :], mask=m_sd, other=0.0)  # [BS, BD]
-            b_v = tl.load(p_vr + o_s[:, None] * D + o_d[None, :], mask=m_sd, other=0.0)  # [BS, BD]
-            b_p = _probs(b_q, b_k, b_lse, m_m[:, None] & m_s[None, :], qk_scale, UPCAST, PREC, ACC)
-            b_dp = tu.dot(b_do, tl.trans(b_v), UPCAST, PREC, ACC)  # [BQ, BS]
-            if ONE_TILE:  # the whole chunk is this tile: delta_r from the same P and dP
-                b_delta = tl.sum(b_p * b_dp, 1)
-            b_ds = b_w * b_p * (b_dp - b_delta[:, None])
-            # [BQ, BS] x [BS, BD]
-            b_dq += tu.dot(b_ds.to(b_k.dtype), b_k, UPCAST, PREC, ACC)
-        tl.store(p_delta + (i_bh * R + i_r) * GQ + o_m, b_delta, mask=m_m)
-    tl.store(p_dq + o_qd, (b_dq * scale).to(p_dq.dtype.element_ty), mask=m_qd)
+    # p_k, p_v stand in for the unused dk, dv pointers: nothing is stored there without DKDV.
+    _dq_rows(
+        p_q, p_k, p_v, p_w, p_do, p_lse, p_dq, p_k, p_v, i_bh, o_m, p_delta, scale, qk_scale, H, GQ, S, D, R,
+        BQ, BS, BD, ONE_TILE, False, UPCAST, PREC, ACC,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -167,47 +256,10 @@ def _gca_bwd_fused_kernel(
 ):
     # One program per (batch, kv head) with all GQ <= BQ rows: it alone reads and writes its chunks' gradients.
     i_bh = tl.program_id(0).to(tl.int64)
-    i_b = i_bh // H
-    o_m = tl.arange(0, BQ)
-    o_d = tl.arange(0, BD)
-    m_m = o_m < GQ
-    m_d = o_d < D
-
-    m_qd = m_m[:, None] & m_d[None, :]
-    o_qd = (i_bh * GQ + o_m[:, None]) * D + o_d[None, :]
-    b_q = tl.load(p_q + o_qd, mask=m_qd, other=0.0)  # [BQ, BD]
-    b_do = tl.load(p_do + o_qd, mask=m_qd, other=0.0)  # [BQ, BD]
-    b_dq = tl.zeros([BQ, BD], dtype=ACC)
-    for i_r in range(R):
-        p_kr = p_k + (i_bh * R + i_r) * S * D
-        p_vr = p_v + (i_bh * R + i_r) * S * D
-        b_lse = tl.load(p_lse + (i_bh * R + i_r) * GQ + o_m, mask=m_m, other=0.0)  # [BQ]
-        b_w = tl.load(p_w + i_b * R + i_r).to(ACC)
-        b_delta = tl.zeros_like(b_lse)
-        if not ONE_TILE:
-            b_delta = _chunk_delta(b_q, b_do, p_kr, p_vr, b_lse, m_m, o_d, m_d, qk_scale, S, D, BS, UPCAST, PREC, ACC)
-        for i_s in range(0, S, BS):
-            o_s = i_s + tl.arange(0, BS)
-            m_s = o_s < S
-            m_sd = m_s[:, None] & m_d[None, :]
-            o_sd = o_s[:, None] * D + o_d[None, :]
-            b_k = tl.load(p_kr + o_sd, mask=m_sd, other=0.0)  # [BS, BD]
-            b_v = tl.load(p_vr + o_sd, mask=m_sd, other=0.0)  # [BS, BD]
-            b_p = _probs(b_q, b_k, b_lse, m_m[:, None] & m_s[None, :], qk_scale, UPCAST, PREC, ACC)
-            b_dp = tu.dot(b_do, tl.trans(b_v), UPCAST, PREC, ACC)  # [BQ, BS]
-            if ONE_TILE:
-                b_delta = tl.sum(b_p * b_dp, 1)
-            b_pw = b_w * b_p  # w_r P
-            b_ds = b_pw * (b_dp - b_delta[:, None])
-            # [BS, BQ] x [BQ, BD]: every row reading these slots is in this tile, so dv and dk are complete.
-            b_dv = tu.dot(tl.trans(b_pw).to(b_do.dtype), b_do, UPCAST, PREC, ACC)
-            b_dk = tu.dot(tl.trans(b_ds).to(b_q.dtype), b_q, UPCAST, PREC, ACC)
-            tl.store(p_dv + (i_bh * R + i_r) * S * D + o_sd, b_dv.to(p_dv.dtype.element_ty), mask=m_sd)
-            tl.store(p_dk + (i_bh * R + i_r) * S * D + o_sd, (b_dk * scale).to(p_dk.dtype.element_ty), mask=m_sd)
-            # [BQ, BS] x [BS, BD]
-            b_dq += tu.dot(b_ds.to(b_k.dtype), b_k, UPCAST, PREC, ACC)
-        tl.store(p_dw + i_bh * R + i_r, tl.sum(b_delta, 0))
-    tl.store(p_dq + o_qd, (b_dq * scale).to(p_dq.dtype.element_ty), mask=m_qd)
+    _dq_rows(
+        p_q, p_k, p_v, p_w, p_do, p_lse, p_dq, p_dk, p_dv, i_bh, tl.arange(0, BQ), p_dw, scale, qk_scale, H, GQ, S,
+        D, R, BQ, BS, BD, ONE_TILE, True, UPCAST, PREC, ACC,
+    )  # fmt: skip
 
 
 @triton.jit

@@ -18,6 +18,43 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _fwd_tile(
+    b_q,
+    b_m,
+    b_l,
+    b_or,
+    p_kr,
+    p_vr,
+    o_s,
+    o_d,
+    m_d,
+    qk_scale,
+    S,
+    D,
+    UPCAST: tl.constexpr,
+    PREC: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """One online-softmax step over the slot tile ``o_s`` of a chunk: the updated running max, denominator and
+    unnormalised output."""
+    m_s = o_s < S
+    m_sd = m_s[:, None] & m_d[None, :]
+    b_k = tl.load(p_kr + o_s[:, None] * D + o_d[None, :], mask=m_sd, other=0.0)  # [BS, BD]
+    b_v = tl.load(p_vr + o_s[:, None] * D + o_d[None, :], mask=m_sd, other=0.0)  # [BS, BD]
+    # [BQ, BD] x [BD, BS]
+    b_s = tu.dot(b_q, tl.trans(b_k), UPCAST, PREC, ACC) * qk_scale
+    b_s = tl.where(m_s[None, :], b_s, float("-inf"))
+    # Every chunk has S >= 1 slots, so the first tile holds a finite logit and b_m_new is finite.
+    b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+    b_p = tl.exp2(b_s - b_m_new[:, None])
+    b_alpha = tl.exp2(b_m - b_m_new)
+    b_l = b_l * b_alpha + tl.sum(b_p, 1)
+    # [BQ, BS] x [BS, BD]
+    b_or = b_or * b_alpha[:, None] + tu.dot(b_p.to(b_v.dtype), b_v, UPCAST, PREC, ACC)
+    return b_m_new, b_l, b_or
+
+
+@triton.jit
 def _gca_fwd_kernel(
     p_q,  # [B*H, GQ, D]
     p_k,  # [B*H, R, S, D]
@@ -36,6 +73,7 @@ def _gca_fwd_kernel(
     BQ: tl.constexpr,
     BS: tl.constexpr,
     BD: tl.constexpr,
+    ONE_TILE: tl.constexpr,  # S <= BS
     UPCAST: tl.constexpr,
     PREC: tl.constexpr,
     ACC: tl.constexpr,
@@ -63,23 +101,16 @@ def _gca_fwd_kernel(
             b_m = tl.full([BQ], float("-inf"), dtype=ACC)
             b_l = tl.zeros([BQ], dtype=ACC)
         b_or = tl.zeros([BQ, BD], dtype=ACC)
-        for i_s in range(0, S, BS):
-            o_s = i_s + tl.arange(0, BS)
-            m_s = o_s < S
-            m_sd = m_s[:, None] & m_d[None, :]
-            b_k = tl.load(p_kr + o_s[:, None] * D + o_d[None, :], mask=m_sd, other=0.0)  # [BS, BD]
-            b_v = tl.load(p_vr + o_s[:, None] * D + o_d[None, :], mask=m_sd, other=0.0)  # [BS, BD]
-            # [BQ, BD] x [BD, BS]
-            b_s = tu.dot(b_q, tl.trans(b_k), UPCAST, PREC, ACC) * qk_scale
-            b_s = tl.where(m_s[None, :], b_s, float("-inf"))
-            # Every chunk has S >= 1 slots, so the first tile holds a finite logit and b_m_new is finite.
-            b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
-            b_p = tl.exp2(b_s - b_m_new[:, None])
-            b_alpha = tl.exp2(b_m - b_m_new)
-            b_l = b_l * b_alpha + tl.sum(b_p, 1)
-            # [BQ, BS] x [BS, BD]
-            b_or = b_or * b_alpha[:, None] + tu.dot(b_p.to(b_v.dtype), b_v, UPCAST, PREC, ACC)
-            b_m = b_m_new
+        if ONE_TILE:
+            # No slot loop: the chunk loop is innermost, so Triton's pipeliner prefetches the next chunk's K and V.
+            b_m, b_l, b_or = _fwd_tile(
+                b_q, b_m, b_l, b_or, p_kr, p_vr, tl.arange(0, BS), o_d, m_d, qk_scale, S, D, UPCAST, PREC, ACC
+            )
+        else:
+            for i_s in range(0, S, BS):
+                b_m, b_l, b_or = _fwd_tile(
+                    b_q, b_m, b_l, b_or, p_kr, p_vr, i_s + tl.arange(0, BS), o_d, m_d, qk_scale, S, D, UPCAST, PREC, ACC
+                )
         b_w = tl.load(p_w + i_b * R + i_r).to(ACC)
         b_o += b_or * (b_w / b_l)[:, None]
         if SAVE_LSE:
@@ -121,7 +152,13 @@ def fwd_launch(
             D,
             R,
         ),
-        dict(OFF_BY_ONE=softmax_off_by_one, SAVE_LSE=save_lse, **blocks.meta(), **tu.kernel_flags(q.dtype)),
+        dict(
+            OFF_BY_ONE=softmax_off_by_one,
+            SAVE_LSE=save_lse,
+            ONE_TILE=S <= blocks.BS,
+            **blocks.meta(),
+            **tu.kernel_flags(q.dtype),
+        ),
     )
 
 

@@ -32,24 +32,29 @@ INTERPRETER_ONLY_DTYPES = (torch.float64,)  # fp64 tl.dot/exp2 are only exercise
 MAX_BLOCK_Q = 64
 MAX_BLOCK_S = 64
 
-# (query rows, memory slots, warps) per (kernel, padded head dim) for fp16/bf16; the query-row tile is the
-# largest allowed, smaller when G * Q is. Forward and dk/dv: chosen from the sm_90/sm_80 compile table
-# (docs/results/gpu-compile.md, make test-gpu-compile), the largest tiles that compile without a spill on both
-# targets, preferring >= 3 programs per SM; 32 slots (a chunk shorter than that is masked). The fused backward
-# takes 64 slots, so a chunk of S <= 64 (DRT: 63 or 64) is one tile and its delta needs no pass of its own, and
-# needs every one of the G * Q rows of a kv head in one tile: 64 at both head dims.
+# (query rows, memory slots, warps, pipeline stages) per (kernel, padded head dim) for fp16/bf16; the query-row
+# tile is the largest allowed, smaller when G * Q is. Chosen from sm_90/sm_80 compiles (registers, spills; the
+# table is docs/results/gpu-compile.md, make test-gpu-compile), never timed. The forward, dq and dk/dv take the
+# largest tiles that compile without a spill on both targets, preferring >= 3 programs per SM, with 32 slots
+# (64-slot forward and dq tiles spill 12-20 bytes on one target or the other). The fused backward needs all G * Q
+# rows of a kv head in one tile (64) and takes 64 slots at D = 64, so a DRT chunk (S = 63 or 64) is one tile: its
+# delta needs no pass of its own, and with no slot loop the chunk loop is innermost, where Triton's pipeliner
+# prefetches the next chunk. It needs 8 warps there (4 spill on sm_90; 8 still spill on sm_80); at D = 128 it
+# takes 16 slots (no spill on either target). ``pipeline/bench/kernels.py --sweep-tiles`` times
+# ``tile_candidates`` on a GPU, to replace these by measured winners.
 HALF_TILES = {
-    ("fwd", 64): (64, 32, 4),
-    ("decode", 64): (64, 32, 4),
-    ("bwd_dq", 64): (32, 32, 4),
-    ("bwd_dkdv", 64): (64, 32, 4),
-    ("bwd_fused", 64): (64, 64, 4),
-    ("fwd", 128): (32, 32, 8),
-    ("decode", 128): (32, 32, 8),
-    ("bwd_dq", 128): (16, 32, 8),
-    ("bwd_dkdv", 128): (64, 32, 8),
-    ("bwd_fused", 128): (64, 64, 8),
+    ("fwd", 64): (64, 32, 4, 2),
+    ("decode", 64): (64, 32, 4, 2),
+    ("bwd_dq", 64): (32, 32, 4, 2),
+    ("bwd_dkdv", 64): (64, 32, 4, 2),
+    ("bwd_fused", 64): (64, 64, 8, 2),
+    ("fwd", 128): (32, 32, 8, 2),
+    ("decode", 128): (32, 32, 8, 2),
+    ("bwd_dq", 128): (16, 32, 8, 2),
+    ("bwd_dkdv", 128): (64, 32, 8, 2),
+    ("bwd_fused", 128): (64, 16, 8, 2),
 }
+KERNELS = ("fwd", "decode", "bwd_dq", "bwd_dkdv", "bwd_fused")
 # fp32 (and interpreter-only fp64) dots are exact IEEE products on the FMA units, not tensor cores: every live
 # tile costs twice the registers, so the tiles are the smallest tl.dot allows. ptxas, left to itself, trades a few
 # spilled bytes for occupancy on these kernels; FULL_REGISTERS lets it use all 255 instead (no spill in the table).
@@ -104,14 +109,32 @@ def block_sizes(GQ: int, S: int, D: int, dtype: torch.dtype, kernel: str) -> Blo
     if dtype in (torch.float32, torch.float64):
         tile = min(WIDE_TILE, MAX_BLOCK_Q, MAX_BLOCK_S)
         return Blocks(BQ=tile, BS=tile, BD=BD, num_warps=8 if BD > 64 else 4, maxnreg=FULL_REGISTERS)
-    cap, BS, num_warps = HALF_TILES[(kernel, 64 if BD <= 64 else 128)]
+    cap, BS, num_warps, num_stages = HALF_TILES[(kernel, 64 if BD <= 64 else 128)]
     BQ = min(cap, MAX_BLOCK_Q, max(16, triton.next_power_of_2(GQ)))
-    return Blocks(BQ=BQ, BS=min(BS, MAX_BLOCK_S), BD=BD, num_warps=num_warps)
+    return Blocks(BQ=BQ, BS=min(BS, MAX_BLOCK_S), BD=BD, num_warps=num_warps, num_stages=num_stages)
 
 
 def fused_backward(GQ: int, S: int, D: int, dtype: torch.dtype) -> bool:
     """Whether the backward takes the fused kernel: its query tile holds all ``GQ`` rows of a kv head."""
     return block_sizes(GQ, S, D, dtype, "bwd_fused").BQ >= GQ
+
+
+def tile_candidates(GQ: int, D: int, kernel: str) -> list[Blocks]:
+    """The fp16/bf16 tiles ``--sweep-tiles`` times for ``kernel``: 32 or 64 query rows (fewer when there are
+    fewer; the fused backward: one tile of all ``GQ`` rows), 32 or 64 slots, 4 or 8 warps, 2 or 3 pipeline
+    stages; the fused backward, heavy on registers, also 16 slots and 1 stage."""
+    BD = max(16, triton.next_power_of_2(D))
+    rows = min(MAX_BLOCK_Q, max(16, triton.next_power_of_2(GQ)))
+    fused = kernel == "bwd_fused"
+    query_tiles = [rows] if fused else sorted({min(bq, rows) for bq in (32, 64)})
+    slot_tiles = [bs for bs in ((16, 32, 64) if fused else (32, 64)) if bs <= MAX_BLOCK_S]
+    return [
+        Blocks(BQ=bq, BS=bs, BD=BD, num_warps=warps, num_stages=stages)
+        for bq in query_tiles
+        for bs in slot_tiles
+        for warps in (4, 8)
+        for stages in ((1, 2) if fused else (2, 3))
+    ]
 
 
 def alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

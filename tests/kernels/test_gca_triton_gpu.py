@@ -2,7 +2,8 @@
 
 Shapes follow DRT: B = batch x chunks = 64, HQ = 12, Q = S + 1 = 65 query rows (landmark
 included, the row the official kernel left uninitialised), S = 64 slots, R = 8 chunks, D = 64, plus GQA, R = 1,
-decode-sized Q, S = 63 and D = 128. Same tolerance rule as the CPU tier (``gca_checks``) and NaN-poisoned outputs.
+decode-sized Q, S = 63 and D = 128, through both backward layouts (fused when G * Q <= 64, else split). Same
+tolerance rule as the CPU tier (``gca_checks``) and NaN-poisoned outputs.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ CASES = [
     (64, 12, 4, 2, 64, 8, 64, False),
     (16, 8, 8, 65, 64, 4, 128, True),
     (16, 8, 2, 33, 100, 3, 96, False),
+    # The fused backward (all G*Q rows in one query tile): the benchmark's shape, and D = 128 (16-slot tiles).
+    (64, 12, 12, 64, 64, 8, 64, False),
+    (16, 8, 8, 64, 64, 4, 128, True),
 ]
 
 
