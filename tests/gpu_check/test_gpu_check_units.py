@@ -133,7 +133,7 @@ def test_kernel_stage_and_make_bench_kernels_run_one_benchmark(tmp_path, capsys)
     result = stage.parse()
     assert set(result["impls"]) == {"triton_gca", "naive_gca", "sdpa_flash_flattened"}
     assert result["max_abs_err_vs_naive"] < 1e-4 and result["targets"]["judged"] is False
-    assert set(result["speedup_vs_naive"]) == set(result["time_vs_flash"]) == {"fwd", "fwd_bwd"}
+    assert set(result["speedup_vs_naive"]) == set(result["time_vs_flash"]) == {"fwd", "fwd_bwd", "bwd"}
 
     assert kernels.main(["--tiny"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -141,7 +141,7 @@ def test_kernel_stage_and_make_bench_kernels_run_one_benchmark(tmp_path, capsys)
     assert [line[:30].strip() for line in lines[2:]] == [
         "triton (fused GCA)",
         "naive_gca (fp32 einsum)",
-        "SDPA (flattened keys)",
+        "SDPA flash (flattened keys)",
     ]
 
 
