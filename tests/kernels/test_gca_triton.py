@@ -36,6 +36,8 @@ CASES = [
     (1, 2, 1, 20, 40, 2, 16, True, True),
     # One query tile holds all G*Q = 12 rows (fused backward), the 40 slots take three 16-slot tiles.
     (2, 3, 1, 4, 40, 2, 16, True, True),
+    # DRT's per-head shape at a small D: half precision runs the fused backward on full 64-row, 64-slot tiles.
+    (1, 2, 2, 64, 63, 2, 16, False, False),
 ]
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
