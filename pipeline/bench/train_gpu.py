@@ -181,7 +181,8 @@ def run_all(cpu: bool, args: list[str], timeout_s: float, out_json: Path | None)
                 continue
 
             def fmt(value: float | None, spec: str) -> str:
-                return "-" if value is None else format(value, spec)
+                width = int(spec[1:].split(".")[0].rstrip("%"))  # ">6.1%" -> 6: a "-" as wide as a number
+                return format("-", f">{width}") if value is None else format(value, spec)
 
             print(
                 f"{arch:>4} | {engine:>6} | {r['first_step_s']:>7.1f} | {r['step_s'] * 1e3:>8.1f} | "
