@@ -191,7 +191,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     are ``[P, D/2]``, in their dtype."""
     dtype = cos.dtype
     cos, sin = cos[:, None, :], sin[:, None, :]  # [P, 1, D/2]
-    x1, x2 = x.to(dtype)[..., 0::2], x.to(dtype)[..., 1::2]
+    x1, x2 = x.to(dtype).unflatten(-1, (-1, 2)).unbind(-1)  # a view: its backward is one stack, not two slices
     out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)  # [..., P, H, D/2, 2]
     return out.flatten(-2).to(x.dtype)
 
