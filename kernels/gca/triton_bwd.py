@@ -7,12 +7,11 @@ With ``O = sum_r w_r O_r`` and ``O_r = P_r V_r``, the chunk-``r`` softmax sees t
     dweights[b, r] = sum over heads and rows of delta_r          (d O / d w_r = O_r)
     dS_r = P_r * (dO_r V_r^T - w_r delta_r) = w_r P_r * (dO V_r^T - delta_r)   (FlashAttention's D_i, scaled)
 
-``O_r`` is never stored (it would cost R times the output), and neither is ``delta_r`` (it needs ``dO``): the
-backward gets it as the row sum of ``P_r * dP_r``, from the two products it computes anyway. When a chunk's
-``S`` slots fit in one slot tile (``S <= BS``; DRT's ``S = 63/64`` with 64-slot tiles) the whole row of
-``P_r`` and ``dP_r`` is in registers, so ``delta_r`` and ``dS_r`` come out of one pass: 3 dots per (query
-tile, chunk) for ``dq``. Longer chunks take a first pass over their slot tiles for ``delta_r`` (2 dots per tile),
-then the ``dS`` pass.
+``O_r`` is never stored (it would cost R times the output), and neither is ``delta_r`` (it needs ``dO``). When a
+chunk's ``S`` slots fit in one slot tile (``S <= BS``; DRT's ``S = 63/64`` with 64-slot tiles) the whole row of
+``P_r`` and ``dP_r`` is in registers, so ``delta_r`` is their row sum, from the two products the ``dS`` pass
+computes anyway: 3 dots per (query tile, chunk) for ``dq``. Longer chunks take a first pass over their slot tiles
+that recomputes ``O_r`` (2 dots per tile), then the ``dS`` pass.
 
 Two layouts:
 
@@ -62,8 +61,9 @@ def _chunk_delta(
     PREC: tl.constexpr,
     ACC: tl.constexpr,
 ):
-    """``delta_r = rowsum(P_r * dP_r)`` over all slot tiles of chunk ``r`` (the first pass of a long chunk)."""
-    b_delta = tl.zeros_like(b_lse)
+    """``delta_r = <dO, O_r>`` with ``O_r`` recomputed over all slot tiles of chunk ``r`` (the first pass of a
+    long chunk; a [BQ, BD] accumulator holds fewer registers here than row sums of ``P * dP`` built tile by tile)."""
+    b_or = tl.zeros_like(b_do).to(ACC)
     for i_s in range(0, S, BS):
         o_s = i_s + tl.arange(0, BS)
         m_s = o_s < S
@@ -71,9 +71,9 @@ def _chunk_delta(
         b_k = tl.load(p_kr + o_s[:, None] * D + o_d[None, :], mask=m_sd, other=0.0)  # [BS, BD]
         b_v = tl.load(p_vr + o_s[:, None] * D + o_d[None, :], mask=m_sd, other=0.0)  # [BS, BD]
         b_p = _probs(b_q, b_k, b_lse, m_m[:, None] & m_s[None, :], qk_scale, UPCAST, PREC, ACC)
-        b_dp = tu.dot(b_do, tl.trans(b_v), UPCAST, PREC, ACC)  # [BQ, BS]
-        b_delta += tl.sum(b_p * b_dp, 1)
-    return b_delta
+        # [BQ, BS] x [BS, BD]
+        b_or += tu.dot(b_p.to(b_v.dtype), b_v, UPCAST, PREC, ACC)
+    return tl.sum(b_do.to(ACC) * b_or, 1)
 
 
 @triton.jit

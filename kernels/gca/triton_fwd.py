@@ -4,6 +4,11 @@ For each retrieved chunk ``r`` the program runs a FlashAttention-2 online softma
 (base 2: logits are pre-multiplied by ``log2(e)``), normalises it, and adds ``w[b, r] * O_r`` to the output
 accumulator, so no ``[R, S]`` tensor per query ever reaches memory. With ``SAVE_LSE`` it stores the per-(row,
 chunk) log-sum-exp (base 2) that the backward uses to recompute the probabilities.
+
+The chunks' slot tiles are one flat loop of ``R * ceil(S / BS)`` trips (16 at the DRT shape), not a chunk loop
+around a slot loop of 2: Triton's pipeliner prefetches across a chunk boundary as within a chunk, and a loop of
+two trips gives it nothing to overlap. The last tile of a chunk folds it into the output and restarts the
+softmax statistics.
 """
 
 from __future__ import annotations
@@ -73,7 +78,6 @@ def _gca_fwd_kernel(
     BQ: tl.constexpr,
     BS: tl.constexpr,
     BD: tl.constexpr,
-    ONE_TILE: tl.constexpr,  # S <= BS
     UPCAST: tl.constexpr,
     PREC: tl.constexpr,
     ACC: tl.constexpr,
@@ -89,32 +93,32 @@ def _gca_fwd_kernel(
     m_qd = m_m[:, None] & m_d[None, :]
     b_q = tl.load(p_q + (i_bh * GQ + o_m[:, None]) * D + o_d[None, :], mask=m_qd, other=0.0)  # [BQ, BD]
     b_o = tl.zeros([BQ, BD], dtype=ACC)
-    for i_r in range(R):
-        p_kr = p_k + (i_bh * R + i_r) * S * D
-        p_vr = p_v + (i_bh * R + i_r) * S * D
-        if OFF_BY_ONE:
-            # The "+1" is a virtual slot with logit 0 and value 0: it seeds the running max with 0 and the
-            # denominator with 2**0 = 1, so later rescaling keeps it (a max seeded with -inf would wipe it out).
-            b_m = tl.zeros([BQ], dtype=ACC)
-            b_l = tl.full([BQ], 1.0, dtype=ACC)
-        else:
-            b_m = tl.full([BQ], float("-inf"), dtype=ACC)
-            b_l = tl.zeros([BQ], dtype=ACC)
-        b_or = tl.zeros([BQ, BD], dtype=ACC)
-        if ONE_TILE:
-            # No slot loop: the chunk loop is innermost, so Triton's pipeliner prefetches the next chunk's K and V.
-            b_m, b_l, b_or = _fwd_tile(
-                b_q, b_m, b_l, b_or, p_kr, p_vr, tl.arange(0, BS), o_d, m_d, qk_scale, S, D, UPCAST, PREC, ACC
-            )
-        else:
-            for i_s in range(0, S, BS):
-                b_m, b_l, b_or = _fwd_tile(
-                    b_q, b_m, b_l, b_or, p_kr, p_vr, i_s + tl.arange(0, BS), o_d, m_d, qk_scale, S, D, UPCAST, PREC, ACC
-                )
-        b_w = tl.load(p_w + i_b * R + i_r).to(ACC)
-        b_o += b_or * (b_w / b_l)[:, None]
-        if SAVE_LSE:
-            tl.store(p_lse + (i_bh * R + i_r) * GQ + o_m, b_m + tl.log2(b_l), mask=m_m)
+    if OFF_BY_ONE:
+        # The "+1" is a virtual slot with logit 0 and value 0: it seeds the running max with 0 and the
+        # denominator with 2**0 = 1, so later rescaling keeps it (a max seeded with -inf would wipe it out).
+        m_init = tl.zeros([BQ], dtype=ACC)
+        l_init = tl.full([BQ], 1.0, dtype=ACC)
+    else:
+        m_init = tl.full([BQ], float("-inf"), dtype=ACC)
+        l_init = tl.zeros([BQ], dtype=ACC)
+    b_m, b_l = m_init, l_init
+    b_or = tl.zeros([BQ, BD], dtype=ACC)
+    n_s = tl.cdiv(S, BS)
+    for i_t in range(R * n_s):
+        i_r = i_t // n_s
+        i_s = (i_t - i_r * n_s) * BS
+        o_chunk = (i_bh * R + i_r) * S * D
+        b_m, b_l, b_or = _fwd_tile(
+            b_q, b_m, b_l, b_or, p_k + o_chunk, p_v + o_chunk, i_s + tl.arange(0, BS), o_d, m_d, qk_scale, S, D,
+            UPCAST, PREC, ACC,
+        )  # fmt: skip
+        if i_s + BS >= S:  # the chunk's last slot tile: b_m, b_l, b_or are final
+            b_w = tl.load(p_w + i_b * R + i_r).to(ACC)
+            b_o += b_or * (b_w / b_l)[:, None]
+            if SAVE_LSE:
+                tl.store(p_lse + (i_bh * R + i_r) * GQ + o_m, b_m + tl.log2(b_l), mask=m_m)
+            b_m, b_l = m_init, l_init
+            b_or = tl.zeros([BQ, BD], dtype=ACC)
     tl.store(p_o + (i_bh * GQ + o_m[:, None]) * D + o_d[None, :], b_o.to(p_o.dtype.element_ty), mask=m_qd)
 
 
@@ -155,7 +159,6 @@ def fwd_launch(
         dict(
             OFF_BY_ONE=softmax_off_by_one,
             SAVE_LSE=save_lse,
-            ONE_TILE=S <= blocks.BS,
             **blocks.meta(),
             **tu.kernel_flags(q.dtype),
         ),
