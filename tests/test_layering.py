@@ -179,7 +179,9 @@ def test_library_never_starts_launch_scripts(package):
 
 _ROOT_MODULES = [
     ("pipeline.bench.cp", "ROOT"),
+    ("pipeline.bench.step_ops", "ROOT"),
     ("pipeline.bench.train", "ROOT"),
+    ("pipeline.bench.train_gpu", "ROOT"),
     ("pipeline.demos.demo", "ROOT"),
     ("pipeline.demos.demo_lm", "ROOT"),
     ("pipeline.gpucheck.cli", "ROOT"),

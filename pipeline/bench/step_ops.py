@@ -123,14 +123,57 @@ def count_ops(fn: Callable[[], Any]) -> StepOps:
     return seen
 
 
+_PROFILER_NON_KERNELS = frozenset(
+    {
+        *(name.replace("aten.", "aten::") for name in _METADATA_OPS),
+        *(
+            f"aten::{name}"
+            for name in (
+                "view as_strided transpose t expand expand_as reshape _reshape_alias permute unsqueeze squeeze slice "
+                "select narrow unflatten flatten unbind split chunk view_as resolve_conj resolve_neg result_type "
+                "detach_ contiguous to type_as linear matmul einsum _local_scalar_dense item is_nonzero"
+            ).split()
+        ),
+    }
+)
+"""ATen events of the profiler that launch nothing themselves: views, allocations, and composites whose parts
+are recorded as their own events."""
+
+
+def profiled_kernels(fn: Callable[[], Any]) -> int:
+    """Kernels of ``fn`` as ``torch.profiler`` records them: the innermost ATen events that compute (an operator
+    built of others counts as its parts) plus every kernel inductor generated (``cpp_fused_*`` on CPU, recorded
+    when compiled with ``cpp.enable_kernel_profile``; ``triton_*`` on a GPU).
+
+    The count for compiled code: under a ``TorchDispatchMode`` (``count_ops``) the compiled blocks did not run
+    their inductor kernels here, the counts were the eager ones; the profiler sees them.
+    """
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    events = prof.events()
+    computing = [e for e in events if e.name.startswith("aten::") and e.name not in _PROFILER_NON_KERNELS]
+    outer = set()
+    for event in computing:
+        parent = event.cpu_parent
+        while parent is not None:
+            outer.add(id(parent))
+            parent = parent.cpu_parent
+    generated = sum(1 for e in events if "cpp_fused" in e.name or e.name.startswith("triton_"))
+    return sum(1 for e in computing if id(e) not in outer) + generated
+
+
 TINY_CONFIG = "configs/train/tiny.yaml"
 """The model whose step is counted: the tiny run's (d_model 128, 2 lower + 2 upper + 1 encoder layers)."""
 
 
-def step_ops(arch: str, seq_len: int = 256, batch: int = 1) -> dict[str, Any]:
+def step_ops(arch: str, seq_len: int = 256, batch: int = 1, compiled: bool = False) -> dict[str, Any]:
     """Operators of one training step of ``configs/train/tiny.yaml``'s model as ``model.arch=arch`` on random
     tokens, after one warm-up step: forward + backward (the trainer's chunked loss), then the trainer's AdamW step
-    in its multi-tensor form (what torch picks for CUDA parameters), each counted on its own."""
+    in its multi-tensor form (what torch picks for CUDA parameters), each counted on its own; and the profiler's
+    kernel count of forward + backward (``profiled_kernels``).
+
+    ``compiled``: the blocks compiled as ``train.compile=blocks`` does (inductor; minutes on CPU), and only the
+    profiler's count, the one that sees compiled code."""
     from model import build_model
     from pipeline.train.config import load_config
     from pipeline.train.optim import build_optimizer
@@ -150,12 +193,27 @@ def step_ops(arch: str, seq_len: int = 256, batch: int = 1) -> dict[str, Any]:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    if compiled:
+        import torch._inductor.config as inductor_config
+
+        from pipeline.train.parallel import compile_blocks
+
+        compile_blocks(model)
+        with inductor_config.patch({"cpp.enable_kernel_profile": True}):
+            forward_backward()  # compiles
+        optimizer_step()
+        kernels = profiled_kernels(forward_backward)
+        return {"arch": arch, "seq_len": seq_len, "compiled": True, "forward_backward_kernels": kernels}
     forward_backward()
+    optimizer_step()
+    kernels = profiled_kernels(forward_backward)
     optimizer_step()
     fb, op = count_ops(forward_backward), count_ops(optimizer_step)
     return {
         "arch": arch,
         "seq_len": seq_len,
+        "compiled": False,
+        "forward_backward_kernels": kernels,
         "forward_backward_ops": fb.total,
         "optimizer_ops": op.total,
         "step_ops": fb.total + op.total,

@@ -112,21 +112,26 @@ def trainer_throughput(data: str, steps: int) -> tuple[float, float]:
         return _median_tokens_per_s(single), _median_tokens_per_s(ds)
 
 
-def op_count_table(out: TextIO, seq_len: int = 256) -> None:
-    """Part 0: per model, the operators of forward + backward and of the optimizer step, views apart, and the host
-    synchronisations of forward + backward."""
+def op_count_table(out: TextIO, seq_len: int = 256, compiled: bool = False) -> None:
+    """Part 0: per model, the operators of forward + backward and of the optimizer step, views apart, the host
+    synchronisations of forward + backward, and the profiler's kernel count of forward + backward, eager and (with
+    ``compiled``, minutes of inductor compiling on CPU) with ``train.compile=blocks``."""
     out.write(
         f"ATen operators per training step (CPU proxy of GPU kernel launches): {TINY_CONFIG} model, batch 1, "
-        f"{seq_len} tokens, multi-tensor AdamW\n\n"
+        f"{seq_len} tokens, multi-tensor AdamW; 'kernels': torch.profiler's count of fwd+bwd\n\n"
     )
-    header = f"{'model':>5} | {'fwd+bwd ops':>11} | {'optim ops':>9} | {'step ops':>8} | {'views':>5} | host syncs"
+    header = (
+        f"{'model':>5} | {'fwd+bwd ops':>11} | {'optim ops':>9} | {'step ops':>8} | {'views':>5} | "
+        f"{'kernels':>7} | {'compiled':>8} | host syncs"
+    )
     out.write(header + "\n" + "-" * len(header) + "\n")
     for kind in KINDS:
         r = step_ops(kind, seq_len)
+        fused = str(step_ops(kind, seq_len, compiled=True)["forward_backward_kernels"]) if compiled else "-"
         syncs = ", ".join(f"{k} {v}" for k, v in r["host_syncs"].items()) or "none"
         out.write(
             f"{kind:>5} | {r['forward_backward_ops']:>11} | {r['optimizer_ops']:>9} | {r['step_ops']:>8} | "
-            f"{r['views']:>5} | {syncs}\n"
+            f"{r['views']:>5} | {r['forward_backward_kernels']:>7} | {fused:>8} | {syncs}\n"
         )
     out.write("\n")
     out.flush()

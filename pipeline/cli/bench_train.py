@@ -1,6 +1,7 @@
 """ATen operators per training step, training step time of GCA vs sliding window vs full attention, and ZeRO-2 on
 2 processes vs 1:
-``python -m pipeline.cli.bench_train [--lengths 1024 4096 16384] [--repeats N] [--data DIR] [--steps N]``.
+``python -m pipeline.cli.bench_train [--lengths 1024 4096 16384] [--repeats N] [--data DIR] [--steps N]
+[--compiled]``.
 
 What is measured is described in ``pipeline/bench/train.py``; the results are printed as tables.
 """
@@ -21,13 +22,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--data", default="data/default", help="prepared dataset for the ZeRO-2 comparison")
     parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument(
+        "--compiled", action="store_true", help="also count the compiled step's kernels (minutes of compiling)"
+    )
     # One (kind, length) timed in this process, its result one JSON line: how each table cell is measured.
     parser.add_argument("--one", nargs=2, metavar=("KIND", "LENGTH"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
         sys.stdout.write(json.dumps(time_step(args.one[0], int(args.one[1]), args.repeats)) + "\n")
         return 0
-    op_count_table(sys.stdout)
+    op_count_table(sys.stdout, compiled=args.compiled)
     step_time_table(args.lengths, args.repeats, sys.stdout)
     zero2_comparison(args.data, args.steps, sys.stdout)
     return 0
