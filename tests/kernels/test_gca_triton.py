@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from gca_checks import assert_gca_close, make_inputs
+from gca_checks import FLOOR, RATIO, assert_gca_close, gca_in_dtype, make_inputs
 
 from kernels.gca import gca_attention, naive_gca
 from kernels.gca import triton_utils as tu
@@ -154,3 +154,22 @@ def test_cpu_without_interpreter_raises_in_fresh_process():
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "ValueError" in proc.stderr and "TRITON_INTERPRET=1" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("kernel", tu.KERNELS)
+def test_every_sweep_candidate_tile_matches_naive(kernel, monkeypatch):
+    """Each (query, slot) tile pair ``tile_candidates`` offers the GPU sweep, in the kernel it is for, gives the
+    naive result (warps and stages do not exist on the interpreter): a sweep winner can be committed as is."""
+    q, k, v, weights, do = make_inputs(1, 2, 2, 64, 40, 2, 16, torch.float16)  # G*Q = 64, S = 40
+    default = tu.block_sizes
+    pairs = {(b.BQ, b.BS): b for b in tu.tile_candidates(64, 16, kernel)}
+    monkeypatch.setattr(tu, "fused_backward", lambda *a: kernel == "bwd_fused")
+    for blocks in pairs.values():
+        monkeypatch.setattr(tu, "block_sizes", lambda *a, b=blocks: b if a[-1] == kernel else default(*a))
+        if kernel == "decode":  # forward only: the ratio rule of assert_gca_close on the output
+            truth = naive_gca(q.double(), k.double(), v.double(), weights.double(), softmax_off_by_one=True)
+            base = (gca_in_dtype(q, k, v, weights, softmax_off_by_one=True).double() - truth).abs().max()
+            err = (triton_gca_decode(q, k, v, weights, softmax_off_by_one=True).double() - truth).abs().max()
+            assert err <= RATIO * base + FLOOR[q.dtype] * max(1.0, truth.abs().max().item()), blocks
+        else:
+            assert_gca_close(triton_gca, q, k, v, weights, do, softmax_off_by_one=True)
