@@ -8,10 +8,10 @@ With ``O = sum_r w_r O_r`` and ``O_r = P_r V_r``, the chunk-``r`` softmax sees t
     dS_r = P_r * (dO_r V_r^T - w_r delta_r) = w_r P_r * (dO V_r^T - delta_r)   (FlashAttention's D_i, scaled)
 
 ``O_r`` is never stored (it would cost R times the output), and neither is ``delta_r`` (it needs ``dO``). When a
-chunk's ``S`` slots fit in one slot tile (``S <= BS``; DRT's ``S = 63/64`` with 64-slot tiles) the whole row of
-``P_r`` and ``dP_r`` is in registers, so ``delta_r`` is their row sum, from the two products the ``dS`` pass
-computes anyway: 3 dots per (query tile, chunk) for ``dq``. Longer chunks take a first pass over their slot tiles
-that recomputes ``O_r`` (2 dots per tile), then the ``dS`` pass.
+chunk's ``S`` slots fit in one slot tile (``S <= BS``; DRT's ``S = 63/64`` in the fused kernel's 64-slot tiles,
+see ``triton_utils.HALF_TILES``) the whole row of ``P_r`` and ``dP_r`` is in registers, so ``delta_r`` is their
+row sum, from the two products the ``dS`` pass computes anyway: 3 dots per (query tile, chunk) for ``dq``. Longer
+chunks take a first pass over their slot tiles that recomputes ``O_r`` (2 dots per tile), then the ``dS`` pass.
 
 Two layouts:
 
