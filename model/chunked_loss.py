@@ -54,7 +54,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(device, enabled=False):
             hc, wc = h.to(dtype), weight.to(dtype)
             parts = []
-            grad_h = torch.empty_like(h) if want_h else None
+            grad_h = torch.empty(h.shape, dtype=h.dtype, device=h.device) if want_h else None  # rows contiguous
             grad_w: torch.Tensor | None = None
             minus_one = torch.full((min(rows, h.shape[0]), 1), -1.0, device=h.device) if want_h or want_w else None
             for s in range(0, h.shape[0], rows):
