@@ -40,6 +40,7 @@ def run(model, steps):
 
 def compiled_vs_eager(arch, backend):
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # graph breaks are counted process-wide: only this test's count
     torch.manual_seed(0)
     eager = build_model(tiny_config(arch=arch, n_lower_layers=2, groups=[2], gumbel_topk=True))
     compiled = copy.deepcopy(eager)
