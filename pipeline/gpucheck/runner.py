@@ -91,7 +91,8 @@ def source_info(stamp: Path | None = None) -> dict:
     except (OSError, ValueError):
         return {
             "commit": None,
-            "from": f"no .git and no readable {stamp}: run `python3 launch/gpu_check.py --stamp` before carrying",
+            "from": f"no .git and no readable {stamp}: run `make gpu-stamp` (or launch/gpu_check.py --stamp) "
+            "before carrying",
         }
 
 
