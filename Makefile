@@ -9,7 +9,7 @@ PYTEST := $(PY) -m pytest -q
 # The default CPU tier: everything not behind a heavier marker.
 DEFAULT_MARKERS := not slow and not gpu and not dist and not slurm and not multinode
 
-.PHONY: install lint format typecheck test test-slow test-dist test-gpu test-kernels test-reliability test-slurm test-multinode preflight demo demo-16m demo-multihop demo-smoke demo-lm demo-lm-smoke demo-cpt demo-cpt-smoke prep bench bench-train bench-kernels bench-cp bench-reader bench-prep test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv gpu-wheels gpu-check gpu-stamp gpu-publish demo-lm-gpu test-gpu-wheels test-gpu-check test-gpu-compile reference-curves
+.PHONY: install lint format typecheck test test-slow test-dist test-gpu test-kernels test-reliability test-slurm test-multinode preflight demo demo-16m demo-multihop demo-smoke demo-lm demo-lm-smoke demo-cpt demo-cpt-smoke prep bench bench-train bench-kernels bench-cp bench-reader bench-prep test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv gpu-wheels gpu-check gpu-stamp gpu-publish demo-lm-gpu bench-gpu test-gpu-wheels test-gpu-check test-gpu-compile reference-curves
 
 install: $(STAMP)
 
@@ -121,6 +121,12 @@ bench-eval: install
 bench-train: install ds-warmup
 	@test -f data/default/_COMPLETE || $(PY) launch/prep.py --config configs/data/default.yaml
 	$(PY) launch/bench_train.py $(ARGS)
+
+# The training step on one CUDA GPU (docs/benchmarks.md, make bench-gpu): gca / swa / full x plain / ZeRO-1 / FSDP2,
+# step time, tokens/s, MFU, kernels per step, GPU busy, peak memory, compile time (ARGS="--agreement 30": eager vs
+# compiled losses; --cpu: the tiny dry run).
+bench-gpu: install
+	$(PY) launch/bench_gpu.py --out docs/results/gpu/bench_gpu.json $(ARGS)
 
 bench-kernels: install
 	$(PY) launch/bench_kernels.py

@@ -55,7 +55,7 @@ class Rule:
 _MIX = "the training mix"
 
 RULES: tuple[Rule, ...] = (
-    Rule(tuple(f"model.{name}" for name in BACKEND_FIELDS), "silent", "how the same model is computed"),
+    Rule((*(f"model.{name}" for name in BACKEND_FIELDS), "train.compile"), "silent", "how the same model is computed"),
     Rule(("model.*",), "refused", "the architecture"),
     Rule(("parallel.engine", "parallel.zero_stage"), "refused", "the checkpoint format"),
     Rule(("seed",), "refused", "the data order, the needles and the Gumbel noise"),
