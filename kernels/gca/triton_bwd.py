@@ -9,9 +9,10 @@ With ``O = sum_r w_r O_r`` and ``O_r = P_r V_r``, the chunk-``r`` softmax sees t
 
 ``O_r`` is never stored (it would cost R times the output), and neither is ``delta_r`` (it needs ``dO``). When a
 chunk's ``S`` slots fit in one slot tile (``S <= BS``; DRT's ``S = 63/64`` in the fused kernel's 64-slot tiles,
-see ``triton_utils.HALF_TILES``) the whole row of ``P_r`` and ``dP_r`` is in registers, so ``delta_r`` is their
-row sum, from the two products the ``dS`` pass computes anyway: 3 dots per (query tile, chunk) for ``dq``. Longer
-chunks take a first pass over their slot tiles that recomputes ``O_r`` (2 dots per tile), then the ``dS`` pass.
+see ``triton_utils.HALF_TILES``; sm_80 takes 32-slot tiles there, ``SM80_TILES``) the whole row of ``P_r`` and
+``dP_r`` is in registers, so ``delta_r`` is their row sum, from the two products the ``dS`` pass computes
+anyway: 3 dots per (query tile, chunk) for ``dq``. Longer chunks take a first pass over their slot tiles that
+recomputes ``O_r`` (2 dots per tile), then the ``dS`` pass.
 
 Two layouts:
 
@@ -348,8 +349,9 @@ def bwd_launches(
     order; ``blocks`` overrides the tiles of both (default: ``tu.block_sizes`` per kernel)."""
     B, H, R, S, D = k.shape
     GQ = q.shape[1] // H * q.shape[2]
-    dq_blocks = blocks or tu.block_sizes(GQ, S, D, q.dtype, "bwd_dq")
-    dkdv_blocks = blocks or tu.block_sizes(GQ, S, D, q.dtype, "bwd_dkdv")
+    arch = tu.capability(q.device)
+    dq_blocks = blocks or tu.block_sizes(GQ, S, D, q.dtype, "bwd_dq", capability=arch)
+    dkdv_blocks = blocks or tu.block_sizes(GQ, S, D, q.dtype, "bwd_dkdv", capability=arch)
     args = (scale, scale * LOG2E, H, GQ, S, D, R)
     flags = tu.kernel_flags(q.dtype)
     return (
@@ -387,7 +389,7 @@ def bwd_fused_launch(
     per-(kv head, chunk) sums of ``delta``."""
     B, H, R, S, D = k.shape
     GQ = q.shape[1] // H * q.shape[2]
-    blocks = blocks or tu.block_sizes(GQ, S, D, q.dtype, "bwd_fused")
+    blocks = blocks or tu.block_sizes(GQ, S, D, q.dtype, "bwd_fused", capability=tu.capability(q.device))
     if blocks.BQ < GQ:
         raise ValueError(f"the fused backward needs one query tile for all G*Q={GQ} rows; BQ={blocks.BQ}")
     return tu.Launch(
@@ -417,7 +419,7 @@ def gca_bwd(
     dq = tu.alloc(q.shape, q.dtype, q.device)
     dk = tu.alloc(k.shape, k.dtype, k.device)
     dv = tu.alloc(v.shape, v.dtype, v.device)
-    if tu.fused_backward(lse.shape[-1], S, D, q.dtype):
+    if tu.fused_backward(lse.shape[-1], S, D, q.dtype, capability=tu.capability(q.device)):
         dw = tu.alloc((B, H, R), lse.dtype, q.device)
         bwd_fused_launch(do, q, k, v, weights, lse, dq, dk, dv, dw, scale=scale).run()
         return dq, dk, dv, dw.sum(dim=1).to(weights.dtype)

@@ -137,7 +137,8 @@ def fwd_launch(
     """The forward launch writing ``o`` (and ``lse`` when given); ``blocks`` defaults to ``tu.block_sizes``."""
     H, R, S, D = k.shape[1], k.shape[2], k.shape[3], k.shape[4]
     GQ = q.shape[1] // H * q.shape[2]
-    blocks = blocks or tu.block_sizes(GQ, S, D, q.dtype, "fwd" if lse is not None else "decode")
+    kernel = "fwd" if lse is not None else "decode"
+    blocks = blocks or tu.block_sizes(GQ, S, D, q.dtype, kernel, capability=tu.capability(q.device))
     save_lse = lse is not None
     return tu.Launch(
         _gca_fwd_kernel,

@@ -39,9 +39,12 @@ MAX_BLOCK_S = 64
 # (64-slot forward and dq tiles spill 12-20 bytes on one target or the other). The fused backward needs all G * Q
 # rows of a kv head in one tile (64) and takes 64 slots at D = 64, so a DRT chunk (S = 63 or 64) is one tile: its
 # delta needs no pass of its own, and with no slot loop the chunk loop is innermost, where Triton's pipeliner
-# prefetches the next chunk. It needs 8 warps there (4 spill on sm_90; 8 still spill on sm_80); at D = 128 it
-# takes 16 slots (no spill on either target). ``pipeline/bench/kernels.py --sweep-tiles`` times
-# ``tile_candidates`` on a GPU, to replace these by measured winners.
+# prefetches the next chunk. It needs 8 warps there (4 spill on sm_90) and spills on sm_80, which takes
+# ``SM80_TILES`` instead; at D = 128 it takes 16 slots and 1 stage (with 2, the 32-row tile of G * Q <= 32 spills
+# 8 B on sm_90 when a chunk has several slot tiles; with 1 no variant spills on either target, the 64-row one with
+# a slot loop at 255 registers on sm_90).
+# ``pipeline/bench/kernels.py --sweep-tiles`` times ``tile_candidates`` on a GPU, to replace these by measured
+# winners.
 HALF_TILES = {
     ("fwd", 64): (64, 32, 4, 2),
     ("decode", 64): (64, 32, 4, 2),
@@ -52,8 +55,15 @@ HALF_TILES = {
     ("decode", 128): (32, 32, 8, 2),
     ("bwd_dq", 128): (16, 32, 8, 2),
     ("bwd_dkdv", 128): (64, 32, 8, 2),
-    ("bwd_fused", 128): (64, 16, 8, 2),
+    ("bwd_fused", 128): (64, 16, 8, 1),
 }
+# Where sm_80 (A100; every GPU below sm_90 takes these) needs other tiles than HALF_TILES. ptxas for sm_80 spills
+# the fused D = 64 backward at 64x64 slots (112 B per thread with 8 warps and 2 stages, 8 B with 1 stage) and at
+# 64x32 slots with 2 stages (104 B at 8 warps, 80 B at 4); 64x32 slots, 8 warps, 1 stage compiles without a spill
+# in both chunk variants (246 registers with a slot loop, 189 for one-tile chunks). A DRT chunk (S = 63/64) is then
+# two slot tiles with delta's first pass, still one launch and one read of dO, Q per kv head (untimed; the split
+# backward is the other spill-free choice).
+SM80_TILES = {("bwd_fused", 64): (64, 32, 8, 1)}
 KERNELS = ("fwd", "decode", "bwd_dq", "bwd_dkdv", "bwd_fused")
 # fp32 (and interpreter-only fp64) dots are exact IEEE products on the FMA units, not tensor cores: every live
 # tile costs twice the registers, so the tiles are the smallest tl.dot allows. ptxas, left to itself, trades a few
@@ -99,9 +109,23 @@ class Launch:
         self.kernel[self.grid](*self.args, **self.kwargs)
 
 
-def block_sizes(GQ: int, S: int, D: int, dtype: torch.dtype, kernel: str) -> Blocks:
+def capability(device: torch.device) -> int | None:
+    """The compute capability of ``device`` as ``10 * major + minor`` (90 for H100/H200); None off CUDA (the
+    interpreter), which takes the sm_90 tiles."""
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
+def half_tiles(capability: int | None) -> dict[tuple[str, int], tuple[int, int, int, int]]:
+    """The fp16/bf16 tile table of an architecture: ``HALF_TILES``, with ``SM80_TILES`` below sm_90."""
+    return {**HALF_TILES, **SM80_TILES} if capability is not None and capability < 90 else HALF_TILES
+
+
+def block_sizes(GQ: int, S: int, D: int, dtype: torch.dtype, kernel: str, *, capability: int | None = None) -> Blocks:
     """Tile sizes of ``kernel`` (``fwd``, ``decode``, ``bwd_dq``, ``bwd_dkdv``, ``bwd_fused``) from the problem
-    shape and dtype.
+    shape, dtype and the GPU's compute capability (``capability()``; None: the sm_90 tiles).
 
     No autotuning, so the interpreter needs no benchmarker. ``S`` does not matter: the slot tile is fixed per
     kernel."""
@@ -109,14 +133,14 @@ def block_sizes(GQ: int, S: int, D: int, dtype: torch.dtype, kernel: str) -> Blo
     if dtype in (torch.float32, torch.float64):
         tile = min(WIDE_TILE, MAX_BLOCK_Q, MAX_BLOCK_S)
         return Blocks(BQ=tile, BS=tile, BD=BD, num_warps=8 if BD > 64 else 4, maxnreg=FULL_REGISTERS)
-    cap, BS, num_warps, num_stages = HALF_TILES[(kernel, 64 if BD <= 64 else 128)]
+    cap, BS, num_warps, num_stages = half_tiles(capability)[(kernel, 64 if BD <= 64 else 128)]
     BQ = min(cap, MAX_BLOCK_Q, max(16, triton.next_power_of_2(GQ)))
     return Blocks(BQ=BQ, BS=min(BS, MAX_BLOCK_S), BD=BD, num_warps=num_warps, num_stages=num_stages)
 
 
-def fused_backward(GQ: int, S: int, D: int, dtype: torch.dtype) -> bool:
+def fused_backward(GQ: int, S: int, D: int, dtype: torch.dtype, *, capability: int | None = None) -> bool:
     """Whether the backward takes the fused kernel: its query tile holds all ``GQ`` rows of a kv head."""
-    return block_sizes(GQ, S, D, dtype, "bwd_fused").BQ >= GQ
+    return block_sizes(GQ, S, D, dtype, "bwd_fused", capability=capability).BQ >= GQ
 
 
 def tile_candidates(GQ: int, D: int, kernel: str) -> list[Blocks]:

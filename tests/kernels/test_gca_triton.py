@@ -163,9 +163,9 @@ def test_every_sweep_candidate_tile_matches_naive(kernel, monkeypatch):
     q, k, v, weights, do = make_inputs(1, 2, 2, 64, 40, 2, 16, torch.float16)  # G*Q = 64, S = 40
     default = tu.block_sizes
     pairs = {(b.BQ, b.BS): b for b in tu.tile_candidates(64, 16, kernel)}
-    monkeypatch.setattr(tu, "fused_backward", lambda *a: kernel == "bwd_fused")
+    monkeypatch.setattr(tu, "fused_backward", lambda *a, **kw: kernel == "bwd_fused")
     for blocks in pairs.values():
-        monkeypatch.setattr(tu, "block_sizes", lambda *a, b=blocks: b if a[-1] == kernel else default(*a))
+        monkeypatch.setattr(tu, "block_sizes", lambda *a, b=blocks, **kw: b if a[-1] == kernel else default(*a, **kw))
         if kernel == "decode":  # forward only: the ratio rule of assert_gca_close on the output
             truth = naive_gca(q.double(), k.double(), v.double(), weights.double(), softmax_off_by_one=True)
             base = (gca_in_dtype(q, k, v, weights, softmax_off_by_one=True).double() - truth).abs().max()
@@ -173,3 +173,45 @@ def test_every_sweep_candidate_tile_matches_naive(kernel, monkeypatch):
             assert err <= RATIO * base + FLOOR[q.dtype] * max(1.0, truth.abs().max().item()), blocks
         else:
             assert_gca_close(triton_gca, q, k, v, weights, do, softmax_off_by_one=True)
+
+
+def test_tiles_follow_the_compute_capability(monkeypatch):
+    """The tiles are a function of the compute capability: below sm_90 the fused D=64 backward swaps 64x64 slots,
+    8 warps, 2 stages (which ptxas spills on sm_80) for 64x32, 8 warps, 1 stage and stays fused at DRT's G*Q = 64;
+    sm_90 and newer, and no GPU (None: the interpreter), keep HALF_TILES, and no other kernel changes."""
+    bf16 = torch.bfloat16
+    for arch in (None, 90, 100):
+        assert tu.block_sizes(64, 63, 64, bf16, "bwd_fused", capability=arch) == tu.Blocks(64, 64, 64, 8, 2)
+    for arch in (80, 86, 89):
+        assert tu.block_sizes(64, 63, 64, bf16, "bwd_fused", capability=arch) == tu.Blocks(64, 32, 64, 8, 1)
+        assert tu.fused_backward(64, 63, 64, bf16, capability=arch)
+    for kernel in tu.KERNELS:
+        for D in (16, 64, 128):
+            for dtype in (torch.float16, bf16, torch.float32):
+                a100 = tu.block_sizes(64, 63, D, dtype, kernel, capability=80)
+                h100 = tu.block_sizes(64, 63, D, dtype, kernel, capability=90)
+                assert (a100 == h100) == (kernel != "bwd_fused" or D > 64 or dtype == torch.float32), (kernel, D)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert tu.capability(torch.device("cuda", 0)) == 80 and tu.capability(torch.device("cpu")) is None
+
+
+def test_sm80_fused_backward_matches_naive(monkeypatch):
+    """DRT's per-head shape (G*Q = 64, S = 63) as an sm_80 device runs it: the launch the wrapper builds takes the
+    sm_80 tiles (two 32-slot tiles per chunk, so delta's first pass runs) and its gradients match fp64 naive_gca."""
+    from kernels.gca import triton_bwd
+
+    monkeypatch.setattr(tu, "capability", lambda device: 80)
+    launched = []
+    fused_launch = triton_bwd.bwd_fused_launch
+
+    def spy(*args, **kwargs):
+        launch = fused_launch(*args, **kwargs)
+        launched.append(launch.kwargs)
+        return launch
+
+    monkeypatch.setattr(triton_bwd, "bwd_fused_launch", spy)
+    q, k, v, weights, do = make_inputs(1, 2, 2, 64, 63, 2, 16, torch.bfloat16)
+    assert_gca_close(triton_gca, q, k, v, weights, do)
+    assert launched and all(
+        (kw["BQ"], kw["BS"], kw["num_stages"], kw["ONE_TILE"]) == (64, 32, 1, False) for kw in launched
+    )
