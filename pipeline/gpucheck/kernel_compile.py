@@ -1,17 +1,19 @@
 """Every Triton kernel of the project compiled for Hopper (sm_90) and Ampere (sm_80) on a machine without a GPU.
 
 ``make test-gpu-compile`` runs ``python launch/gpu_compile.py --out docs/results/gpu-compile.md``. For every GCA
-kernel (training forward, decode forward, backward dq, backward dk/dv), dtype, head dim, softmax variant and every
-tile configuration ``kernels.gca.triton_utils.block_sizes`` returns for some shape, it builds the launch exactly as
-the wrapper does (``fwd_launch`` / ``bwd_launches`` on small CPU tensors), binds it the way ``JITFunction.run``
-does (same signature, constexprs and alignment/divisibility attributes), compiles it with ``triton.compile`` for a
-``GPUTarget`` (PTX by LLVM, cubin by the ``ptxas`` shipped in the Triton wheel; always a fresh compile, never
-Triton's cache, so the ``ptxas -v`` log Triton asks for is there every time). Spill bytes come from that log,
-registers, stack and static shared memory from ``cuobjdump --dump-resource-usage`` of the cubin, dynamic shared
-memory from Triton's metadata. A configuration fails on a compile error, on any spill,
-or on more shared memory than the target lets one program use; the occupancy column is the theoretical number of
-programs that fit on one SM (registers, shared memory, warps and the 32-block cap, as the CUDA occupancy
-calculator counts them). docs/gpu-check.md says what the numbers mean and what they do not (no speed is measured).
+kernel (training forward, decode forward, backward dq, backward dk/dv, fused backward), dtype, head dim, softmax
+variant, every tile configuration ``kernels.gca.triton_utils.block_sizes`` returns for some shape and, for the
+kernels with a one-tile path (``S <= BS``: no slot loop), both chunk variants, it builds the launch exactly as the
+wrapper does (``fwd_launch`` / ``bwd_launches`` / ``bwd_fused_launch`` on small CPU tensors, with the target's
+tiles: ``block_sizes(..., capability=)``), binds it the way ``JITFunction.run`` does (same signature, constexprs
+and alignment/divisibility attributes), compiles it with ``triton.compile`` for a ``GPUTarget`` (PTX by LLVM, cubin
+by the ``ptxas`` shipped in the Triton wheel; always a fresh compile, never Triton's cache, so the ``ptxas -v`` log
+Triton asks for is there every time). Spill bytes come from that log, registers, stack and static shared memory
+from ``cuobjdump --dump-resource-usage`` of the cubin, dynamic shared memory from Triton's metadata. A configuration
+fails on a compile error, on any spill, or on more shared memory than the target lets one program use; the
+occupancy column is the theoretical number of programs that fit on one SM (registers, shared memory, warps and the
+32-block cap, as the CUDA occupancy calculator counts them). docs/gpu-check.md says what the numbers mean and what
+they do not (no speed is measured).
 
 Triton's binder (``create_function_from_signature``, ``JITFunction._pack_args``) is internal API of the pinned
 triton==3.7.1; it is used on purpose, so the compiled kernels carry the same specialisation as a real launch.
@@ -37,10 +39,14 @@ from typing import Any
 
 DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIMS = (64, 128)
-KERNELS = ("fwd", "decode", "bwd_dq", "bwd_dkdv")
+KERNELS = ("fwd", "decode", "bwd_dq", "bwd_dkdv", "bwd_fused")
+# Kernels whose launch sets the ONE_TILE constexpr (S <= BS: a chunk is one slot tile, a different program with
+# other register counts; DRT's S = 63/64 chunks in the fused kernel's 64-slot tiles take it).
+ONE_TILE_KERNELS = ("bwd_dq", "bwd_fused")
 # Representative shapes: B=1, H=2 key/value heads, G=1, R=4 chunks. GQ and S run over powers of two up to
 # SHAPE_SPAN times the largest tile, so every tile block_sizes can return is reached; each configuration is
-# compiled once, for the largest shape that selects it (integer arguments are then multiples of 16, as in training).
+# compiled once, for the largest shape that selects it (integer arguments are then multiples of 16, as in training;
+# the fused backward: the largest GQ its one query tile holds), and its one-tile variant at S = BS.
 SHAPE_SPAN = 4
 BATCH, KV_HEADS, CHUNKS = 1, 2, 4
 
@@ -114,6 +120,11 @@ class Case:
     @property
     def tiles(self) -> str:
         return f"{self.BQ}x{self.BS}x{self.BD}"
+
+    @property
+    def one_tile(self) -> bool | None:
+        """Whether the launch takes the one-tile path (``S <= BS``); None: the kernel has no such path."""
+        return self.S <= self.BS if self.kernel in ONE_TILE_KERNELS else None
 
 
 @dataclass(frozen=True)
@@ -192,7 +203,7 @@ def build_launch(case: Case, device: str = "cpu") -> Any:
     import torch
 
     from kernels.gca import triton_utils as tu
-    from kernels.gca.triton_bwd import bwd_launches
+    from kernels.gca.triton_bwd import bwd_fused_launch, bwd_launches
     from kernels.gca.triton_fwd import fwd_launch
 
     dtype = getattr(torch, case.dtype)
@@ -208,6 +219,9 @@ def build_launch(case: Case, device: str = "cpu") -> Any:
         return fwd_launch(
             q, k, k, weights, q, saved, scale=scale, softmax_off_by_one=bool(case.off_by_one), blocks=blocks
         )
+    if case.kernel == "bwd_fused":
+        dw = torch.empty(BATCH, KV_HEADS, CHUNKS, dtype=acc, device=device)
+        return bwd_fused_launch(q, q, k, k, weights, lse, q, k, k, dw, scale=scale, blocks=blocks)
     dq_launch, dkdv_launch = bwd_launches(q, q, k, k, weights, lse, lse, q, k, k, scale=scale, blocks=blocks)
     return dq_launch if case.kernel == "bwd_dq" else dkdv_launch
 
@@ -233,15 +247,20 @@ def default_cases(
                     seen: set[tu.Blocks] = set()
                     for GQ in sizes:
                         for S in sizes:
-                            blocks = tu.block_sizes(GQ, S, head_dim, getattr(torch, dtype), kernel)
-                            if blocks in seen:
-                                continue
+                            blocks = tu.block_sizes(
+                                GQ, S, head_dim, getattr(torch, dtype), kernel, capability=TARGETS[target].capability
+                            )
+                            if blocks in seen or (kernel == "bwd_fused" and blocks.BQ < GQ):
+                                continue  # a fused launch needs all GQ rows in its query tile
                             seen.add(blocks)
                             variants: tuple[bool | None, ...] = (
                                 (False, True) if kernel in ("fwd", "decode") else (None,)
                             )
+                            chunks = (S, blocks.BS) if kernel in ONE_TILE_KERNELS else (S,)
                             for off_by_one in variants:
-                                cases.append(Case(kernel, target, dtype, head_dim, off_by_one, GQ, S, **asdict(blocks)))
+                                for slots in chunks:
+                                    fields = asdict(blocks)
+                                    cases.append(Case(kernel, target, dtype, head_dim, off_by_one, GQ, slots, **fields))
     return cases
 
 
@@ -332,7 +351,9 @@ def device_resources(case: Case) -> dict[str, int | None]:
 def case_id(case: Case) -> str:
     obo = {None: "", False: "-plain", True: "-obo"}[case.off_by_one]
     regs = f"-r{case.maxnreg}" if case.maxnreg else ""
-    return f"{case.kernel}{obo}-{case.target}-{case.dtype}-d{case.head_dim}-{case.tiles}-w{case.num_warps}{regs}"
+    one = "-1tile" if case.one_tile else ""
+    base = f"{case.kernel}{obo}{one}-{case.target}-{case.dtype}-d{case.head_dim}-{case.tiles}-w{case.num_warps}"
+    return base + regs
 
 
 def _worker_init() -> None:
@@ -362,7 +383,9 @@ KERNEL_TITLES = {
     "decode": "forward (decode, no lse)",
     "bwd_dq": "backward dq + delta",
     "bwd_dkdv": "backward dk/dv",
+    "bwd_fused": "backward fused (dq, dk, dv, one program per kv head)",
 }
+ONE_TILE_CELLS = {None: "-", False: "no", True: "yes"}
 
 
 def markdown(results: list[Result], wall_s: float, jobs: int) -> str:
@@ -378,6 +401,8 @@ def markdown(results: list[Result], wall_s: float, jobs: int) -> str:
         f"{wall_s:.0f} s on {jobs} processes; {len(failing)} failing.",
         "Programs/SM is theoretical occupancy from registers, shared memory and warps, not a measurement.",
         "The backward kernels have no off-by-one switch (it is folded into the saved lse): one build serves both.",
+        "One tile: the chunk fits one slot tile (S <= BS, no slot loop; DRT's chunks in the fused backward), a "
+        "separate build of dq and the fused backward; - for kernels without that path.",
         "",
         "## Summary",
         "",
@@ -406,14 +431,15 @@ def markdown(results: list[Result], wall_s: float, jobs: int) -> str:
         "Tiles are BQ x BS x BD (query rows, memory slots, padded head dim); max regs is the `maxnreg` launch option "
         "(- : ptxas chooses); spills are bytes per thread (ptxas -v); warps/SM = programs/SM x warps.",
         "",
-        "| kernel | target | dtype | D | off-by-one | tiles | warps | stages | max regs | registers | spills (st/ld) | "
-        "stack B | shared B | programs/SM | warps/SM | limited by | status |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| kernel | target | dtype | D | off-by-one | one tile | tiles | warps | stages | max regs | registers | "
+        "spills (st/ld) | stack B | shared B | programs/SM | warps/SM | limited by | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         c = r.case
         obo = {None: "either", False: "off", True: "on"}[c.off_by_one]
-        config = f"| {c.kernel} | {c.target} | {c.dtype} | {c.head_dim} | {obo} | {c.tiles} | {c.num_warps} | "
+        config = f"| {c.kernel} | {c.target} | {c.dtype} | {c.head_dim} | {obo} | {ONE_TILE_CELLS[c.one_tile]} | "
+        config += f"{c.tiles} | {c.num_warps} | "
         config += f"{c.num_stages} | {c.maxnreg or '-'} |"
         status = "; ".join(r.problems) or "ok"
         if r.error:
@@ -495,7 +521,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _retile(case: Case, tiles: dict[str, int]) -> Case:
     fields = asdict(case)
-    fields.update(tiles, GQ=SHAPE_SPAN * tiles["BQ"], S=SHAPE_SPAN * tiles["BS"])
+    # Keep what the case stands for: a fused launch holds all GQ rows in one tile, a one-tile case S <= BS.
+    GQ = tiles["BQ"] if case.kernel == "bwd_fused" else SHAPE_SPAN * tiles["BQ"]
+    S = tiles["BS"] if case.one_tile else SHAPE_SPAN * tiles["BS"]
+    fields.update(tiles, GQ=GQ, S=S)
     return Case(**fields)
 
 

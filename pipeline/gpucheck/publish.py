@@ -59,11 +59,19 @@ def stage_numbers(name: str, stage: dict) -> str:
         return f"{_num(n.get('train_tokens'), '{:,}')} train tokens"
     if name == "kernel_bench":
         tri = n.get("impls", {}).get("triton_gca", {})
-        return (
+        cell = (
             f"fused fwd {_num(tri.get('fwd_ms'), '{:.3f}')} ms, fwd+bwd {_num(tri.get('fwd_bwd_ms'), '{:.3f}')} ms; "
             f"{_num(n.get('speedup_vs_naive', {}).get('fwd_bwd'), '{:.2f}')}x naive, "
             f"{_num(n.get('time_vs_flash', {}).get('fwd_bwd'), '{:.2f}')}x flash time (fwd+bwd)"
         )
+        # Per phase, the fused GCA's time over the fastest dense baseline's, and which baseline that was.
+        ratios, fastest = n.get("time_vs_fastest") or {}, n.get("fastest") or {}
+        if ratios:
+            cell += "; time vs the fastest: " + ", ".join(
+                f"{phase.replace('_', '+')} {_num(ratio, '{:.2f}')}x ({fastest.get(phase) or '—'})"
+                for phase, ratio in ratios.items()
+            )
+        return cell
     if name == "kernel_registers":
         return (
             f"{n.get('configs')} {n.get('target')} configurations, triton {n.get('triton')} vs committed "

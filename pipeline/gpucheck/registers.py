@@ -38,6 +38,7 @@ ROW_FIELDS = (
     "dtype",
     "D",
     "off-by-one",
+    "one tile",
     "tiles",
     "warps",
     "stages",
@@ -48,6 +49,7 @@ ROW_FIELDS = (
     "shared B",
 )
 OFF_BY_ONE = {"off": False, "on": True, "either": None}
+ONE_TILE = {cell: value for value, cell in kc.ONE_TILE_CELLS.items()}
 
 
 STATUSES = ("same", "differs", "spills", "stale", "failed")
@@ -86,6 +88,7 @@ def parse_table(text: str, path: str = "gpu-compile.md") -> list[dict]:
                     **{f: cells[f] for f in ("kernel", "target", "dtype", "tiles")},
                     "head_dim": int(cells["D"]),
                     "off_by_one": OFF_BY_ONE[cells["off-by-one"]],
+                    "one_tile": ONE_TILE[cells["one tile"]],
                     "num_warps": int(cells["warps"]),
                     "num_stages": int(cells["stages"]),
                     "maxnreg": None if cells["max regs"] == "-" else int(cells["max regs"]),
@@ -102,15 +105,27 @@ def parse_table(text: str, path: str = "gpu-compile.md") -> list[dict]:
     return rows
 
 
-def _key(kernel: str, dtype: str, head_dim: int, off: bool | None, tiles: str, warps: int, stages: int, maxnreg):
-    return (kernel, dtype, head_dim, off, tiles, warps, stages, maxnreg)
+def _key(
+    kernel: str,
+    dtype: str,
+    head_dim: int,
+    off: bool | None,
+    one_tile: bool | None,
+    tiles: str,
+    warps: int,
+    stages: int,
+    maxnreg: int | None,
+) -> tuple:
+    return (kernel, dtype, head_dim, off, one_tile, tiles, warps, stages, maxnreg)
 
 
 def match_cases(rows: list[dict], cases: list[kc.Case]) -> dict[int, kc.Case]:
     """Row index -> the case of ``kernel_compile.default_cases`` it was compiled from (the shape is not in the
     table); a row without one was made for tiles ``block_sizes`` no longer returns (a stale table)."""
     by_key = {
-        _key(c.kernel, c.dtype, c.head_dim, c.off_by_one, c.tiles, c.num_warps, c.num_stages, c.maxnreg): c
+        _key(c.kernel, c.dtype, c.head_dim, c.off_by_one, c.one_tile, c.tiles, c.num_warps, c.num_stages, c.maxnreg): (
+            c
+        )
         for c in cases
     }
     found = {}
@@ -121,6 +136,7 @@ def match_cases(rows: list[dict], cases: list[kc.Case]) -> dict[int, kc.Case]:
                 r["dtype"],
                 r["head_dim"],
                 r["off_by_one"],
+                r["one_tile"],
                 r["tiles"],
                 r["num_warps"],
                 r["num_stages"],
@@ -167,6 +183,7 @@ def compare(row: dict, measured: dict | None, target: kc.Target, matched: bool =
     out = {
         "config": f"{row['kernel']} {row['dtype']} D{row['head_dim']} {row['tiles']} w{row['num_warps']}"
         + {None: "", False: " plain", True: " obo"}[row["off_by_one"]]
+        + (" one-tile" if row["one_tile"] else "")
         + (f" r{row['maxnreg']}" if row["maxnreg"] else ""),
         "committed_registers": row["registers"],
         "committed_spill_bytes": row["spill_bytes"],

@@ -364,10 +364,10 @@ def test_register_comparison_flags_what_the_device_changed(tmp_path):
     fake[ids[2]]["dynamic_shared_bytes"] = 240_000
     del fake[ids[3]]
     (tmp_path / "fake.json").write_text(json.dumps(fake))
-    # The last sm_90 row rewritten to tiles block_sizes never returns.
+    # The last sm_90 dk/dv row rewritten to tiles block_sizes never returns.
     last = next(ln for ln in reversed(text.splitlines()) if ln.startswith("| bwd_dkdv | sm_90 |"))
     cells = last.split(" | ")
-    cells[5] = "512x512x512"
+    cells[registers.ROW_FIELDS.index("tiles")] = "512x512x512"  # cells[0] is "| kernel"
     table.write_text(text.replace(last, " | ".join(cells)))
 
     out = tmp_path / "registers.json"
@@ -383,8 +383,9 @@ def test_register_comparison_flags_what_the_device_changed(tmp_path):
     assert got[1][0] == "spills" and "local memory 16 B" in got[1][1][0]
     assert got[2][0] == "failed" and got[2][1] == [f"shared 240000 B > {kc.TARGETS['sm_90'].shared_per_block} B"]
     assert got[3] == ("failed", ["no metadata read for it"], None)
-    assert report["rows"][-1]["status"] == "stale"
-    assert report["rows"][-1]["problems"] == ["not a configuration of the current code: the table is stale"]
+    rewritten = [r for r in report["rows"] if " 512x512x512 " in r["config"]]
+    assert [r["status"] for r in rewritten] == ["stale"]
+    assert rewritten[0]["problems"] == ["not a configuration of the current code: the table is stale"]
 
 
 def test_register_comparison_reads_another_tritons_compile_check(tmp_path):
@@ -463,6 +464,33 @@ def _report(mode: str = "cuda") -> dict:
         },
         "summary": {"stages_ok": ["prep"], "stages_not_ok": ["train_gca_fsdp2"]},
     }
+
+
+def test_kernel_bench_fastest_baseline_in_summary_and_table():
+    """The summary and the published table carry the kernel benchmark's ``fastest`` dense baseline and the fused
+    GCA's ``time_vs_fastest`` per phase (made-up numbers, not a measurement); a benchmark JSON without them (an
+    older run) keeps its cell as before."""
+    from pipeline.gpucheck import publish
+    from pipeline.gpucheck.stages import summary
+
+    numbers = {
+        "impls": {"triton_gca": {"fwd_ms": 0.3, "fwd_bwd_ms": 2.5}},
+        "speedup_vs_naive": {"fwd_bwd": 5.85},
+        "time_vs_flash": {"fwd_bwd": 1.06},
+        "fastest": {"fwd": "sdpa_flash_flattened", "fwd_bwd": "flex_flattened", "bwd": "sdpa_cudnn_flattened"},
+        "time_vs_fastest": {"fwd": 0.95, "fwd_bwd": 1.1, "bwd": 1.25},
+    }
+    stage = {"status": "ok", "numbers": numbers}
+    got = summary({"kernel_bench": stage})
+    assert got["kernel_fastest"] == numbers["fastest"] and got["kernel_time_vs_fastest"] == numbers["time_vs_fastest"]
+    older = "fused fwd 0.300 ms, fwd+bwd 2.500 ms; 5.85x naive, 1.06x flash time (fwd+bwd)"
+    assert publish.stage_numbers("kernel_bench", stage) == (
+        f"{older}; time vs the fastest: fwd 0.95x (sdpa_flash_flattened), fwd+bwd 1.10x (flex_flattened), "
+        "bwd 1.25x (sdpa_cudnn_flattened)"
+    )
+    without = {k: v for k, v in numbers.items() if k not in ("fastest", "time_vs_fastest")}
+    assert publish.stage_numbers("kernel_bench", {"status": "ok", "numbers": without}) == older
+    assert summary({})["kernel_time_vs_fastest"] is None
 
 
 def test_publish_writes_the_json_and_the_docs_table(tmp_path):

@@ -78,24 +78,42 @@ def test_parse_tool_output():
         kc.parse_ptxas_log("ptxas fatal")
 
 
-def test_cases_cover_every_tile_block_sizes_returns():
+@pytest.mark.parametrize("target", tuple(kc.TARGETS))
+def test_cases_cover_every_launch_the_wrappers_build(target):
+    """Every (kernel, tiles, one-tile path) a launch on ``target`` builds for a real shape is a compiled case: the
+    tiles of that architecture (``block_sizes(capability=)``), the fused backward only where its one query tile
+    holds all G*Q rows, and a one-tile build of dq and the fused backward for chunks of S <= BS slots."""
     from kernels.gca import triton_utils as tu
 
-    cases = kc.default_cases(targets=("sm_80",))
-    covered = {(c.kernel, c.dtype, c.head_dim, c.BQ, c.BS, c.BD, c.num_warps, c.num_stages, c.maxnreg) for c in cases}
+    arch = kc.TARGETS[target].capability
+    cases = kc.default_cases(targets=(target,))
+    covered = {
+        (c.kernel, c.dtype, c.head_dim, c.BQ, c.BS, c.BD, c.num_warps, c.num_stages, c.maxnreg, c.one_tile)
+        for c in cases
+    }
     for kernel in kc.KERNELS:
         for dtype in kc.DTYPES:
             for D in (64, 128, 65):  # 65 pads to the same tiles as 128
                 for GQ in (1, 3, 16, 17, 40, 64, 100, 1000, 4096):
+                    if kernel == "bwd_fused" and not tu.fused_backward(
+                        GQ, 64, D, getattr(torch, dtype), capability=arch
+                    ):
+                        continue
                     for S in (1, 15, 33, 64, 500, 2048):
-                        b = tu.block_sizes(GQ, S, D, getattr(torch, dtype), kernel)
+                        b = tu.block_sizes(GQ, S, D, getattr(torch, dtype), kernel, capability=arch)
                         head_dim = 64 if b.BD == 64 else 128
+                        one_tile = S <= b.BS if kernel in ("bwd_dq", "bwd_fused") else None
                         key = (kernel, dtype, head_dim, b.BQ, b.BS, b.BD, b.num_warps, b.num_stages, b.maxnreg)
-                        assert key in covered, key
+                        assert (*key, one_tile) in covered, (*key, one_tile)
     # Both softmax variants of each forward configuration, one build of each backward one.
     forward = [c for c in cases if c.kernel in ("fwd", "decode")]
     assert {c.off_by_one for c in forward} == {False, True} and len(forward) % 2 == 0
     assert {c.off_by_one for c in cases if c.kernel.startswith("bwd")} == {None}
+    # Every fused case is a launch the wrapper accepts (all rows in one tile), on the target's own tiles.
+    fused = [c for c in cases if c.kernel == "bwd_fused"]
+    assert fused and all(c.BQ >= c.GQ for c in fused)
+    d64 = {(c.BS, c.num_stages) for c in fused if c.dtype == "bfloat16" and c.head_dim == 64}
+    assert d64 == ({(32, 1)} if target == "sm_80" else {(64, 2)})
 
 
 def test_missing_ptxas_is_a_clear_failure(tmp_path):
