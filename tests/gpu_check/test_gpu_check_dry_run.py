@@ -122,17 +122,21 @@ def test_kernel_passkey_prep_and_test_tier_numbers(dry_run):
 
 
 def test_register_comparison_runs_on_the_committed_table(dry_run):
+    from pipeline.gpucheck import kernel_compile as kc
+    from pipeline.gpucheck import registers
+
     numbers = dry_run["report"]["stages"]["kernel_registers"]["numbers"]
     table = (ROOT / "docs/results/gpu-compile.md").read_text()
     cells = [[c.strip() for c in ln.split("|")[1:-1]] for ln in table.splitlines() if ln.startswith("| ")]
-    configs = [c for c in cells if c[0] in ("fwd", "decode", "bwd_dq", "bwd_dkdv") and c[1] == "sm_90"]
+    configs = [c for c in cells if c[0] in kc.KERNELS and c[1] == "sm_90"]
+    column = registers.ROW_FIELDS.index("registers")  # the table's leading columns, in order
     assert numbers["metadata_source"] == "committed" and numbers["target"] == "sm_90"
     # The stand-in device reads the table's own numbers: every row is the same unless the code no longer makes it
     # (stale until make test-gpu-compile regenerates the table; tests/gpu_check/test_gpu_compile.py says which).
     assert numbers["configs"] == numbers["same"] + numbers["stale"] == len(configs) > 0
     assert numbers["differs"] == numbers["spills"] == numbers["failed"] == 0
     assert numbers["table_holds"] is (numbers["stale"] == 0)
-    assert [r["committed_registers"] for r in numbers["rows"]] == [int(c[9]) for c in configs]
+    assert [r["committed_registers"] for r in numbers["rows"]] == [int(c[column]) for c in configs]
     same = [r for r in numbers["rows"] if r["status"] == "same"]
     assert all(r["device_registers"] == r["committed_registers"] for r in same)
 
