@@ -229,6 +229,7 @@ test-gpu-compile: install
 	$(PY) launch/gpu_compile.py --out docs/results/gpu-compile.md
 	$(PYTEST) -m gpucompile tests/gpu_check
 
-# The CPU dry runs of make gpu-check and make demo-lm-gpu: every stage at tiny shapes must finish ok (~5 min on 2 cores).
+# The CPU dry runs of make gpu-check, make demo-lm-gpu and make bench-gpu: every stage at tiny shapes must finish ok
+# (~7 min on 2 cores).
 test-gpu-check: install ds-warmup
-	OMP_NUM_THREADS=1 timeout 1800 $(PYTEST) -m gpucheck tests/gpu_check tests/pipeline/test_demo_lm_gpu.py
+	OMP_NUM_THREADS=1 timeout 1800 $(PYTEST) -m gpucheck tests/gpu_check tests/pipeline/test_demo_lm_gpu.py tests/pipeline/test_bench_train_gpu.py

@@ -52,6 +52,7 @@ def test_bad_arguments_are_one_line_and_exit_2(argv, capsys):
 
 
 @pytest.mark.gpucheck
+@pytest.mark.slow  # 20-80 s: make test-gpu-check, not the default tier
 def test_cpu_dry_run_measures_every_configuration(tmp_path):
     out = tmp_path / "bench_gpu.json"
     cmd = [sys.executable, "launch/bench_gpu.py", "--cpu", "--steps", "1", "--timeout-s", "300", "--out", str(out)]
@@ -68,6 +69,7 @@ def test_cpu_dry_run_measures_every_configuration(tmp_path):
 
 
 @pytest.mark.gpucheck
+@pytest.mark.slow  # 20-80 s: make test-gpu-check, not the default tier
 def test_cpu_dry_run_of_the_compiled_loss_agreement(tmp_path):
     """``--agreement``: the GCA step eager and with ``train.compile=blocks`` (inductor's CPU code here), the same
     losses within fp32 rounding (measured 6.1e-8 relative over 3 steps)."""
