@@ -57,11 +57,19 @@ def scan(books: Path) -> dict[int, Book]:
                     if book.id in found:
                         raise BooksError(f"{shard}: book {book.id} is also in {found[book.id].shard}")
                     found[book.id] = book
-        except (tarfile.TarError, lzma.LZMAError, EOFError, OSError) as err:
-            raise BooksError(f"{shard}: not a readable tar.xz shard ({type(err).__name__}: {err})") from None
+        except (*_CORRUPT, OSError) as err:
+            raise _unreadable(shard, err) from None
     if not found:
         raise BooksError(f"--books {books}: its shards hold no book")
     return found
+
+
+_CORRUPT = (tarfile.TarError, lzma.LZMAError, EOFError)
+"""What reading a damaged or truncated shard raises (an OSError while unpacking is a write into ``out``)."""
+
+
+def _unreadable(shard: Path, err: BaseException) -> BooksError:
+    return BooksError(f"{shard}: not a readable tar.xz shard ({type(err).__name__}: {err})")
 
 
 def _book(shard: Path, member: tarfile.TarInfo) -> Book:
@@ -116,27 +124,35 @@ def unpack(books: Path, held_out: set[int], out: Path) -> dict:
     """Write every book of ``books`` to ``out/train/<id>.txt`` or, for ``held_out`` ids, ``out/heldout/<id>.txt``;
     returns (and writes to ``out/index.json``) the counts and bytes of both folders.
 
+    One pass over the shards: the command line has read them all through (``scan``) and drawn ``held_out`` from
+    what it found before this stage runs, so a second scan here would only repeat that decompression.
+
     Raises:
-        BooksError: as ``scan``, or a held-out id that no shard holds.
+        BooksError: a member that is not a regular ``<id>.txt`` file, an unreadable shard, or a held-out id that
+            no shard holds (found after the pass; ``index.json`` is then not written).
     """
-    known = scan(books)
-    missing = sorted(held_out - set(known))
-    if missing:
-        raise BooksError(f"held-out books {missing} are in no shard of {books}")
     counts = {TRAIN: {"books": 0, "bytes": 0}, HELDOUT: {"books": 0, "bytes": 0}}
     for folder in counts:
         (out / folder).mkdir(parents=True, exist_ok=True)
+    seen: set[int] = set()
     for shard in sorted(books.glob(SHARD_GLOB)):
-        with tarfile.open(shard, mode="r:xz") as tar:
-            for member in tar:
-                book = _book(shard, member)
-                source = tar.extractfile(member)
-                assert source is not None, "scan accepted only regular files"
-                text = normalise(source.read())
-                folder = HELDOUT if book.id in held_out else TRAIN
-                (out / folder / f"{book.id}.txt").write_text(text, encoding="utf-8")
-                counts[folder]["books"] += 1
-                counts[folder]["bytes"] += len(text.encode("utf-8"))
+        try:
+            with tarfile.open(shard, mode="r:xz") as tar:
+                for member in tar:
+                    book = _book(shard, member)
+                    source = tar.extractfile(member)
+                    assert source is not None, "_book accepts only regular files"
+                    text = normalise(source.read())
+                    folder = HELDOUT if book.id in held_out else TRAIN
+                    (out / folder / f"{book.id}.txt").write_text(text, encoding="utf-8")
+                    counts[folder]["books"] += 1
+                    counts[folder]["bytes"] += len(text.encode("utf-8"))
+                    seen.add(book.id)
+        except _CORRUPT as err:
+            raise _unreadable(shard, err) from None
+    missing = sorted(held_out - seen)
+    if missing:
+        raise BooksError(f"held-out books {missing} are in no shard of {books}")
     (out / INDEX).write_text(json.dumps(counts, indent=2) + "\n")
     return counts
 
