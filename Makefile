@@ -125,8 +125,9 @@ bench-train: install ds-warmup
 # The training step on one CUDA GPU (docs/benchmarks.md, make bench-gpu): gca / swa / full x plain / ZeRO-1 / FSDP2,
 # step time, tokens/s, MFU, kernels per step, GPU busy, peak memory, compile time (ARGS="--agreement 30": eager vs
 # compiled losses; --cpu: the tiny dry run).
+BENCH_GPU_OUT ?= runs/bench_gpu.json
 bench-gpu: install
-	$(PY) launch/bench_gpu.py --out docs/results/gpu/bench_gpu.json $(ARGS)
+	$(PY) launch/bench_gpu.py --out $(BENCH_GPU_OUT) $(ARGS)
 
 bench-kernels: install
 	$(PY) launch/bench_kernels.py
