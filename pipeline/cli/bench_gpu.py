@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             f"gca losses over {args.agreement} steps, compiled vs eager: max relative difference "
             f"{result.get('max_rel_diff', result.get('error'))}"
         )
+        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
         return 0
     child = ["--steps", str(args.steps), "--micro-batch", str(args.micro_batch), *args.overrides]
