@@ -266,3 +266,25 @@ def insert_task(mix, seq: np.ndarray, rng: np.random.Generator) -> tuple[np.ndar
     """The ids and the answer span of ``mix``'s first family's sample over ``seq``."""
     sample = mix.insert(seq, rng, mix.families[0])
     return sample.ids, sample.answer
+
+
+def batch_forward_picks(model, ids: np.ndarray, monkeypatch) -> dict[tuple[int, int], list[list[int]]]:
+    """(group, query chunk) -> valid picks of one batch forward of ``ids`` (one ``retrieve`` call per group): the
+    independent reference for the picks the streaming eval records."""
+    import model.gca as gca_module
+
+    real_retrieve = gca_module.retrieve
+    picks: dict[tuple[int, int], list[list[int]]] = {}
+
+    def spy(queries, keys, chunk, **kwargs):
+        rows = real_retrieve(queries, keys, chunk, **kwargs)
+        g = len({group for group, _ in picks})
+        for i, c in enumerate(chunk.tolist()):
+            picks[(g, c)] = [[int(j) for j, w in zip(rows.index[0, i], rows.weights[0, i]) if w > 0]]
+        return rows
+
+    monkeypatch.setattr(gca_module, "retrieve", spy)
+    with torch.inference_mode():
+        model(torch.from_numpy(ids)[None])
+    monkeypatch.undo()
+    return picks

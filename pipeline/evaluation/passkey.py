@@ -179,7 +179,7 @@ def evaluate_passkey(
                     # Records keep seconds to 1 ms, so a sample faster than that (a stub model) counts as 1 ms.
                     "tokens_per_s": round(samples * length / max(seconds, 1e-3), 1),
                     "tokens_per_s_at": _mean_speeds(records),
-                    **({"retrieval": retrieval} if (retrieval := _count_retrievals(records)) else {}),
+                    **({"retrieval": retrieval} if (retrieval := count_retrievals(records)) else {}),
                 }
             )
             log.info(
@@ -199,7 +199,7 @@ def _mean_speeds(records: list[dict]) -> dict[str, float]:
     return {k: round(sum(x[k] for x in speeds) / len(speeds), 1) for k in sorted(common, key=int)}
 
 
-def _count_retrievals(records: list[dict]) -> dict[str, dict[str, dict[str, int]]]:
+def count_retrievals(records: list[dict]) -> dict[str, dict[str, dict[str, int]]]:
     """Per group and check of ``HopChunks.followed``: ``{"hits", "n"}`` over the samples that recorded it."""
     counts: dict[str, dict[str, dict[str, int]]] = {}
     for record in records:
@@ -249,7 +249,7 @@ def _run_sample(
         if on_tokens is not None:
             on_tokens(tokens)
 
-    picks: dict[tuple[int, int], list[list[int]]] | None = {} if sample.hop is not None else None
+    picks: dict[tuple[int, int], list[list[int]]] = {}
     predicted = predict_answer(model, sample, budget=budget, on_tokens=count, picks=picks)
     if on_tokens is not None:  # the haystack after the answer is never streamed: the progress counts length
         on_tokens(at.length - streamed)
@@ -276,7 +276,27 @@ def _run_sample(
         "predicted": predicted,
         "seconds": round(seconds, 3),
         "tokens_per_s_at": speed.rows(),
-        **({"retrieval": sample.hop.followed(picks)} if sample.hop is not None and picks is not None else {}),
+        **({"retrieval": retrieval} if (retrieval := retrieval_checks(sample, picks, model.cfg.chunk_size)) else {}),
+    }
+
+
+def retrieval_checks(
+    sample: TaskSample, picks: dict[tuple[int, int], list[list[int]]], chunk_size: int
+) -> dict[str, dict[str, bool]]:
+    """Per retrieval group ``g<i>``, what the question's retrieval fetched: the two-hop checks
+    (``HopChunks.followed``), else ``asked_needle`` -- the row of landmark ``c - 1``, which the chunk ``c``
+    predicting the first answer token reads, holds a chunk of an asked needle. A wrong answer with the needle
+    fetched is a copy error; without it, a retrieval error. Empty for a model without retrieval and for a sample
+    without needles (RULER's word lists and QA)."""
+    if sample.hop is not None:
+        return sample.hop.followed(picks)
+    if not sample.asked_chunks:
+        return {}
+    row = (sample.answer_start - 1) // chunk_size - 1
+    return {
+        f"g{group}": {"asked_needle": bool(sample.asked_chunks & set(picks[(group, query)][0]))}
+        for group, query in sorted(picks)
+        if query == row
     }
 
 

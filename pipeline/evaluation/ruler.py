@@ -33,7 +33,7 @@ from pipeline.data.needle import NeedleSpec
 from pipeline.data.qa_task import build_qa, load_qa
 from pipeline.data.retrieval_tasks import AGGREGATION_FAMILIES, UUID_TEMPLATES, Codec, TaskSample, TaskShape
 from pipeline.evaluation.haystack import TokenSource
-from pipeline.evaluation.passkey import build_sample, predict_answer
+from pipeline.evaluation.passkey import build_sample, count_retrievals, predict_answer, retrieval_checks
 from pipeline.evaluation.plots import short_length
 from pipeline.evaluation.resume import SampleLog
 from pipeline.evaluation.runtime import IN_RAM, StreamBudget
@@ -251,6 +251,7 @@ def evaluate_ruler(
                     "n": len(records),
                     "seconds": round(seconds, 3),
                     "tokens_per_s": round(len(records) * length / max(seconds, 1e-3), 1),
+                    **({"retrieval": retrieval} if (retrieval := count_retrievals(records)) else {}),
                 }
             )
             log.info("ruler %s length=%d: %s %.3f", name, length, task.metric, rows[-1]["score"])
@@ -287,7 +288,8 @@ def _run_sample(
         if on_tokens is not None:
             on_tokens(tokens)
 
-    predicted = predict_answer(model, sample, budget=budget, on_tokens=count)
+    picks: dict[tuple[int, int], list[list[int]]] = {}
+    predicted = predict_answer(model, sample, budget=budget, on_tokens=count, picks=picks)
     if on_tokens is not None:  # the haystack after the answer is never streamed: the progress counts length
         on_tokens(length - streamed)
     prediction = postprocess(tokenizer.decode(predicted))
@@ -300,6 +302,7 @@ def _run_sample(
         "string_match_all": match_all(prediction, sample.answers),
         "string_match_part": match_part(prediction, sample.answers),
         "seconds": round(time.perf_counter() - t0, 3),
+        **({"retrieval": retrieval} if (retrieval := retrieval_checks(sample, picks, model.cfg.chunk_size)) else {}),
     }
     log.info(
         "ruler %s length=%d sample %d: %.2f (answers %s, predicted %r)",

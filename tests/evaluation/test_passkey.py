@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 from eval_stubs import InductionOracle, RandomDigits, Recorder
+from helpers import batch_forward_picks, tiny_config
 
 from pipeline.data.needle import NEEDLE, NeedleSpec
 from pipeline.evaluation.haystack import TokenSource
@@ -142,3 +143,48 @@ def test_real_model_prediction_is_the_greedy_full_forward_continuation(source, t
             ids.append(int(tiny_model(torch.tensor([ids])).logits[0, -1].argmax()))
     assert predicted == ids[sample.answer_start :]
     assert tiny_model.window_reach is not None and sample.answer_start > tiny_model.window_reach + 64
+
+
+def test_records_whether_the_question_fetched_the_needle(source, monkeypatch):
+    """Each row counts the samples whose question retrieval (the row of landmark ``c - 1``, ``c`` the chunk
+    predicting the first answer token) held the needle's chunk, as a batch forward of the same sample picks it:
+    the split of a wrong answer into a retrieval and a copy error (six look-alike needles, so that a random model
+    fetches the asked one in some samples and not in others)."""
+    import torch
+
+    from model import GCAForCausalLM
+
+    torch.manual_seed(0)
+    model = GCAForCausalLM(tiny_config(vocab_size=256, chunk_size=16, top_k=2)).eval()
+    spec, length, depths, samples = NeedleSpec("multikey", needles=6), 1500, [0.0, 0.5, 1.0], 4
+    rows = evaluate_passkey(
+        model, TOK, source, PasskeyGrid(spec, [length], depths, samples, seed=3), budget=StreamBudget(segment=48)
+    )
+    fetched = []
+    for d, (depth, row) in enumerate(zip(depths, rows, strict=True)):
+        hits = 0
+        for s in range(samples):
+            sample = build_sample(
+                source,
+                TOK,
+                spec,
+                length=length,
+                depth=depth,
+                rng=np.random.default_rng([3, length, d, s]),
+                chunk_size=16,
+            )
+            picks = batch_forward_picks(model, sample.ids[: sample.answer_start], monkeypatch)
+            question_row = picks[(0, (sample.answer_start - 1) // 16 - 1)][0]
+            hits += bool(sample.asked_chunks & set(question_row))
+        assert row["retrieval"] == {"g0": {"asked_needle": {"hits": hits, "n": samples}}}
+        fetched.append(hits)
+    assert 0 < sum(fetched) < samples * len(depths)  # both outcomes occur, so the check can tell them apart
+
+
+def test_no_retrieval_record_without_retrieval(source):
+    from model import build_model
+
+    model = build_model(tiny_config(vocab_size=256, arch="swa")).eval()
+    grid = PasskeyGrid(NeedleSpec("single"), [200], [0.5], 2, seed=0)
+    (row,) = evaluate_passkey(model, TOK, source, grid)
+    assert "retrieval" not in row

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import insert_task, one_family_mix
+from helpers import batch_forward_picks, insert_task, one_family_mix
 
 from pipeline.data.needle import HOP_TEMPLATES, TEMPLATES, HopChunks, NeedleSpec, check_templates
 from pipeline.evaluation.haystack import TokenSource
@@ -209,29 +209,6 @@ def test_question_naming_the_chain_twice(source):
         pass
 
 
-def _batch_forward_picks(model, ids: np.ndarray, monkeypatch) -> dict[tuple[int, int], list[list[int]]]:
-    """(group, query chunk) -> valid picks of a batch forward of ``ids`` (one ``retrieve`` call per group)."""
-    import torch
-
-    import model.gca as gca_module
-
-    real_retrieve = gca_module.retrieve
-    picks: dict[tuple[int, int], list[list[int]]] = {}
-
-    def spy(queries, keys, chunk, **kwargs):
-        rows = real_retrieve(queries, keys, chunk, **kwargs)
-        g = len({group for group, _ in picks})
-        for i, c in enumerate(chunk.tolist()):
-            picks[(g, c)] = [[int(j) for j, w in zip(rows.index[0, i], rows.weights[0, i]) if w > 0]]
-        return rows
-
-    monkeypatch.setattr(gca_module, "retrieve", spy)
-    with torch.inference_mode():
-        model(torch.from_numpy(ids)[None])
-    monkeypatch.undo()
-    return picks
-
-
 def test_eval_counts_the_hops_each_group_followed(source, monkeypatch):
     """The two-hop eval's ``retrieval`` counts, from picks recorded while streaming in segments, equal
     ``HopChunks.followed`` of the picks a batch forward of the same samples makes."""
@@ -259,7 +236,7 @@ def test_eval_counts_the_hops_each_group_followed(source, monkeypatch):
                 rng=np.random.default_rng([5, length, d, s]),
                 chunk_size=32,
             )
-            picks = _batch_forward_picks(model, sample.ids[: sample.answer_start], monkeypatch)
+            picks = batch_forward_picks(model, sample.ids[: sample.answer_start], monkeypatch)
             assert len({g for g, _ in picks}) == 2
             for group, hops in sample.hop.followed(picks).items():
                 assert set(hops) == {
