@@ -492,11 +492,18 @@ def in_chunk_at(depth: float, room: int, chunk_size: int, needle_len: int, rng: 
     """A start in the chunk holding ``round(depth * room)``, at a random offset that keeps a needle that fits in
     a chunk inside it (as ``free_spot`` places the other needles). Shifting it to end with its chunk instead,
     as ``place_needle`` does, made the asked needle end its chunk far more often than the distractors, and the
-    retriever learned to pick the needle that ends its chunk instead of following the link."""
+    retriever learned to pick the needle that ends its chunk instead of following the link.
+
+    A needle longer than a chunk ends with a chunk (less than a chunk after ``round(depth * room)``), as
+    ``free_spot`` places every such needle: its last chunk then holds the key together with the words right
+    before it (a RULER needle's name), so the chunk that must be retrieved says whose key it is. At a random
+    offset the key's chunk often held no part of the name, and no retriever could tell the asked needle's key
+    chunk from a distractor's."""
     S = chunk_size
     at = int(round(depth * room))
     if needle_len > S:
-        return at
+        end = -(-(at + needle_len) // S) * S
+        return end - needle_len if end - needle_len <= room else at
     lo = at // S * S
     return lo + int(rng.integers(0, min(S - needle_len, room - lo) + 1))
 
@@ -507,11 +514,14 @@ def chunks_of(start: int, n: int, chunk_size: int) -> set[int]:
 
 def free_spot(n: int, limit: int, busy: set[int], chunk_size: int, rng: np.random.Generator) -> int | None:
     """A random start for ``n`` tokens ending by ``limit`` in chunks not ``busy``, uniform over the free runs of
-    chunks that hold it (a needle that fits in a chunk gets one chunk, never straddles two); ``None`` when the
-    sequence has no such run."""
+    chunks that hold it (a needle that fits in a chunk gets one chunk, never straddles two; one longer than a
+    chunk ends with its last chunk, as ``in_chunk_at`` places it); ``None`` when the sequence has no such run."""
     S = chunk_size
     span = -(-n // S)  # chunks it needs when it starts on a chunk boundary
     slack = span * S - n  # positions it can move right within those chunks
+    if n > S:
+        starts = [k for k in range(limit // S) if (k + span) * S <= limit and not busy & set(range(k, k + span))]
+        return int(rng.choice(starts)) * S + slack if starts else None
     starts = [k for k in range(limit // S) if (k + span) * S - slack <= limit and not busy & set(range(k, k + span))]
     if not starts:
         return None

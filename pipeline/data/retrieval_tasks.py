@@ -41,16 +41,16 @@ length (the haystack's text only pads the few tokens the list leaves free, at th
 
 Every family but ``single`` (and ``multikey``'s ``needle_haystack``, whose context is all needles) puts each
 needle in chunks that no other needle or the question touches, so one retrieved chunk never brings two needles.
-``depth`` (0: the start, 1: right before the question) places the first asked needle; ``vt`` places its statements at random chunks (its chains must keep their order,
-so no single statement can be put at a given depth).
+``depth`` (0: the start, 1: right before the question) places the first asked needle; ``vt`` places its statements
+at random chunks (its chains must keep their order, so no single statement can be put at a given depth). A needle
+longer than a chunk ends with a chunk, so the key shares its chunk with the words before it (its name).
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-
-import uuid
 
 import numpy as np
 

@@ -207,6 +207,8 @@ def check_two_hop(
         mine = chunks_of(start, n, S)
         if n <= S:
             assert len(mine) == 1, (start, n, S)  # never straddles
+        else:
+            assert (start + n) % S == 0, (start, n, S)  # ends with its last chunk
         assert not mine & taken, (start, n, sorted(taken))
         assert not mine & question_chunks, (start, n, question_start, S)
         taken |= mine
@@ -254,9 +256,14 @@ def test_lay_out_multihop_follows_the_definition(sp, L, S):
         assert (where.question_start, where.tail_start) == (got.question_start, got.tail_start)
         assert where.needle_start == got.asked.needle[0] and where.others[0] == got.asked.link[0]
         assert sorted(where.others[1:]) == sorted(p[0] for ch in got.distractors for p in (ch.link, ch.needle))
-        # The asked key needle in the chunk holding round(depth * room), at any offset that keeps it inside.
+        # The asked key needle in the chunk holding round(depth * room), at any offset that keeps it inside; one
+        # longer than a chunk ends with the first chunk end after it.
         room = got.question_start // S * S - len(texts.needle)  # ends before the question's first chunk
-        assert got.asked.needle[0] // S == round(depth * room) // S, (depth, room, got.asked.needle)
+        start, n = got.asked.needle
+        if n <= S:
+            assert start // S == round(depth * room) // S, (depth, room, got.asked.needle)
+        else:
+            assert 0 <= start - round(depth * room) < S and (start + n) % S == 0, (depth, room, got.asked.needle)
         # Everything else is the haystack, untouched (the answer's chunk after the answer included).
         mask = needle_positions(L, got)
         assert (out[~mask] == seq[~mask]).all()

@@ -22,7 +22,7 @@ from helpers import train_test_tokenizer
 from pipeline.data.mix import RetrievalMix, sentencepiece_codec
 from pipeline.data.needle import SYLLABLES, TEMPLATES, NeedleSpec, lay_out_needle, needle_parts
 from pipeline.data.reader import MDSReader, PackedSequences, RankBatches
-from pipeline.data.retrieval_tasks import FAMILIES, FIXED_TEMPLATES, TaskShape, build_task
+from pipeline.data.retrieval_tasks import DEFAULT_SHAPE, FAMILIES, FIXED_TEMPLATES, TaskShape, build_task
 from pipeline.evaluation.haystack import TokenSource
 from pipeline.evaluation.passkey import build_sample
 from pipeline.evaluation.tokenizer import ModelTokenizer
@@ -360,3 +360,29 @@ def test_the_paper_scale_config_mixes_every_default_family(codec):
     RetrievalMix(
         codec, seq_len=cfg.train.seq_len, chunk_size=cfg.model.chunk_size, fraction=0.05, families=settings.families
     )
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.4, 1.0])
+def test_a_needle_longer_than_a_chunk_ends_with_a_chunk(depth, codec):
+    """Every multikey needle (longer than the chunk here), asked or not, ends where a chunk ends, so its last
+    chunk holds the key and the end of the name before it; the asked one stays within a chunk of its depth."""
+    S = 8
+    for seed in range(6):
+        hay = haystack(codec, 640, seed)
+        sample = build_task("multikey", hay, codec, np.random.default_rng(seed), chunk_size=S, depth=depth)
+        text = codec.decode(sample.ids[: sample.answer_start].tolist())
+        needles = [m.group(0) for m in NEEDLE_RX["multikey"].finditer(text)]
+        assert len(needles) == DEFAULT_SHAPE.needles
+        ends = []
+        for needle in needles:
+            ids = codec.encode(" " + needle + " ")
+            assert len(ids) > S
+            at = [i for i in range(len(sample.ids) - len(ids)) if (sample.ids[i : i + len(ids)] == ids).all()]
+            assert len(at) == 1, needle
+            ends.append(at[0] + len(ids))
+            last = codec.decode(sample.ids[ends[-1] - S : ends[-1]].tolist())
+            name, key = NEEDLE_RX["multikey"].search(needle).groups()
+            assert key in last and name[-3:] in last, (last, needle)  # the key with (the end of) its name
+        assert all(end % S == 0 for end in ends), ends
+        assert sample.needle_start + sample.needle_len in ends
+        assert 0 <= sample.needle_start - round(depth * sample.room) < S
