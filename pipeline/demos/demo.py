@@ -104,6 +104,15 @@ class DemoConfig:
     """RULER samples per (task, length)."""
     ruler_tasks: list[str] = field(default_factory=list)
     """The RULER tasks (``pipeline.evaluation.ruler.RULER_TASKS``; empty: all of them)."""
+    seeds: list[int] = field(default_factory=list)
+    """More training seeds of the GCA model (``make demo-seeds``): each trains through ``train_stages`` with
+    ``seed=<N>`` under ``<run_dir>/seeds/seed<N>`` and reads the ``passkey`` slices as the main run does, so the
+    report shows the spread over seeds (the main run's seed included); empty: the main run only."""
+    prose: str = ""
+    """A haystack of English prose (a folder of text files, or any ``data`` of ``--task passkey``): with it, the GCA
+    model of the main run and of every seed also reads the ``prose_passkey`` slices on it; empty: no prose rows.
+    The demo ships no such text; ``make demo-seeds ARGS="prose=<folder of books>"``."""
+    prose_passkey: list[EvalSlice] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         named = [m for piece in [*self.passkey, *self.longest_passkey] for m in piece.models or []]
@@ -119,6 +128,11 @@ class DemoConfig:
             raise ValueError(
                 f"config key 'ruler_tasks' has a wrong value: {unknown_tasks} are not among {list(RULER_TASKS)}"
             )
+        for key in ("seeds", "prose"):
+            if getattr(self, key) and "gca" not in self.models:
+                raise ValueError(f"config key '{key}' needs the gca model among models={self.models}")
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"config key 'seeds' has a wrong value: {self.seeds} repeats a seed")
         if self.ruler_samples < 1:
             raise ValueError(f"config key 'ruler_samples' has a wrong value: {self.ruler_samples} must be >= 1")
         if not self.ppl_lengths or not 1 <= self.ppl_score_len < min(self.ppl_lengths):
@@ -230,6 +244,32 @@ class Stages:
             self.run(f"ruler-{model}", cmd, out / "ruler.json", env)
 
 
+SEEDS_DIR = "seeds"
+"""Where the runs of ``seeds`` and the prose evaluations go, under the demo's run_dir."""
+
+
+def run_seeds(stages: Stages, main_export: Path) -> dict[int, tuple[Path, Path]]:
+    """Train and passkey-evaluate the GCA model once per extra seed, then read the prose slices with every seed's
+    model (the main run's too). Returns ``{seed: (run directory, prose directory)}``, the main run's seed first,
+    each directory holding ``eval/gca/passkey_<i>`` as the main run's holds its own."""
+    cfg = stages.cfg
+    main_seed = int(OmegaConf.load(main_export.parent / "config.yaml").seed)
+    runs = {main_seed: (stages.run_dir, stages.run_dir / SEEDS_DIR / f"seed{main_seed}" / "prose")}
+    exports = {main_seed: main_export}
+    for seed in cfg.seeds:
+        if seed == main_seed:
+            continue
+        part = f"{SEEDS_DIR}/seed{seed}"
+        exports[seed] = stages.train("gca", part=part, extra=[f"seed={seed}"])
+        stages.passkey("gca", exports[seed], cfg.passkey, part)
+        runs[seed] = (stages.run_dir / part, stages.run_dir / part / "prose")
+    if cfg.prose:
+        slices = [EvalSlice(piece.lengths, piece.samples, haystack=cfg.prose) for piece in cfg.prose_passkey]
+        for seed, export in exports.items():
+            stages.passkey("gca", export, slices, str(runs[seed][1].relative_to(stages.run_dir)))
+    return runs
+
+
 def run_demo(config: str, overrides: list[str]) -> None:
     """Every stage of the demo that is not done yet, then the results table (printed and written to the run dir).
 
@@ -247,7 +287,9 @@ def run_demo(config: str, overrides: list[str]) -> None:
     as_run = restore_env_interpolations(OmegaConf.to_container(OmegaConf.structured(cfg)), env_paths)
     (stages.run_dir / "demo.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(as_run)))
     hop = cfg.multihop
-    if not (hop.enabled and hop.only):
+    main_runs = not (hop.enabled and hop.only)
+    exports: dict[str, Path] = {}
+    if main_runs:
         exports = {model: stages.train(model) for model in cfg.models}
         for model, export in exports.items():
             stages.evaluate(model, export)
@@ -258,5 +300,8 @@ def run_demo(config: str, overrides: list[str]) -> None:
         for model, export in hop_exports.items():
             keys = ["variant=multihop", f"needles={hop.needles}"]
             stages.passkey(model, export, hop.passkey, MULTIHOP_DIR, keys)
-    report = write_report(stages.run_dir, cfg.models, stages.runner.timings, hop.models if hop.enabled else [])
+    seed_runs = run_seeds(stages, exports["gca"]) if (cfg.seeds or cfg.prose) and main_runs else {}
+    report = write_report(
+        stages.run_dir, cfg.models, stages.runner.timings, hop.models if hop.enabled else [], seed_runs
+    )
     sys.stdout.write(report + "\n")

@@ -239,11 +239,67 @@ def _ruler_section(rows: list[dict], models: list[str]) -> list[str]:
     return lines
 
 
+def collect_seeds(seed_runs: dict[int, tuple[Path, Path]]) -> list[dict]:
+    """The GCA model's passkey rows of every training seed, each with ``seed`` and ``haystack`` (``main``: the
+    demo's own, ``collect_passkey`` of the seed's run directory; ``prose``: of its prose directory)."""
+    rows = []
+    for seed, (run, prose) in seed_runs.items():
+        for haystack, where in (("main", run), ("prose", prose)):
+            rows += [{"seed": seed, "haystack": haystack, **r} for r in collect_passkey(where, ["gca"])[0]]
+    return rows
+
+
+def _seeds_section(rows: list[dict]) -> list[str]:
+    """Per training seed and haystack, the GCA model's passkey accuracy by length; then the minimum and maximum
+    over the seeds per length."""
+    if not rows:
+        return []
+    lengths = sorted({r["length"] for r in rows})
+    cell = {(r["seed"], r["haystack"], r["length"]): r for r in rows}
+    seeds = list(dict.fromkeys(r["seed"] for r in rows))
+    lines = [
+        "Passkey of the GCA model across training seeds (`seeds`; initial weights, data order, needles and Gumbel "
+        "noise; the same evaluation samples): first answer token (all answer tokens in brackets); prose = the "
+        "`prose` haystack. min / max: over the seeds, per length.",
+        "",
+        "| seed | haystack | " + " | ".join(short_length(n) for n in lengths) + " |",
+        "|---" * (len(lengths) + 2) + "|",
+    ]
+    for haystack in ("main", "prose"):
+        mine = [r for r in rows if r["haystack"] == haystack]
+        if not mine:
+            continue
+        for seed in seeds:
+            cells = [cell.get((seed, haystack, n)) for n in lengths]
+            if any(cells):
+                text = [
+                    "–" if r is None else f"{100 * r['accuracy']:.0f}% ({100 * r['exact_match']:.0f}%)" for r in cells
+                ]
+                lines.append(f"| {seed} | {haystack} | " + " | ".join(text) + " |")
+        spread = []
+        for n in lengths:
+            got = [r for r in mine if r["length"] == n]
+            spread.append(
+                "–"
+                if not got
+                else f"{100 * min(r['accuracy'] for r in got):.0f}-{100 * max(r['accuracy'] for r in got):.0f}% "
+                f"({100 * min(r['exact_match'] for r in got):.0f}-{100 * max(r['exact_match'] for r in got):.0f}%)"
+            )
+        lines.append(f"| min-max over {len({r['seed'] for r in mine})} | {haystack} | " + " | ".join(spread) + " |")
+    return [*lines, ""]
+
+
 def write_report(
-    run_dir: Path, models: list[str], timings: dict[str, float], multihop_models: list[str] | None = None
+    run_dir: Path,
+    models: list[str],
+    timings: dict[str, float],
+    multihop_models: list[str] | None = None,
+    seed_runs: dict[int, tuple[Path, Path]] | None = None,
 ) -> str:
     """Write the merged JSONs, plots and ``results.md``; return the markdown (also printed by the demo).
-    ``multihop_models``: the two-hop part's models (a section of its own when they have results)."""
+    ``multihop_models``: the two-hop part's models (a section of its own when they have results). ``seed_runs``:
+    ``{training seed: (run directory, prose directory)}`` of the GCA model's runs (``demo.run_seeds``), merged
+    into ``seeds.json`` and a table of the spread over seeds."""
     passkey, train_len = collect_passkey(run_dir, models)
     ppl = collect_ppl(run_dir, models)
     ruler = collect_ruler(run_dir, models)
@@ -256,12 +312,16 @@ def write_report(
     if ppl:
         by_model = {model: [r for r in ppl if r["model"] == model] for model in models}
         plot_ppl_models(by_model, train_len, "perplexity of the same tokens vs context", run_dir / "ppl.png")
+    seeds = collect_seeds(seed_runs or {})
+    if seeds:
+        (run_dir / "seeds.json").write_text(json.dumps({"train_seq_len": train_len, "results": seeds}, indent=2))
     timing_lines = [f"| {name} | {seconds:.0f} s |" for name, seconds in timings.items()]
     report = "\n".join(
         [
             "# make demo results",
             "",
             *_passkey_tables(passkey, models, train_len),
+            *_seeds_section(seeds),
             *_ruler_section(ruler, models),
             *_ppl_table(ppl, models),
             *_multihop_section(run_dir, multihop_models or []),

@@ -268,3 +268,100 @@ def test_hop_retrieval_pooled_per_model_and_group(tmp_path):
     assert "| gca_2groups | g0 | 12% (n=8) | – | 88% (n=8) | 100% (n=8) |" in report  # no distractor-link count
     assert "| gca_2groups | g1 | 50% (n=8) | – | 75% (n=8) | 50% (n=8) |" in report
     assert "| gca | g" not in report  # no retrieval recorded for it: no row
+
+
+def _main_run_config(run: Path, seed: int = 0) -> None:
+    """What the main run's last training stage leaves for ``run_seeds`` to read its seed from."""
+    (run / "gca" / "long").mkdir(parents=True)
+    (run / "gca" / "long" / "config.yaml").write_text(f"seed: {seed}\n")
+
+
+def test_seeds_train_the_gca_model_again_and_read_the_same_slices(tmp_path, monkeypatch):
+    _main_run_config(tmp_path / "run")
+    calls = _recorded_demo(tmp_path, monkeypatch, ["seeds=[1,2]", "prose=/books"])
+    run = tmp_path / "run"
+    seeds = [name for name in calls if "seeds/" in name]
+    assert seeds == [
+        "train-seeds/seed1-gca-short",
+        "train-seeds/seed1-gca-long",
+        "passkey-seeds/seed1-gca-0",
+        "passkey-seeds/seed1-gca-1",
+        "train-seeds/seed2-gca-short",
+        "train-seeds/seed2-gca-long",
+        "passkey-seeds/seed2-gca-0",
+        "passkey-seeds/seed2-gca-1",
+        *[f"passkey-seeds/seed{s}/prose-gca-{i}" for s in (0, 1, 2) for i in (0, 1)],
+    ]
+    long_ = calls["train-seeds/seed1-gca-long"]
+    assert long_[-2:] == ["seed=1", f"checkpoint.init_from={run / 'seeds/seed1/gca/short/export'}"]
+    assert f"run_dir={run / 'seeds/seed1/gca/long'}" in long_
+    assert (
+        "seed=2" in calls["train-seeds/seed2-gca-short"] and "train.seq_len=64" in calls["train-seeds/seed2-gca-short"]
+    )
+    # the same evaluation samples as the main run's, on the seed's own model
+    for i in (0, 1):
+        main, other = calls[f"passkey-gca-{i}"], calls[f"passkey-seeds/seed2-gca-{i}"]
+        assert main[main.index("--task") :][4:] == other[other.index("--task") :][4:]
+        assert other[other.index("--checkpoint") + 1] == str(run / "seeds/seed2/gca/long/export")
+    prose = calls["passkey-seeds/seed0/prose-gca-1"]
+    assert prose[prose.index("--checkpoint") + 1] == str(run / "gca/long/export")  # the main run's model
+    assert {"lengths=[1048576]", "samples=2", "data=/books"} <= set(prose)
+    assert prose[prose.index("--out") + 1] == str(run / "seeds/seed0/prose/eval/gca/passkey_1")
+    assert not any("baseline" in name and "seeds" in name for name in calls)
+
+
+def test_seeds_without_prose_and_the_main_seed_listed_again(tmp_path, monkeypatch):
+    _main_run_config(tmp_path / "run", seed=7)
+    calls = _recorded_demo(tmp_path, monkeypatch, ["seeds=[7,3]"])
+    assert [name for name in calls if "seeds/" in name] == [
+        "train-seeds/seed3-gca-short",
+        "train-seeds/seed3-gca-long",
+        "passkey-seeds/seed3-gca-0",
+        "passkey-seeds/seed3-gca-1",
+    ]
+
+
+@pytest.mark.parametrize(
+    "overrides,error",
+    [
+        (["seeds=[1,1]"], "config key 'seeds' has a wrong value: [1, 1] repeats a seed"),
+        (["seeds=[1]", "models=[baseline]"], "config key 'seeds' needs the gca model among models=['baseline']"),
+        (["prose=/books", "models=[baseline]"], "config key 'prose' needs the gca model"),
+    ],
+)
+def test_bad_seed_settings_are_one_line(tmp_path, overrides, error):
+    with pytest.raises(ConfigError) as err:
+        load_demo_config(Path(__file__).resolve().parents[2] / "configs/demo/demo.yaml", overrides)
+    assert error in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_spread_over_seeds_in_the_report(tmp_path):
+    def passkey(where: Path, i: int, length: int, accuracy: float, exact: float, n: int) -> None:
+        row = {"length": length, "depth": 0.5, "accuracy": accuracy, "exact_match": exact, "n": n}
+        _write(where / "eval" / "gca" / f"passkey_{i}" / "passkey.json", [row], train_seq_len=1024)
+
+    runs = {
+        0: (tmp_path, tmp_path / "seeds/seed0/prose"),
+        1: (tmp_path / "seeds/seed1", tmp_path / "seeds/seed1/prose"),
+    }
+    passkey(tmp_path, 0, 1024, 1.0, 1.0, 50)
+    passkey(tmp_path, 1, 1048576, 0.8, 0.7, 10)
+    passkey(runs[1][0], 0, 1024, 0.96, 0.9, 50)
+    passkey(runs[1][0], 1, 1048576, 1.0, 1.0, 10)
+    passkey(runs[0][1], 0, 65536, 1.0, 1.0, 50)
+    passkey(runs[1][1], 0, 65536, 0.9, 0.8, 50)
+    report = write_report(tmp_path, ["gca"], {}, seed_runs=runs)
+    assert "| 0 | main | 100% (100%) | – | 80% (70%) |" in report
+    assert "| 1 | main | 96% (90%) | – | 100% (100%) |" in report
+    assert "| min-max over 2 | main | 96-100% (90-100%) | – | 80-100% (70-100%) |" in report
+    assert "| min-max over 2 | prose | – | 90-100% (80-100%) | – |" in report
+    rows = json.loads((tmp_path / "seeds.json").read_text())["results"]
+    assert {(r["seed"], r["haystack"], r["length"], r["n"]) for r in rows} == {
+        (0, "main", 1024, 50),
+        (0, "main", 1048576, 10),
+        (1, "main", 1024, 50),
+        (1, "main", 1048576, 10),
+        (0, "prose", 65536, 50),
+        (1, "prose", 65536, 50),
+    }
+    assert "gca" in json.loads((tmp_path / "passkey.json").read_text())["results"][0]["model"]
