@@ -31,11 +31,17 @@ def collect_passkey(run_dir: Path, models: list[str]) -> tuple[list[dict], int |
             data = _read(path)
             train_len = data.get("train_seq_len") or train_len
             for r in data["results"]:
-                acc = pooled.setdefault(r["length"], {"hits": 0.0, "exact": 0.0, "n": 0, "seconds": 0.0})
+                acc = pooled.setdefault(
+                    r["length"], {"hits": 0.0, "exact": 0.0, "n": 0, "seconds": 0.0, "fetched": 0, "asked": 0}
+                )
                 acc["hits"] += r["accuracy"] * r["n"]
                 acc["exact"] += r["exact_match"] * r["n"]
                 acc["n"] += r["n"]
                 acc["seconds"] += r.get("seconds", 0.0)
+                for checks in r.get("retrieval", {}).values():
+                    if "asked_needle" in checks:
+                        acc["fetched"] += checks["asked_needle"]["hits"]
+                        acc["asked"] += checks["asked_needle"]["n"]
         for length in sorted(pooled):
             p = pooled[length]
             rows.append(
@@ -46,6 +52,8 @@ def collect_passkey(run_dir: Path, models: list[str]) -> tuple[list[dict], int |
                     "exact_match": p["exact"] / p["n"],
                     "n": int(p["n"]),
                     "seconds": round(p["seconds"], 1),
+                    # Share of (sample, group) pairs whose question retrieval held the asked needle.
+                    **({"needle_fetched": p["fetched"] / p["asked"]} if p["asked"] else {}),
                 }
             )
     return rows, train_len
@@ -124,7 +132,28 @@ def _passkey_tables(rows: list[dict], models: list[str], train_len: int | None) 
         "",
         _time_table(rows, models),
         "",
+        *_fetched_table(rows, models),
     ]
+
+
+def _fetched_table(rows: list[dict], models: list[str]) -> list[str]:
+    """How often the question's retrieval held the asked needle (``retrieval.g<i>.asked_needle``), by model and
+    length: a wrong answer with the needle fetched is a copy error, without it a retrieval error."""
+    cell = {(r["model"], r["length"]): f"{100 * r['needle_fetched']:.0f}%" for r in rows if "needle_fetched" in r}
+    if not cell:
+        return []
+    lengths = sorted({r["length"] for r in rows})
+    lines = [
+        "How often the question's retrieval held the asked needle (every retrieval group counted; below the accuracy, "
+        "the needle was fetched and misread).",
+        "",
+        "| model | " + " | ".join(short_length(n) for n in lengths) + " |",
+        "|---" * (len(lengths) + 1) + "|",
+    ]
+    for model in models:
+        if any((model, n) in cell for n in lengths):
+            lines.append(f"| {model} | " + " | ".join(cell.get((model, n), "–") for n in lengths) + " |")
+    return [*lines, ""]
 
 
 def _ppl_table(rows: list[dict], models: list[str]) -> list[str]:

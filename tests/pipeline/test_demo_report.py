@@ -365,3 +365,21 @@ def test_the_spread_over_seeds_in_the_report(tmp_path):
         (1, "prose", 65536, 50),
     }
     assert "gca" in json.loads((tmp_path / "passkey.json").read_text())["results"][0]["model"]
+
+
+def test_how_often_the_needle_was_fetched_is_pooled_over_depths(tmp_path):
+    def row(depth, hits, n):
+        return {
+            "length": 4096,
+            "depth": depth,
+            "accuracy": 0.5,
+            "exact_match": 0.5,
+            "n": n,
+            "retrieval": {"g0": {"asked_needle": {"hits": hits, "n": n}}},
+        }
+
+    _write(tmp_path / "eval/gca/passkey_0/passkey.json", [row(0.0, 3, 4), row(1.0, 1, 4)])
+    _write(tmp_path / "eval/baseline/passkey_0/passkey.json", [{**row(0.5, 0, 4), "retrieval": {}}])
+    report = write_report(tmp_path, ["gca", "baseline"], {})
+    assert json.loads((tmp_path / "passkey.json").read_text())["results"][0]["needle_fetched"] == 4 / 8
+    assert "| gca | 50% |" in report and "| baseline | –" not in report.split("held the asked needle")[1]
