@@ -34,7 +34,7 @@ import torch
 
 from model import CausalLM
 from pipeline.data.needle import NeedleSpec
-from pipeline.data.retrieval_tasks import Codec, TaskSample, TaskShape, build_task
+from pipeline.data.retrieval_tasks import AGGREGATION_FAMILIES, Codec, TaskSample, TaskShape, build_task
 from pipeline.evaluation.generate import decode, prefill
 from pipeline.evaluation.haystack import TokenSource
 from pipeline.evaluation.resume import SampleLog
@@ -290,7 +290,7 @@ def retrieval_checks(
     without needles (RULER's word lists and QA)."""
     if sample.hop is not None:
         return sample.hop.followed(picks)
-    if not sample.asked_chunks:
+    if not sample.asked_chunks or sample.family in AGGREGATION_FAMILIES:  # a word list's words are no needles
         return {}
     row = (sample.answer_start - 1) // chunk_size - 1
     return {

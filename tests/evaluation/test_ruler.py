@@ -223,6 +223,16 @@ def test_rows_average_the_samples_scores(tiny_model, monkeypatch):
     assert "| **mean** | 41.7 |" in table
 
 
+def test_rows_count_the_fetched_needles_of_needle_tasks_only(tiny_model):
+    """A needle task's row counts, per group, the samples whose question retrieval held the asked needle (as
+    passkey's, ``passkey.retrieval_checks``); a word-list task, whose listed words are no needles, counts none."""
+    sources = {"data": TokenSource("builtin", TOK, 0), "noise": TokenSource("noise", TOK, 0)}
+    grid = ruler.RulerGrid(["niah_single_1", "ruler_cwe"], [1024], 2, seed=0)
+    by_task = {r["task"]: r for r in ruler.evaluate_ruler(tiny_model, TOK, sources, grid)}
+    assert by_task["niah_single_1"]["retrieval"]["g0"]["asked_needle"]["n"] == 2
+    assert "retrieval" not in by_task["ruler_cwe"]
+
+
 def _greedy_one_shot(model, ids: list[int], n: int) -> list[int]:
     out = []
     with torch.no_grad():
