@@ -144,8 +144,8 @@ def _fetched_table(rows: list[dict], models: list[str]) -> list[str]:
         return []
     lengths = sorted({r["length"] for r in rows})
     lines = [
-        "How often the question's retrieval held the asked needle (every retrieval group counted; below the accuracy, "
-        "the needle was fetched and misread).",
+        "How often the question's retrieval held the asked needle (every retrieval group counted): a miss is a "
+        "retrieval error; an answer wrong although the needle was fetched, a copy error.",
         "",
         "| model | " + " | ".join(short_length(n) for n in lengths) + " |",
         "|---" * (len(lengths) + 1) + "|",
@@ -278,6 +278,12 @@ def collect_seeds(seed_runs: dict[int, tuple[Path, Path]]) -> list[dict]:
     return rows
 
 
+def _span(values: list[float]) -> str:
+    """``min-max%`` of fractions (one number when they agree)."""
+    low, high = f"{100 * min(values):.0f}", f"{100 * max(values):.0f}"
+    return f"{low}%" if low == high else f"{low}-{high}%"
+
+
 def _seeds_section(rows: list[dict]) -> list[str]:
     """Per training seed and haystack, the GCA model's passkey accuracy by length; then the minimum and maximum
     over the seeds per length."""
@@ -309,10 +315,7 @@ def _seeds_section(rows: list[dict]) -> list[str]:
         for n in lengths:
             got = [r for r in mine if r["length"] == n]
             spread.append(
-                "–"
-                if not got
-                else f"{100 * min(r['accuracy'] for r in got):.0f}-{100 * max(r['accuracy'] for r in got):.0f}% "
-                f"({100 * min(r['exact_match'] for r in got):.0f}-{100 * max(r['exact_match'] for r in got):.0f}%)"
+                "–" if not got else f"{_span([r['accuracy'] for r in got])} ({_span([r['exact_match'] for r in got])})"
             )
         lines.append(f"| min-max over {len({r['seed'] for r in mine})} | {haystack} | " + " | ".join(spread) + " |")
     return [*lines, ""]

@@ -365,6 +365,9 @@ def test_the_spread_over_seeds_in_the_report(tmp_path):
         (1, "prose", 65536, 50),
     }
     assert "gca" in json.loads((tmp_path / "passkey.json").read_text())["results"][0]["model"]
+    runs[1] = (runs[1][0], tmp_path / "no-prose")
+    report = write_report(tmp_path, ["gca"], {}, seed_runs=runs)
+    assert "| min-max over 1 | prose | – | 100% (100%) | – |" in report
 
 
 def test_how_often_the_needle_was_fetched_is_pooled_over_depths(tmp_path):
