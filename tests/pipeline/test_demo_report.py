@@ -189,16 +189,19 @@ def test_multihop_part_trains_two_groups_against_one_and_evaluates_two_hops(tmp_
     two, one = hop["train-multihop-gca_2groups-hop"], hop["train-multihop-gca-hop"]
     assert "model.groups=[1,1]" in two and not any(a.startswith("model.groups") for a in one)
     for cmd in (two, one):
-        assert {"data.needle_variant=multihop", "data.hop_chains=3", "train.seq_len=192"} <= set(cmd)
+        assert {"data.retrieval_mix.families.multihop=1", "data.retrieval_mix.chains=3", "train.seq_len=192"} <= set(
+            cmd
+        )
+        assert {"data.retrieval_mix.families.single=0", "data.retrieval_mix.families.multikey=0"} <= set(cmd)
     single = hop["train-multihop-gca_2groups-single"]
-    assert "model.groups=[1,1]" in single and not any("needle_variant" in a for a in single)
+    assert "model.groups=[1,1]" in single and not any("families.multihop" in a for a in single)
     assert f"run_dir={run / 'multihop' / 'gca_2groups' / 'hop'}" in two
     assert f"checkpoint.init_from={run / 'multihop' / 'gca_2groups' / 'single' / 'export'}" in two
     evaluation = hop["passkey-multihop-gca_2groups-1"]
     assert {"variant=multihop", "needles=6", "lengths=[262144, 1048576]", "data=stdlib"} <= set(evaluation)
     assert evaluation[evaluation.index("--checkpoint") + 1] == str(run / "multihop" / "gca_2groups" / "hop" / "export")
     # the main demo's stages are unchanged by the two-hop part
-    assert "train-gca-short" in calls and not any("needle_variant" in a for a in calls["train-gca-short"])
+    assert "train-gca-short" in calls and not any("families.multihop" in a for a in calls["train-gca-short"])
 
 
 def test_longest_adds_the_16m_slice_for_gca_only(tmp_path, monkeypatch):
