@@ -288,3 +288,22 @@ def batch_forward_picks(model, ids: np.ndarray, monkeypatch) -> dict[tuple[int, 
         model(torch.from_numpy(ids)[None])
     monkeypatch.undo()
     return picks
+
+
+def grid_samples_with_picks(model, source, tokenizer, grid, monkeypatch) -> list[list[tuple[object, dict]]]:
+    """Per depth of a one-length ``PasskeyGrid``, each sample as the eval draws it (seeded by (seed, length, depth
+    index, sample)) with the picks of a batch forward of its input (``batch_forward_picks``)."""
+    from pipeline.evaluation.passkey import build_sample
+
+    (length,) = grid.lengths
+    out = []
+    for d, depth in enumerate(grid.depths):
+        rows = []
+        for s in range(grid.samples):
+            rng = np.random.default_rng([grid.seed, length, d, s])
+            sample = build_sample(
+                source, tokenizer, grid.spec, length=length, depth=depth, rng=rng, chunk_size=model.cfg.chunk_size
+            )
+            rows.append((sample, batch_forward_picks(model, sample.ids[: sample.answer_start], monkeypatch)))
+        out.append(rows)
+    return out

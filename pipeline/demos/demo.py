@@ -254,20 +254,20 @@ def run_seeds(stages: Stages, main_export: Path) -> dict[int, tuple[Path, Path]]
     each directory holding ``eval/gca/passkey_<i>`` as the main run's holds its own."""
     cfg = stages.cfg
     main_seed = int(OmegaConf.load(main_export.parent / "config.yaml").seed)
-    runs = {main_seed: (stages.run_dir, stages.run_dir / SEEDS_DIR / f"seed{main_seed}" / "prose")}
     exports = {main_seed: main_export}
+    runs = {main_seed: stages.run_dir}
     for seed in cfg.seeds:
-        if seed == main_seed:
-            continue
-        part = f"{SEEDS_DIR}/seed{seed}"
-        exports[seed] = stages.train("gca", part=part, extra=[f"seed={seed}"])
-        stages.passkey("gca", exports[seed], cfg.passkey, part)
-        runs[seed] = (stages.run_dir / part, stages.run_dir / part / "prose")
+        if seed != main_seed:
+            part = f"{SEEDS_DIR}/seed{seed}"
+            exports[seed] = stages.train("gca", part=part, extra=[f"seed={seed}"])
+            stages.passkey("gca", exports[seed], cfg.passkey, part)
+            runs[seed] = stages.run_dir / part
+    prose = {seed: f"{SEEDS_DIR}/seed{seed}/prose" for seed in exports}
     if cfg.prose:
         slices = [EvalSlice(piece.lengths, piece.samples, haystack=cfg.prose) for piece in cfg.prose_passkey]
         for seed, export in exports.items():
-            stages.passkey("gca", export, slices, str(runs[seed][1].relative_to(stages.run_dir)))
-    return runs
+            stages.passkey("gca", export, slices, prose[seed])
+    return {seed: (run, stages.run_dir / prose[seed]) for seed, run in runs.items()}
 
 
 def run_demo(config: str, overrides: list[str]) -> None:
@@ -282,6 +282,8 @@ def run_demo(config: str, overrides: list[str]) -> None:
     cfg, env_paths = load_demo_config(config, overrides)
     if not (ROOT / cfg.data / "_COMPLETE").is_file():
         raise DemoError(f"{cfg.data} is not a complete data-prep output; run `make prep` first")
+    if cfg.prose and cfg.prose not in ("builtin", "noise", "stdlib") and not (ROOT / cfg.prose).exists():
+        raise DemoError(f"prose={cfg.prose}: no such file or folder (the evaluations read it from {ROOT})")
     stages = Stages(cfg)
     # The demo config as run (overrides applied); each training stage writes its own resolved config.yaml.
     as_run = restore_env_interpolations(OmegaConf.to_container(OmegaConf.structured(cfg)), env_paths)

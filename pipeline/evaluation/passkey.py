@@ -200,7 +200,7 @@ def _mean_speeds(records: list[dict]) -> dict[str, float]:
 
 
 def count_retrievals(records: list[dict]) -> dict[str, dict[str, dict[str, int]]]:
-    """Per group and check of ``HopChunks.followed``: ``{"hits", "n"}`` over the samples that recorded it."""
+    """Per group and check of ``retrieval_checks``: ``{"hits", "n"}`` over the samples that recorded it."""
     counts: dict[str, dict[str, dict[str, int]]] = {}
     for record in records:
         for group, checks in record.get("retrieval", {}).items():

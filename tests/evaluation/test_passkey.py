@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 from eval_stubs import InductionOracle, RandomDigits, Recorder
-from helpers import batch_forward_picks, tiny_config
+from helpers import grid_samples_with_picks, tiny_config
 
 from pipeline.data.needle import NEEDLE, NeedleSpec
 from pipeline.evaluation.haystack import TokenSource
@@ -156,29 +156,17 @@ def test_records_whether_the_question_fetched_the_needle(source, monkeypatch):
 
     torch.manual_seed(0)
     model = GCAForCausalLM(tiny_config(vocab_size=256, chunk_size=16, top_k=2)).eval()
-    spec, length, depths, samples = NeedleSpec("multikey", needles=6), 1500, [0.0, 0.5, 1.0], 4
-    rows = evaluate_passkey(
-        model, TOK, source, PasskeyGrid(spec, [length], depths, samples, seed=3), budget=StreamBudget(segment=48)
-    )
+    grid = PasskeyGrid(NeedleSpec("multikey", needles=6), [1500], [0.0, 0.5, 1.0], 4, seed=3)
+    rows = evaluate_passkey(model, TOK, source, grid, budget=StreamBudget(segment=48))
     fetched = []
-    for d, (depth, row) in enumerate(zip(depths, rows, strict=True)):
-        hits = 0
-        for s in range(samples):
-            sample = build_sample(
-                source,
-                TOK,
-                spec,
-                length=length,
-                depth=depth,
-                rng=np.random.default_rng([3, length, d, s]),
-                chunk_size=16,
-            )
-            picks = batch_forward_picks(model, sample.ids[: sample.answer_start], monkeypatch)
-            question_row = picks[(0, (sample.answer_start - 1) // 16 - 1)][0]
-            hits += bool(sample.asked_chunks & set(question_row))
-        assert row["retrieval"] == {"g0": {"asked_needle": {"hits": hits, "n": samples}}}
+    for row, drawn in zip(rows, grid_samples_with_picks(model, source, TOK, grid, monkeypatch), strict=True):
+        hits = sum(
+            bool(sample.asked_chunks & set(picks[(0, (sample.answer_start - 1) // 16 - 1)][0]))
+            for sample, picks in drawn
+        )
+        assert row["retrieval"] == {"g0": {"asked_needle": {"hits": hits, "n": grid.samples}}}
         fetched.append(hits)
-    assert 0 < sum(fetched) < samples * len(depths)  # both outcomes occur, so the check can tell them apart
+    assert 0 < sum(fetched) < grid.samples * len(grid.depths)  # both outcomes occur, so the check can tell them apart
 
 
 def test_no_retrieval_record_without_retrieval(source):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import batch_forward_picks, insert_task, one_family_mix
+from helpers import grid_samples_with_picks, insert_task, one_family_mix
 
 from pipeline.data.needle import HOP_TEMPLATES, TEMPLATES, HopChunks, NeedleSpec, check_templates
 from pipeline.evaluation.haystack import TokenSource
@@ -220,23 +220,12 @@ def test_eval_counts_the_hops_each_group_followed(source, monkeypatch):
 
     torch.manual_seed(0)
     model = GCAForCausalLM(tiny_config(vocab_size=256, groups=[1, 1], chunk_size=32, top_k=2)).eval()
-    spec, length, depths, samples = NeedleSpec("multihop", needles=6), 1200, [0.2, 0.9], 3
-    grid = PasskeyGrid(spec, [length], depths, samples, seed=5)
+    grid = PasskeyGrid(NeedleSpec("multihop", needles=6), [1200], [0.2, 0.9], 3, seed=5)
     rows = evaluate_passkey(model, TOK, source, grid, budget=StreamBudget(segment=100))
 
-    for d, (depth, row) in enumerate(zip(depths, rows, strict=True)):
+    for row, drawn in zip(rows, grid_samples_with_picks(model, source, TOK, grid, monkeypatch), strict=True):
         want: dict[str, dict[str, dict[str, int]]] = {}
-        for s in range(samples):
-            sample = build_sample(
-                source,
-                TOK,
-                spec,
-                length=length,
-                depth=depth,
-                rng=np.random.default_rng([5, length, d, s]),
-                chunk_size=32,
-            )
-            picks = batch_forward_picks(model, sample.ids[: sample.answer_start], monkeypatch)
+        for sample, picks in drawn:
             assert len({g for g, _ in picks}) == 2
             for group, hops in sample.hop.followed(picks).items():
                 assert set(hops) == {

@@ -281,7 +281,8 @@ def _main_run_config(run: Path, seed: int = 0) -> None:
 
 def test_seeds_train_the_gca_model_again_and_read_the_same_slices(tmp_path, monkeypatch):
     _main_run_config(tmp_path / "run")
-    calls = _recorded_demo(tmp_path, monkeypatch, ["seeds=[1,2]", "prose=/books"])
+    (tmp_path / "books").mkdir()
+    calls = _recorded_demo(tmp_path, monkeypatch, ["seeds=[1,2]", f"prose={tmp_path / 'books'}"])
     run = tmp_path / "run"
     seeds = [name for name in calls if "seeds/" in name]
     assert seeds == [
@@ -308,7 +309,7 @@ def test_seeds_train_the_gca_model_again_and_read_the_same_slices(tmp_path, monk
         assert other[other.index("--checkpoint") + 1] == str(run / "seeds/seed2/gca/long/export")
     prose = calls["passkey-seeds/seed0/prose-gca-1"]
     assert prose[prose.index("--checkpoint") + 1] == str(run / "gca/long/export")  # the main run's model
-    assert {"lengths=[1048576]", "samples=2", "data=/books"} <= set(prose)
+    assert {"lengths=[1048576]", "samples=2", f"data={tmp_path / 'books'}"} <= set(prose)
     assert prose[prose.index("--out") + 1] == str(run / "seeds/seed0/prose/eval/gca/passkey_1")
     assert not any("baseline" in name and "seeds" in name for name in calls)
 
@@ -389,3 +390,12 @@ def test_how_often_the_needle_was_fetched_is_pooled_over_depths(tmp_path):
     report = write_report(tmp_path, ["gca", "baseline"], {})
     assert json.loads((tmp_path / "passkey.json").read_text())["results"][0]["needle_fetched"] == 4 / 8
     assert "| gca | 50% |" in report and "| baseline | –" not in report.split("held the asked needle")[1]
+
+
+def test_a_missing_prose_folder_is_one_line_before_any_stage(tmp_path, monkeypatch):
+    from pipeline.demos import demo
+
+    with pytest.raises(demo.DemoError, match=r"prose=.*/no-books: no such file or folder") as err:
+        _recorded_demo(tmp_path, monkeypatch, [f"prose={tmp_path / 'no-books'}"])
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "run" / "gca").exists()
