@@ -9,7 +9,7 @@ PYTEST := $(PY) -m pytest -q
 # The default CPU tier: everything not behind a heavier marker.
 DEFAULT_MARKERS := not slow and not gpu and not dist and not slurm and not multinode
 
-.PHONY: install lint format typecheck test test-slow test-dist test-gpu test-kernels test-reliability test-slurm test-multinode preflight demo demo-seeds demo-16m demo-multihop demo-smoke demo-lm demo-lm-smoke demo-cpt demo-cpt-smoke prep bench bench-train bench-kernels bench-cp bench-reader bench-prep test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv gpu-wheels gpu-check gpu-stamp gpu-publish demo-lm-gpu bench-gpu test-gpu-wheels test-gpu-check test-gpu-compile reference-curves
+.PHONY: install lint format typecheck test test-slow test-dist test-gpu test-kernels test-reliability test-slurm test-multinode preflight demo demo-baseline demo-seeds demo-16m demo-multihop demo-smoke demo-lm demo-lm-smoke demo-cpt demo-cpt-smoke prep bench bench-train bench-kernels bench-cp bench-reader bench-prep test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv gpu-wheels gpu-check gpu-stamp gpu-publish demo-lm-gpu bench-gpu test-gpu-wheels test-gpu-check test-gpu-compile reference-curves
 
 install: $(STAMP)
 
@@ -158,6 +158,12 @@ demo: install ds-warmup
 demo-16m: install ds-warmup
 	@test -f data/default/_COMPLETE || $(PY) launch/prep.py --config configs/data/default.yaml
 	$(PY) launch/demo.py --config configs/demo/demo.yaml longest=true $(ARGS)
+
+# The sliding-window control of the demo (after make demo, or it runs it first): trained through the same stages
+# and read with the same evaluations; its rows join runs/demo/results.md (docs/demo.md).
+demo-baseline: install ds-warmup
+	@test -f data/default/_COMPLETE || $(PY) launch/prep.py --config configs/data/default.yaml
+	$(PY) launch/demo.py --config configs/demo/demo.yaml "models=[gca,baseline]" $(ARGS)
 
 # The demo's GCA model trained again with training seeds 1 and 2 (after make demo, or it runs it first), every
 # seed read with the same passkey slices: results.md gains the spread over seeds. ARGS="prose=<folder of books>"

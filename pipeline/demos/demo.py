@@ -1,5 +1,6 @@
-"""``make demo``: prep -> DeepSpeed pretraining (2 CPU ranks) of a GCA model and a sliding-window baseline ->
-passkey, RULER-style and perplexity evaluation far beyond the training length -> one results table.
+"""``make demo``: prep -> DeepSpeed pretraining (2 CPU ranks) of a GCA model (``make demo-baseline`` adds a
+sliding-window baseline) -> passkey, RULER-style and perplexity evaluation far beyond the training length -> one
+results table.
 
 Every stage is a subprocess running the same command a user could type (printed before it runs: the trainer and
 the eval started by module name, ``deepspeed --module pipeline.cli.train`` and ``python -m pipeline.cli.eval``),
@@ -84,6 +85,7 @@ class DemoConfig:
     """A curriculum: each model trains through these stages in order, every stage starting from the previous
     stage's weights (``checkpoint.init_from``); empty = one stage with the train config as it is."""
     models: list[str] = field(default_factory=lambda: ["gca", "baseline"])
+    """The main demo's models (``MODEL_OVERRIDES``); configs/demo/demo.yaml runs the GCA model alone."""
     passkey: list[EvalSlice] = field(default_factory=list)
     depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
     haystack: str = "stdlib"
@@ -270,6 +272,13 @@ def run_seeds(stages: Stages, main_export: Path) -> dict[int, tuple[Path, Path]]
     return {seed: (run, stages.run_dir / prose[seed]) for seed, run in runs.items()}
 
 
+def reported_models(cfg: DemoConfig, run_dir: Path) -> list[str]:
+    """The models of ``results.md``: this run's, then any other main-demo model with evaluations already in
+    ``run_dir`` (the baseline of an earlier ``make demo-baseline`` stays in the report of a later ``make demo``)."""
+    earlier = [m for m in MODEL_OVERRIDES if m not in cfg.models and (run_dir / "eval" / m).is_dir()]
+    return [*cfg.models, *earlier]
+
+
 def run_demo(config: str, overrides: list[str]) -> None:
     """Every stage of the demo that is not done yet, then the results table (printed and written to the run dir).
 
@@ -304,6 +313,10 @@ def run_demo(config: str, overrides: list[str]) -> None:
             stages.passkey(model, export, hop.passkey, MULTIHOP_DIR, keys)
     seed_runs = run_seeds(stages, exports["gca"]) if (cfg.seeds or cfg.prose) and main_runs else {}
     report = write_report(
-        stages.run_dir, cfg.models, stages.runner.timings, hop.models if hop.enabled else [], seed_runs
+        stages.run_dir,
+        reported_models(cfg, stages.run_dir),
+        stages.runner.timings,
+        hop.models if hop.enabled else [],
+        seed_runs,
     )
     sys.stdout.write(report + "\n")

@@ -205,7 +205,7 @@ def test_multihop_part_trains_two_groups_against_one_and_evaluates_two_hops(tmp_
 
 
 def test_longest_adds_the_16m_slice_for_gca_only(tmp_path, monkeypatch):
-    calls = _recorded_demo(tmp_path, monkeypatch, ["longest=true"])
+    calls = _recorded_demo(tmp_path, monkeypatch, ["longest=true", "models=[gca,baseline]"])
     assert {"lengths=[16777216]", "samples=1", "data=builtin"} <= set(calls["passkey-gca-2"])
     assert "data=stdlib" in calls["passkey-gca-1"]
     assert "passkey-baseline-2" not in calls and "passkey-baseline-1" in calls
@@ -247,6 +247,25 @@ def test_only_the_two_hop_part_keeps_the_main_demos_results(tmp_path, monkeypatc
     )
     _recorded_demo(tmp_path, monkeypatch, ["multihop.enabled=true", "multihop.only=true"])
     assert "| gca | 50% (50%, n=2) |" in (run / "results.md").read_text()
+
+
+def test_the_demo_trains_gca_alone_and_a_baselines_earlier_results_stay_in_the_report(tmp_path, monkeypatch):
+    """``make demo`` trains the GCA model only; ``make demo-baseline`` (models=[gca,baseline]) adds the baseline's
+    stages; a later ``make demo`` keeps the baseline's rows in results.md."""
+    run = tmp_path / "run"
+    calls = _recorded_demo(tmp_path, monkeypatch, [])
+    assert [name for name in calls if name.startswith("train-")] == ["train-gca-short", "train-gca-long"]
+    with_baseline = _recorded_demo(tmp_path, monkeypatch, ["models=[gca,baseline]"])
+    assert {"train-baseline-short", "train-baseline-long", "ruler-baseline"} <= set(with_baseline)
+    assert "model.arch=swa" in with_baseline["train-baseline-long"]
+    for model, acc in (("gca", 1.0), ("baseline", 0.25)):
+        _write(
+            run / f"eval/{model}/passkey_0/passkey.json",
+            [{"length": 1024, "depth": 0.5, "accuracy": acc, "exact_match": acc, "n": 4, "seconds": 1.0}],
+        )
+    _recorded_demo(tmp_path, monkeypatch, [])
+    report = (run / "results.md").read_text()
+    assert "| gca | 100% (100%, n=4) |" in report and "| baseline | 25% (25%, n=4) |" in report
 
 
 def test_hop_retrieval_pooled_per_model_and_group(tmp_path):
