@@ -58,6 +58,12 @@ TEMPLATES = {
     "multihop": HOP_TEMPLATES,
 }
 """Each variant's default texts (the trainer's mix uses the same ``single`` and ``multihop`` ones)."""
+UUID_TEMPLATES = {
+    "needle": " One of the special magic uuids for {name} is {key}. ",
+    "question": " What is the special magic uuid for {name}? The special magic uuid for {name} is",
+}
+"""``multikey``'s needle and question when its values are UUIDs (``NeedleSpec.value_kind``; RULER's wording)."""
+VALUE_KINDS = ("number", "uuid")
 PLACEHOLDERS = {
     "single": {"needle": {"key"}, "question": set(), "answer": {"key"}},
     "multikey": {"needle": {"name", "key"}, "question": {"name"}, "answer": {"key"}},
@@ -94,10 +100,17 @@ class NeedleSpec:
     """passkey vt: chains, the asked one included."""
     key_digits: int = 5
     """passkey: digits of the key."""
+    value_kind: str = "number"
+    """passkey: the values: number (``key_digits`` digits) | uuid (random UUIDs, 8-4-4-4-12 hex digits, as in
+    RULER's niah_single_3; multikey's default texts then say "uuid" where they say "number")."""
 
     def template(self, part: str) -> str:
         value = getattr(self, part)
-        return TEMPLATES[self.variant][part] if value is None else value
+        if value is not None:
+            return value
+        if self.variant == "multikey" and self.value_kind == "uuid" and part in UUID_TEMPLATES:
+            return UUID_TEMPLATES[part]
+        return TEMPLATES[self.variant][part]
 
 
 def _fields(part: str, text: str) -> set[str]:

@@ -10,13 +10,13 @@ is evaluated cannot drift.
 Families (RULER's names where it has the task):
 
 - ``single``: one pass-key needle, asked for (``pipeline.data.needle``'s texts and layout).
-- ``multikey``: ``needles`` key/value needles with distinct names, one asked for. Two shapes only the eval uses
-  (RULER's ``niah_single_3`` and ``niah_multikey_2/3``; the trainer's mix keeps the default shape):
-  ``value_kind="uuid"`` makes every value a random UUID (``8-4-4-4-12`` hex digits) and ``name_kind="uuid"``
-  every name, and ``needle_haystack=True`` fills the whole context before the question with needles of that form
-  (``needles`` is then unused: as many as fit, each with its own name and value), laid back to back, with the
-  haystack's text only padding the few tokens left free at the start; the asked one is the needle at the drawn
-  depth among them.
+- ``multikey``: ``needles`` key/value needles with distinct names, one asked for. Other shapes (RULER's
+  ``niah_single_3`` and ``niah_multikey_2/3``): ``value_kind="uuid"`` makes every value a random UUID
+  (``8-4-4-4-12`` hex digits; the trainer's mix too, with ``data.retrieval_mix.value_kind=uuid``, for every family),
+  and, for the eval only, ``name_kind="uuid"`` makes every name one, and ``needle_haystack=True`` fills the whole
+  context before the question with needles of that form (``needles`` is then unused: as many as fit, each with its
+  own name and value), laid back to back, with the haystack's text only padding the few tokens left free at the
+  start; the asked one is the needle at the drawn depth among them.
 - ``multivalue``: ``values`` needles of one name with distinct values, all asked for, in the order they appear.
 - ``multiquery``: ``needles`` needles with distinct names, ``queries`` of them asked for, in the question's order.
 - ``vt`` (variable tracking): ``chains`` chains ``A = 48213``, ``B = A``, ``C = B`` (``hops`` copies after the
@@ -56,6 +56,7 @@ import numpy as np
 
 from pipeline.data.needle import (
     SYLLABLES,
+    VALUE_KINDS,
     HopChunks,
     NeedleSpec,
     chunks_of,
@@ -110,12 +111,6 @@ number's text, then its word's (`` 1. kalomi``)."""
 NOISE_WORD = "..."
 """fwe: the most frequent word of all, which the question leaves out (RULER's)."""
 ANSWER_SEPARATOR = ", "
-UUID_TEMPLATES = {
-    "needle": " One of the special magic uuids for {name} is {key}. ",
-    "question": " What is the special magic uuid for {name}? The special magic uuid for {name} is",
-}
-"""``multikey``'s texts when ``value_kind="uuid"`` (the eval passes them as the ``NeedleSpec``'s templates)."""
-VALUE_KINDS = ("number", "uuid")
 NAME_KINDS = ("word", "uuid")
 
 
@@ -214,6 +209,12 @@ class TaskSample:
         return slice(self.answer_start, self.answer_start + self.answer_len)
 
 
+def default_spec(family: str, shape: TaskShape) -> NeedleSpec:
+    """The texts of a ``family`` sample of ``shape``: the family's own (``NeedleSpec.template``; multikey's say
+    "uuid" for UUID values)."""
+    return NeedleSpec(variant=family, key_digits=shape.key_digits, value_kind=shape.value_kind)
+
+
 def build_task(
     family: str,
     haystack: np.ndarray,
@@ -229,7 +230,7 @@ def build_task(
 
     Args:
         rng: every random choice (keys, names, spots) in a fixed order, so one seed gives one sample.
-        spec: the texts of ``single``, ``multikey`` and ``multihop`` (``NeedleSpec``; default: their defaults).
+        spec: the texts of ``single``, ``multikey`` and ``multihop`` (``NeedleSpec``; default: ``default_spec``).
         depth: where the first asked needle goes; ``None`` draws it from ``rng`` when the layout needs it (the
             trainer's mix), after the keys and names.
 
@@ -238,7 +239,7 @@ def build_task(
     """
     if family not in ALL_FAMILIES:
         raise ValueError(f"retrieval task family {family!r} is not one of {ALL_FAMILIES}")
-    spec = spec or NeedleSpec(variant=family)
+    spec = spec or default_spec(family, shape)
     builder = _BUILDERS[family]
     return builder(_Context(haystack, codec, rng, chunk_size, shape, spec, depth))
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from data_prep.schema import ConfigError, load_schema
-from pipeline.data.needle import NeedleSpec, check_templates
+from pipeline.data.needle import VALUE_KINDS, NeedleSpec, check_templates
 from pipeline.data.retrieval_tasks import FAMILIES
 from pipeline.evaluation.passkey import PasskeyGrid
 from pipeline.evaluation.ppl import MAX_DEFAULT_SCORE_LEN, default_score_len
@@ -123,6 +123,8 @@ def validate(cfg: EvalConfig, chunk_size: int | None = None, task: str | None = 
         )
     if cfg.ppl_documents not in PPL_DOCUMENTS:
         raise ConfigError(f"ppl_documents={cfg.ppl_documents!r} is not one of {PPL_DOCUMENTS}")
+    if cfg.value_kind not in VALUE_KINDS:
+        raise ConfigError(f"value_kind={cfg.value_kind!r} is not one of {VALUE_KINDS}")
     if cfg.key_digits > MAX_KEY_DIGITS:
         raise ConfigError(f"key_digits={cfg.key_digits} must be <= {MAX_KEY_DIGITS}")
     if cfg.seed < 0:

@@ -97,6 +97,7 @@ def task_shape(spec: NeedleSpec) -> TaskShape:
         hops=spec.hops,
         chains=chains,
         key_digits=spec.key_digits,
+        value_kind=spec.value_kind,
     )
 
 

@@ -29,9 +29,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from model import CausalLM
-from pipeline.data.needle import NeedleSpec
 from pipeline.data.qa_task import build_qa, load_qa
-from pipeline.data.retrieval_tasks import AGGREGATION_FAMILIES, UUID_TEMPLATES, Codec, TaskSample, TaskShape
+from pipeline.data.retrieval_tasks import AGGREGATION_FAMILIES, Codec, TaskSample, TaskShape, default_spec
 from pipeline.evaluation.haystack import TokenSource
 from pipeline.evaluation.passkey import build_sample, count_retrievals, predict_answer, retrieval_checks
 from pipeline.evaluation.plots import short_length
@@ -154,14 +153,8 @@ def build_ruler_sample(
         return build_qa(
             load_qa(path, task.qa), window, Codec(tokenizer.encode, tokenizer.decode), rng, chunk_size=chunk_size
         )
-    uuid = task.shape.value_kind == "uuid"
-    spec = NeedleSpec(
-        variant=task.family,
-        key_digits=key_digits,
-        needle=UUID_TEMPLATES["needle"] if uuid else None,
-        question=UUID_TEMPLATES["question"] if uuid else None,
-    )
     shape = replace(task.shape, key_digits=key_digits)
+    spec = default_spec(task.family, shape)
     return build_sample(source, tokenizer, spec, length=length, depth=None, rng=rng, chunk_size=chunk_size, shape=shape)
 
 

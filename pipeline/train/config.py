@@ -94,6 +94,9 @@ class RetrievalMixConfig:
     chains: int = 2
     """vt, multihop: chains per sample, the asked one included. multihop: with top-k retrieval and ``chains <=
     top_k``, fetching every key needle always brings the asked one; more chains make that shortcut fail."""
+    value_kind: str = "number"
+    """Every family's values: ``number`` (5 digits) or ``uuid`` (random UUIDs, 8-4-4-4-12 hex digits, as in RULER's
+    ``niah_single_3``; multikey needles then say "uuid" where they say "number"). One kind per training stage."""
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,9 @@ def mix_settings(data: DataConfig) -> MixSettings:
     return MixSettings(
         fraction=m.fraction,
         families=dict(m.families) or dict(DEFAULT_MIX_FAMILIES),
-        shape=TaskShape(needles=m.needles, values=m.values, queries=m.queries, hops=m.hops, chains=m.chains),
+        shape=TaskShape(
+            needles=m.needles, values=m.values, queries=m.queries, hops=m.hops, chains=m.chains, value_kind=m.value_kind
+        ),
         answer_weight=m.answer_weight,
     )
 

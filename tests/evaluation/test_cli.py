@@ -98,6 +98,7 @@ def test_ppl_default_score_len_is_half_the_shortest_length_at_most_1024(lengths,
         (["samples=many"], "samples"),
         (["lengths=[256,512]", "score_len=256"], "score_len=256 must be below the shortest length (256 in lengths="),
         (["ppl_documents=files"], "ppl_documents='files' is not one of ('documents', 'windows')"),
+        (["value_kind=hex"], "value_kind='hex' is not one of ('number', 'uuid')"),
         (["lengths=[64,1048576]", "score_len=32", f"data={ROOT / 'README.md'}"], "no document holds 1048576 tokens"),
     ],
 )

@@ -142,6 +142,37 @@ def test_every_niah_and_vt_task_reads_back_as_ruler_defines_it(name):
         assert answer.strip() == ", ".join(sample.answers)
 
 
+def test_the_passkey_task_with_uuid_values_asks_what_niah_single_3_asks():
+    """``--task passkey variant=multikey needles=1 queries=1 value_kind=uuid`` and RULER's niah_single_3 build the
+    same sample from the same generator (one builder, two spellings); with number values the passkey task's needle
+    says "numbers" again."""
+    from pipeline.data.needle import NeedleSpec
+    from pipeline.evaluation.passkey import build_sample
+
+    sources = {"data": TokenSource("builtin", TOK, 0), "noise": TokenSource("noise", TOK, 0)}
+    spec = NeedleSpec(variant="multikey", needles=1, queries=1, value_kind="uuid")
+    for seed in range(3):
+        asked = ruler.build_ruler_sample(
+            "niah_single_3", sources, TOK, length=1024, rng=np.random.default_rng([seed, 7]), chunk_size=32
+        )
+        passkey = build_sample(
+            sources["data"], TOK, spec, length=1024, depth=None, rng=np.random.default_rng([seed, 7]), chunk_size=32
+        )
+        assert (passkey.ids == asked.ids).all() and passkey.key == asked.key
+        assert re.fullmatch(UUID, passkey.key)
+    numbers = build_sample(
+        sources["data"],
+        TOK,
+        NeedleSpec(variant="multikey"),
+        length=1024,
+        depth=None,
+        rng=np.random.default_rng(0),
+        chunk_size=32,
+    )
+    text = TOK.decode(numbers.ids[: numbers.answer_start].tolist())
+    assert "special magic numbers for" in text and "uuid" not in text and re.fullmatch(r"\d{5}", numbers.key)
+
+
 UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}"
 NEEDLE_TEXT = {
     "niah_multikey_2": re.compile(r" One of the special magic numbers for ([A-Z][a-z]+) is (\d{5})\. "),

@@ -238,3 +238,14 @@ def test_a_run_with_a_retrieval_mix_probes_each_of_its_families(trainer, monkeyp
     )
     assert got["extrap/multivalue@256"] == sum(r["exact_match"] for r in rows) / 2
     assert rows[0]["n"] == 1  # the probe really built and scored the family's samples
+
+
+def test_the_probes_ask_for_the_value_kind_the_mix_trains(tmp_path):
+    """With ``data.retrieval_mix.value_kind=uuid`` a probe's needle holds a UUID in the mix's uuid wording, as the
+    mix's own samples do."""
+    base = [f"run_dir={tmp_path / 'run'}", f"data.path={tmp_path / 'data'}", "data.retrieval_mix.fraction=0.5"]
+    mix = ["data.retrieval_mix.families={multikey: 1}", "data.retrieval_mix.value_kind=uuid"]
+    spec = extrapolation.probe_spec(load_config(None, [*base, *mix]), "multikey")
+    assert spec.value_kind == "uuid" and "special magic uuids for {name}" in spec.template("needle")
+    plain = extrapolation.probe_spec(load_config(None, [*base, mix[0]]), "multikey")
+    assert plain.value_kind == "number" and "special magic numbers for {name}" in plain.template("needle")

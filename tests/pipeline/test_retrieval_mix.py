@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import re
 import shutil
+import uuid
 from collections import Counter
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from helpers import train_test_tokenizer
 from pipeline.data.mix import RetrievalMix, sentencepiece_codec
 from pipeline.data.needle import SYLLABLES, TEMPLATES, NeedleSpec, lay_out_needle, needle_parts
 from pipeline.data.reader import MDSReader, PackedSequences, RankBatches
-from pipeline.data.retrieval_tasks import DEFAULT_SHAPE, FAMILIES, FIXED_TEMPLATES, TaskShape, build_task
+from pipeline.data.retrieval_tasks import DEFAULT_SHAPE, FAMILIES, FIXED_TEMPLATES, Codec, TaskShape, build_task
 from pipeline.evaluation.haystack import TokenSource
 from pipeline.evaluation.passkey import build_sample
 from pipeline.evaluation.tokenizer import ModelTokenizer
@@ -311,10 +312,41 @@ def test_the_mix_keys_and_their_older_spelling(tmp_path):
         (["data.retrieval_mix.queries=9"], "data.retrieval_mix.queries=9 cannot exceed needles=4"),
         (["data.needle_answer_weight=5"], r"data\.needle_answer_weight applies only with data\.needle_mix > 0"),
         (["data.retrieval_mix.answer_weight=0"], r"data\.retrieval_mix\.answer_weight must be > 0; got 0"),
+        (["data.retrieval_mix.value_kind=hex"], r"data\.retrieval_mix\.value_kind='hex' is not one of"),
     ]
     for extra, message in refused:
         with pytest.raises(ConfigError, match=message):
             load_config(None, [*base, *extra])
+
+
+def test_uuid_values_in_the_mix_read_back_as_rulers_niah_single_3(tmp_path):
+    """``data.retrieval_mix.value_kind=uuid`` with one multikey needle: the sample RULER's niah_single_3 asks about,
+    read back from its text with a character-level codec (every UUID character survives the round trip)."""
+    chars = Codec(encode=lambda text: [ord(ch) for ch in text], decode=lambda ids: "".join(map(chr, ids)))
+    base = [f"run_dir={tmp_path / 'run'}", f"data.path={tmp_path / 'data'}", "data.retrieval_mix.fraction=1"]
+    keys = ["data.retrieval_mix.families={multikey: 1}", "data.retrieval_mix.needles=1", "data.retrieval_mix.queries=1"]
+    settings = mix_settings(load_config(None, [*base, *keys, "data.retrieval_mix.value_kind=uuid"]).data)
+    mix = RetrievalMix(
+        chars, seq_len=1024, chunk_size=16, fraction=1.0, families=settings.families, shape=settings.shape
+    )
+    rng = np.random.default_rng(0)
+    hay = np.asarray(chars.encode(" ".join(rng.choice(FILLER, size=300)))[:1024], dtype=np.int64)
+    uuid_rx = r"([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})"
+    keys_seen = set()
+    for seed in range(4):
+        sample = mix.insert(hay, np.random.default_rng(seed), "multikey")
+        before = chars.decode(sample.ids[: sample.answer_start].tolist())
+        needles = re.findall(rf"One of the special magic uuids for {NAME} is {uuid_rx}\.", before)
+        assert len(needles) == 1 and needles[0][1] == sample.key and uuid.UUID(sample.key).version == 4
+        name = needles[0][0]
+        assert before.rstrip().endswith(
+            f"What is the special magic uuid for {name}? The special magic uuid for {name} is"
+        )
+        assert chars.decode(sample.ids[sample.answer].tolist()).strip() == sample.key
+        keys_seen.add(sample.key)
+    assert len(keys_seen) == 4
+    numbers = mix_settings(load_config(None, [*base, *keys]).data)
+    assert numbers.shape.value_kind == "number"  # the default: 5-digit values, as before
 
 
 def test_the_trainer_writes_the_mix_into_its_sequences_and_weighs_the_answers(

@@ -212,6 +212,7 @@ def probe_spec(cfg: TrainConfig, family: str) -> NeedleSpec:
         queries=shape.queries,
         hops=shape.hops,
         chains=shape.chains,
+        value_kind=shape.value_kind,
     )
 
 
