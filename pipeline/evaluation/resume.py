@@ -38,7 +38,12 @@ SETTING_KEYS = (
     "answer",
     "link",
     "needles",
+    "values",
+    "queries",
+    "hops",
+    "chains",
     "key_digits",
+    "value_kind",
 )
 """Eval keys a sample's outcome depends on (its text, its numerics). Not among them: ``lengths``, ``depths`` and
 ``samples`` choose which samples run, and each line names its own (length, depth index, depth, sample), so a rerun

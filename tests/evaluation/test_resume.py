@@ -88,6 +88,16 @@ def test_rerun_with_other_settings_is_refused_unless_restarted(tiny_export, tmp_
     assert header["settings"]["seed"] == 1
 
 
+@pytest.mark.parametrize(("before", "after"), [("value_kind=number", "value_kind=uuid"), ("hops=2", "hops=3")])
+def test_every_key_that_shapes_a_sample_is_a_resume_setting(tiny_export, tmp_path, before, after):
+    """The values' kind and the families' counts change the samples, so finished ones of the other setting are
+    not reused."""
+    run_eval(str(tiny_export), "passkey", tmp_path, [*ONE_SAMPLE, before])
+    key = before.split("=")[0]
+    with pytest.raises(ConfigError, match=f"finished with {key}=.*, but this run has {key}="):
+        run_eval(str(tiny_export), "passkey", tmp_path, [*ONE_SAMPLE, after])
+
+
 def test_a_line_cut_by_a_kill_is_dropped_and_its_sample_reruns(tmp_path):
     path = tmp_path / SAMPLES_FILE
     settings = {"seed": 0}
