@@ -84,8 +84,8 @@ class DemoConfig:
     train_stages: list[TrainStage] = field(default_factory=list)
     """A curriculum: each model trains through these stages in order, every stage starting from the previous
     stage's weights (``checkpoint.init_from``); empty = one stage with the train config as it is."""
-    models: list[str] = field(default_factory=lambda: ["gca", "baseline"])
-    """The main demo's models (``MODEL_OVERRIDES``); configs/demo/demo.yaml runs the GCA model alone."""
+    models: list[str] = field(default_factory=lambda: ["gca"])
+    """The main demo's models (``MODEL_OVERRIDES``); ``make demo-baseline`` adds ``baseline``."""
     passkey: list[EvalSlice] = field(default_factory=list)
     depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
     haystack: str = "stdlib"
