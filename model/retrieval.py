@@ -117,18 +117,21 @@ def retrieve(
     visible = visible.expand(B, Cq, -1)
     if random_picks:
         return _random_rows(visible, top_k, uniform)
-    scores = torch.einsum("bqd,bmd->bqm", queries.float(), keys.float()) * scale  # [B, Cq, Cm]
-    if Cm < top_k:
-        scores = F.pad(scores, (0, top_k - Cm))
-    with torch.no_grad():
-        pick = scores.masked_fill(~visible, float("-inf"))
-        if gumbel:
-            uniform = (torch.rand_like(pick) if uniform is None else uniform).clamp(1e-10, 1.0 - 1e-7)
-            pick = pick - torch.log(-torch.log(uniform))
-        index = pick.topk(top_k, dim=-1).indices  # [B, Cq, R]
-    valid = visible.gather(-1, index)
-    logits = torch.where(valid, scores.gather(-1, index), torch.full_like(scores[..., :1], _INVALID_LOGIT))
-    weights = torch.softmax(logits, dim=-1) * valid  # all-invalid rows become exactly 0
+    # Scores, noise, top-k and softmax in fp32 whatever the caller's autocast: under bf16 autocast the einsum ran
+    # in bf16 (8 bits of mantissa), which changed the picked set of ~4% of rows and made the Gumbel noise coarse.
+    with torch.autocast(keys.device.type, enabled=False):
+        scores = torch.einsum("bqd,bmd->bqm", queries.float(), keys.float()) * scale  # [B, Cq, Cm]
+        if Cm < top_k:
+            scores = F.pad(scores, (0, top_k - Cm))
+        with torch.no_grad():
+            pick = scores.masked_fill(~visible, float("-inf"))
+            if gumbel:
+                noise = torch.rand_like(pick) if uniform is None else uniform.float()
+                pick = pick - torch.log(-torch.log(noise.clamp(1e-10, 1.0 - 1e-7)))
+            index = pick.topk(top_k, dim=-1).indices  # [B, Cq, R]
+        valid = visible.gather(-1, index)
+        logits = torch.where(valid, scores.gather(-1, index), torch.full_like(scores[..., :1], _INVALID_LOGIT))
+        weights = torch.softmax(logits, dim=-1) * valid  # all-invalid rows become exactly 0
     if not grad:
         weights = weights.detach()
     return RetrievalRows(torch.where(valid, index, torch.zeros_like(index)), weights)
