@@ -11,6 +11,7 @@ from kernels.swa import SWA_BACKENDS
 ARCHS = ("gca", "swa", "full")
 RETRIEVAL_SCALES = ("d_model", "head_dim")
 RETRIEVALS = ("learned", "random")
+RETRIEVAL_SCOPES = ("sequence", "document")
 POSITIONS = ("alibi", "rope")
 BACKEND_FIELDS = ("gca_backend", "swa_backend", "attn_backend")
 """Fields that choose how the model is computed, not what it computes (its weights and outputs stay the same)."""
@@ -60,6 +61,15 @@ class GCAConfig:
     ablation, ``top_k`` visible chunks drawn uniformly without replacement (torch's RNG) with equal weights, in
     training and eval; the parameters stay the same (the query norms and landmark keys are then unused), so
     exports load either way."""
+    retrieval_scope: str = "sequence"
+    """Which earlier chunks a chunk may retrieve. ``sequence`` (the paper, the official code): every earlier chunk of
+    the input, whatever document of a packed training sequence it belongs to. ``document``: only chunks of the
+    reading chunk's own document, documents being separated by ``eos_id`` (a chunk counts for the document its last
+    token belongs to). The same rule applies in training, evaluation and generation; the sliding window and the
+    chunk encoder still see across boundaries."""
+    eos_id: int | None = None
+    """The end-of-document token that separates packed documents (``retrieval_scope=document``); the trainer takes
+    it from the dataset's tokenizer when unset."""
     gca_output_bias: bool = True
     """Bias on the GCA output projection."""
     retrieval_scale: str = "d_model"
@@ -136,6 +146,14 @@ class GCAConfig:
             )
         if self.retrieval not in RETRIEVALS:
             raise ConfigError(f"model.retrieval={self.retrieval!r} is not one of {RETRIEVALS}")
+        if self.retrieval_scope not in RETRIEVAL_SCOPES:
+            raise ConfigError(f"model.retrieval_scope={self.retrieval_scope!r} is not one of {RETRIEVAL_SCOPES}")
+        if self.eos_id is not None and (
+            not isinstance(self.eos_id, int) or isinstance(self.eos_id, bool) or not 0 <= self.eos_id < self.vocab_size
+        ):
+            raise ConfigError(f"model.eos_id must be a token id in [0, model.vocab_size); got {self.eos_id!r}")
+        if self.retrieval_scope == "document" and self.arch != "gca":
+            raise ConfigError(f"model.retrieval_scope=document applies to model.arch=gca only; got {self.arch!r}")
         if self.position not in POSITIONS:
             raise ConfigError(f"model.position={self.position!r} is not one of {POSITIONS}")
         if self.position == "rope" and self.head_dim % 2:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from kernels.gca import gca_attention
 from model.chunk_store import ChunkGather, ChunkStore
-from model.config import GCAConfig
+from model.config import ConfigError, GCAConfig
 from model.context_parallel import ContextParallel
 from model.layers import (
     ChunkEncoder,
@@ -40,7 +40,15 @@ from model.layers import (
 )
 from model.layout import StepLayout
 from model.lm import CausalLM
-from model.retrieval import DeferredRow, Picks, RetrievalRows, record_picks, retrieval_stats, retrieve
+from model.retrieval import (
+    ChunkDocuments,
+    DeferredRow,
+    Picks,
+    RetrievalRows,
+    record_picks,
+    retrieval_stats,
+    retrieve,
+)
 from model.stream import StreamState
 
 # Logit elements per GCA operator call when no gradient is needed (about 64 MB in fp32).
@@ -139,6 +147,8 @@ class GCAForCausalLM(CausalLM):
 
     def __init__(self, cfg: GCAConfig) -> None:
         super().__init__()
+        if cfg.retrieval_scope == "document" and cfg.eos_id is None:
+            raise ConfigError("model.retrieval_scope=document needs model.eos_id, the token that ends a document")
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.landmark = nn.Parameter(torch.zeros(cfg.d_model))
@@ -217,9 +227,12 @@ class GCAForCausalLM(CausalLM):
             raise ValueError(f"input_ids must be [batch, tokens]; got shape {tuple(input_ids.shape)}")
         if cp is not None and state is not None:
             raise ValueError("a context-parallel step takes its state from the other ranks, not from a StreamState")
+        if cp is not None and cfg.retrieval_scope == "document":
+            raise ValueError("model.retrieval_scope=document does not run under context parallelism")
         B, T = input_ids.shape
         n_prev = state.n_tokens if state else cp.n_prev if cp else 0
         layout = StepLayout.build(n_prev, T, cfg.chunk_size, input_ids.device)
+        docs = self._chunk_documents(input_ids, layout, state) if cfg.retrieval_scope == "document" else None
         caches: list[KVCache | None] = [None] * (len(self.lower) + cfg.n_upper_layers)
         if state is not None:
             caches = list(state.caches)
@@ -243,7 +256,7 @@ class GCAForCausalLM(CausalLM):
             if memory_only:
                 self._skip_upper_layers(group, x, layout, state)
                 break
-            memory = self._retrieve(g, group, x, readable, layout, state, cp)
+            memory = self._retrieve(g, group, x, readable, layout, state, cp, docs)
             for layer in group.layers:
                 x = layer(x, caches.pop(0), memory, layout, pos)
 
@@ -254,6 +267,25 @@ class GCAForCausalLM(CausalLM):
         token_pos = layout.token_pos if last_logits is None else layout.token_pos[max(0, T - last_logits) :]
         h = self.norm(x[:, token_pos])  # [B, T, d_model]
         return h if hidden else self.lm_head(h)
+
+    def _chunk_documents(
+        self, input_ids: torch.Tensor, layout: StepLayout, state: StreamState | None
+    ) -> ChunkDocuments:
+        """The documents of every chunk readable in this step (``model.retrieval_scope=document``): this step's
+        chunks, after those of earlier steps when streaming."""
+        eos_id = cast(int, self.cfg.eos_id)  # __init__ refuses the document scope without one
+        last_token = (layout.landmark_chunk + 1) * self.cfg.chunk_size - 1 - layout.n_prev
+        docs, eos_count = ChunkDocuments.of_step(
+            input_ids, eos_id, last_token, state.eos_count if state is not None else None
+        )
+        if state is None:
+            return docs
+        if input_ids.shape[1]:
+            state.eos_count = eos_count
+        if layout.n_landmarks:
+            state.read_docs.append(docs.read)
+            state.key_docs.append(docs.key)
+        return ChunkDocuments(state.read_docs.view(), state.key_docs.view()) if state.read_docs.size else docs
 
     def _encode_chunks(
         self, x: torch.Tensor, layout: StepLayout, state: StreamState | None
@@ -297,8 +329,10 @@ class GCAForCausalLM(CausalLM):
         layout: StepLayout,
         state: StreamState | None,
         cp: ContextParallel | None,
+        docs: ChunkDocuments | None,
     ) -> RetrievedMemory | None:
-        """Rows for every chunk this step touches: chunk ``c`` uses the row of landmark ``c - 1``."""
+        """Rows for every chunk this step touches: chunk ``c`` uses the row of landmark ``c - 1``; ``docs``: only
+        chunks of the reader's document are visible (``model.retrieval_scope=document``)."""
         if readable is None:
             return None
         keys, mem_k, mem_v = readable
@@ -321,6 +355,8 @@ class GCAForCausalLM(CausalLM):
                 grad=cfg.retrieval_grad,
                 uniform=None if noise is None else noise[:, chunk],
                 random_picks=random_picks,
+                query_doc=None if docs is None else docs.read[:, chunk],
+                key_doc=None if docs is None else docs.key[:, : keys.shape[1]],
             )
             record_picks(recorded, g, rows, chunk)
             return rows

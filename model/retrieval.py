@@ -60,6 +60,36 @@ class RetrievalRows:
         return RetrievalRows(torch.cat([p.index for p in parts], 1), torch.cat([p.weights for p in parts], 1))
 
 
+@dataclass
+class ChunkDocuments:
+    """Which packed document each chunk belongs to (``model.retrieval_scope=document``), by absolute chunk id.
+
+    Documents are counted by the end-of-document tokens before a position. Chunk ``i``'s query fetches for the
+    tokens of chunk ``i + 1``, so it reads for the document of the token after its last one (``read``); chunk ``j``
+    is a candidate for that document when its last token belongs to it (``key``). A chunk that ends with the
+    end-of-document token therefore serves no later reader, and a chunk that straddles a boundary serves the
+    document it ends in (it is still encoded as one unit).
+    """
+
+    read: torch.Tensor
+    """``[B, C]`` long: end-of-document tokens up to and including chunk ``i``'s last token."""
+    key: torch.Tensor
+    """``[B, C]`` long: end-of-document tokens strictly before chunk ``j``'s last token."""
+
+    @staticmethod
+    def of_step(
+        input_ids: torch.Tensor, eos_id: int, last_token: torch.Tensor, eos_before: torch.Tensor | None
+    ) -> tuple[ChunkDocuments, torch.Tensor]:
+        """The documents of the chunks a step completes, whose last tokens are at ``last_token`` (positions within
+        ``input_ids [B, T]``), and the end-of-document count after the step (``eos_before``: the count before)."""
+        eos = input_ids == eos_id
+        count = eos.long().cumsum(1)
+        if eos_before is not None:
+            count = count + eos_before[:, None]
+        read = count[:, last_token]
+        return ChunkDocuments(read, read - eos[:, last_token].long()), count[:, -1]
+
+
 def retrieve(
     queries: torch.Tensor,
     keys: torch.Tensor,
@@ -71,6 +101,8 @@ def retrieve(
     grad: bool = True,
     uniform: torch.Tensor | None = None,
     random_picks: bool = False,
+    query_doc: torch.Tensor | None = None,
+    key_doc: torch.Tensor | None = None,
 ) -> RetrievalRows:
     """Select and weight the top-``top_k`` visible chunks for each query.
 
@@ -89,6 +121,8 @@ def retrieve(
         random_picks: the random-retriever ablation (``model.retrieval=random``): ``top_k`` chunks uniformly at
             random without replacement among the visible ones, equal weights; nothing is scored and nothing learns
             (``queries``, ``scale``, ``gumbel`` and ``grad`` are unused).
+        query_doc: ``[B, Cq]`` with ``key_doc`` ``[B, Cm]``: same-document retrieval (``ChunkDocuments``): chunk
+            ``j`` is visible to query ``i`` only when also ``key_doc[j] == query_doc[i]``. None: every earlier chunk.
     """
     B, Cq, _ = queries.shape
     Cm = keys.shape[1]
@@ -107,11 +141,15 @@ def retrieve(
                     grad=grad,
                     uniform=None if uniform is None else uniform[:, i : i + step],
                     random_picks=random_picks,
+                    query_doc=None if query_doc is None else query_doc[:, i : i + step],
+                    key_doc=key_doc,
                 )
                 for i in range(0, Cq, step)
             ]
         )
     visible = torch.arange(Cm, device=keys.device)[None, :] < query_chunk[:, None]  # [Cq, Cm]
+    if query_doc is not None and key_doc is not None:
+        visible = visible & (key_doc[:, None, :] == query_doc[:, :, None])  # [B, Cq, Cm]
     if Cm < top_k:  # pad with never-visible columns so every row has exactly R picks
         visible = F.pad(visible, (0, top_k - Cm), value=False)
     visible = visible.expand(B, Cq, -1)

@@ -59,6 +59,10 @@ class StreamState:
         # Each group's current row; after memory_only steps the last landmark's query, scored when read.
         self.rows: list[RetrievalRows | DeferredRow | None] = [None] * n_groups
         self.memory: ChunkStore = memory if memory is not None else ChunkMemory()
+        # model.retrieval_scope=document: end-of-document tokens seen so far ([B]) and the documents of every stored
+        # chunk (``ChunkDocuments`` rows, [B, C] each, C growing with the memory).
+        self.eos_count: torch.Tensor | None = None
+        self.read_docs, self.key_docs = AppendBuffer(dim=1), AppendBuffer(dim=1)
         # None, or (set to {} by a caller) every retrieval scored from here on (``model.retrieval.record_picks``).
         # Diagnostics only (which chunks a two-hop question fetched, far recall).
         self.picks: Picks | None = None

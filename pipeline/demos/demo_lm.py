@@ -38,6 +38,7 @@ MODEL_OVERRIDES = {
     "gca": [],
     "gca_mix": ["data.retrieval_mix.fraction=0.05"],
     "gca_random": ["model.retrieval=random"],
+    "gca_doc": ["model.retrieval_scope=document"],
     "baseline": ["model.arch=swa"],
     "full": ["model.arch=full"],
 }

@@ -190,7 +190,7 @@ def _family_order(family: str) -> int:
     return FAMILIES.index(family) if family in FAMILIES else len(FAMILIES)
 
 
-GCA_MODELS = ("gca", "gca_mix", "gca_random")
+GCA_MODELS = ("gca", "gca_mix", "gca_random", "gca_doc")
 
 
 def retrieval_summary(run_dir: Path, model: str = "gca") -> str | None:

@@ -483,6 +483,11 @@ def check_context_parallel(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"parallel.context_parallel={cp} > 1 needs parallel.engine=fsdp; got {p.engine}")
     if m.arch != "gca":
         raise ConfigError(f"parallel.context_parallel={cp} > 1 needs model.arch=gca; got {m.arch}")
+    if m.retrieval_scope == "document":
+        raise ConfigError(
+            f"parallel.context_parallel={cp} > 1 does not support model.retrieval_scope=document (a rank would need "
+            "the document boundaries of the other ranks' spans); use context_parallel=1 or retrieval_scope=sequence"
+        )
     if cfg.train.eval_every and cfg.train.global_batch % world_size:
         # The validation pass (pipeline.train.callbacks.validation) is not context-parallel: it shards whole sequences
         # over every rank, and a rank's share rounds down to nothing or drops sequences.
@@ -552,6 +557,14 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     if cfg.schedule.warmup_steps >= t.max_steps:
         raise ConfigError(f"schedule.warmup_steps={cfg.schedule.warmup_steps} must be < train.max_steps={t.max_steps}")
     _check_mix(cfg.data)
+    if cfg.model.retrieval_scope == "document" and mix_settings(cfg.data).fraction > 0:
+        # A task is written over a packed sequence that may hold an end-of-document token between a needle and its
+        # question; the document scope would hide the needle, and the sample would teach a wrong answer.
+        raise ConfigError(
+            "model.retrieval_scope=document cannot train with the retrieval-task mix (data.retrieval_mix.fraction > 0 "
+            "or data.needle_mix > 0): its tasks are written over packed text that may cross documents, and a needle "
+            "before an end-of-document token would be hidden from its question; use one or the other"
+        )
     if not 0 <= p.zero_stage <= 3:
         raise ConfigError(f"parallel.zero_stage must be 0, 1, 2 or 3; got {p.zero_stage}")
     if p.engine != "deepspeed" and (p.zero_stage or p.offload_optimizer or p.offload_params):

@@ -21,7 +21,7 @@ from model import CausalLM, GCAForCausalLM, read_export_config
 from model.convert import ConversionError, convert_dense_into
 from model.io import ExportError, check_finite_weights, check_safetensors
 from pipeline.data.mix import RetrievalMix, tokenizer_codec
-from pipeline.data.reader import UnsafeDatasetError, is_remote, read_tokenizer, refuse_prep_work_dir
+from pipeline.data.reader import UnsafeDatasetError, eos_id_of, is_remote, read_tokenizer, refuse_prep_work_dir
 from pipeline.train.checkpoint import OWNER_FILE, foreign_leftovers
 from pipeline.train.config import HF_INIT_PREFIX, ConfigError, TrainConfig, mix_settings
 from pipeline.train.metrics import resolve_wandb_mode
@@ -201,6 +201,35 @@ def _check_splits(cfg: TrainConfig) -> None:
         )
 
 
+def resolve_document_eos(cfg: TrainConfig) -> None:
+    """``model.retrieval_scope=document``: set ``model.eos_id`` to the end-of-document token the dataset's packing
+    joins between documents (the manifest's), or check the one the user set against it.
+
+    Raises:
+        ConfigError: the dataset records no such token, or ``model.eos_id`` names another one.
+    """
+    m = cfg.model
+    if m.retrieval_scope != "document":
+        return
+    try:
+        dataset_eos = eos_id_of(cfg.data.path)
+    except fmt.IncompleteDatasetError as err:
+        raise ConfigError(str(err)) from None
+    if dataset_eos is None:
+        raise ConfigError(
+            f"model.retrieval_scope=document needs the end-of-document token between packed documents, and "
+            f"data.path={cfg.data.path} records none (no manifest with a tokenizer eos_id); prepare the data with "
+            "launch/prep.py, or use model.retrieval_scope=sequence"
+        )
+    if m.eos_id is None:
+        m.eos_id = dataset_eos
+    elif m.eos_id != dataset_eos:
+        raise ConfigError(
+            f"model.eos_id={m.eos_id} but the dataset {cfg.data.path} separates documents with token {dataset_eos}; "
+            f"leave model.eos_id unset (it is taken from the dataset) or set model.eos_id={dataset_eos}"
+        )
+
+
 def check_inputs(cfg: TrainConfig) -> None:
     """Everything about the inputs that can be checked before any work starts (no process group, no output).
 
@@ -219,6 +248,7 @@ def check_inputs(cfg: TrainConfig) -> None:
             raise ConfigError(str(err)) from None
         _check_tokenizer(cfg)
         _check_splits(cfg)
+        resolve_document_eos(cfg)
     if cfg.logging.wandb:
         try:
             resolve_wandb_mode(cfg.logging.wandb_mode, os.environ)

@@ -62,7 +62,13 @@ from pipeline.train.callbacks import (
 from pipeline.train.checkpoint import CheckpointCorruptError, CheckpointManager, UnsafeCheckpointError
 from pipeline.train.config import ConfigError, TrainConfig, check_context_parallel, load_config, mix_settings
 from pipeline.train.export import write_export
-from pipeline.train.inputs import build_mix, check_inputs, check_no_secrets, init_weights_from
+from pipeline.train.inputs import (
+    build_mix,
+    check_inputs,
+    check_no_secrets,
+    init_weights_from,
+    resolve_document_eos,
+)
 from pipeline.train.memory_estimate import check_device_memory, check_host_memory
 from pipeline.train.metrics import memory_gb, peak_flops, setup_logging
 from pipeline.train.optim import freeze_for_stage, lr_at, set_lr
@@ -117,6 +123,7 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.accum = cfg.grad_accum(info.world_size)
         self.bf16 = use_bf16(cfg, info.device)
+        resolve_document_eos(cfg)  # the model needs its document separator (a Trainer may be built without main)
         dist.seed_all(cfg.seed)  # the same initial weights on every rank and every world size
         model = build_model(cfg.model).to(info.device)
         if cfg.checkpoint.init_from:

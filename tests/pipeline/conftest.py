@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +55,35 @@ def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_mds(root, "train", 200, seed=1)
     write_mds(root, "val", 20, seed=2)
     (root / fmt.TOKENIZER_FILENAME).write_bytes(_tokenizer_bytes())
+    return root
+
+
+def prepared_copy(tmp_path: Path, tiny_data: Path, vocab: int = 64) -> Path:
+    """A copy of ``tiny_data`` with the manifest and completion marker data prep writes."""
+    root = tmp_path / "data"
+    shutil.copytree(tiny_data, root)
+    manifest = fmt.Manifest(
+        format_version=fmt.FORMAT_VERSION,
+        token_dtype="uint16",
+        tokenizer=fmt.TokenizerInfo(
+            sha256="0" * 64, vocab_size=vocab, model_type="bpe", trained=True, unk_id=0, bos_id=-1, eos_id=1, pad_id=-1
+        ),
+        splits={
+            s: fmt.SplitStats(
+                documents=1,
+                pieces=1,
+                tokens=1,
+                index_sha256=hashlib.sha256((root / s / "index.json").read_bytes()).hexdigest(),
+            )
+            for s in fmt.SPLITS
+        },
+        skipped={},
+        inputs=[],
+        config={},
+    )
+    data = manifest.to_json().encode()
+    (root / fmt.MANIFEST_FILENAME).write_bytes(data)
+    (root / fmt.COMPLETE_MARKER).write_text(hashlib.sha256(data).hexdigest() + "\n")
     return root
 
 

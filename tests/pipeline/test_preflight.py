@@ -1,10 +1,8 @@
 """Preflight checks (``pipeline/train/preflight.py``): each passes on a good setup, else gives one clear line."""
 
-import hashlib
 import logging
 import mmap
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -12,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import prepared_copy
 
 from data_prep import format as fmt
 from pipeline.train import preflight
@@ -20,37 +19,8 @@ from pipeline.train.config import load_config
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _prepared(tmp_path: Path, tiny_data: Path, vocab: int = 64) -> Path:
-    """A copy of ``tiny_data`` with the manifest and completion marker data prep writes."""
-    root = tmp_path / "data"
-    shutil.copytree(tiny_data, root)
-    manifest = fmt.Manifest(
-        format_version=fmt.FORMAT_VERSION,
-        token_dtype="uint16",
-        tokenizer=fmt.TokenizerInfo(
-            sha256="0" * 64, vocab_size=vocab, model_type="bpe", trained=True, unk_id=0, bos_id=-1, eos_id=1, pad_id=-1
-        ),
-        splits={
-            s: fmt.SplitStats(
-                documents=1,
-                pieces=1,
-                tokens=1,
-                index_sha256=hashlib.sha256((root / s / "index.json").read_bytes()).hexdigest(),
-            )
-            for s in fmt.SPLITS
-        },
-        skipped={},
-        inputs=[],
-        config={},
-    )
-    data = manifest.to_json().encode()
-    (root / fmt.MANIFEST_FILENAME).write_bytes(data)
-    (root / fmt.COMPLETE_MARKER).write_text(hashlib.sha256(data).hexdigest() + "\n")
-    return root
-
-
 def test_data_check(tmp_path, tiny_data):
-    root = _prepared(tmp_path, tiny_data)
+    root = prepared_copy(tmp_path, tiny_data)
     assert preflight.check_data(str(root), "train", 64) == []
     assert preflight.check_data("s3://bucket/data", "train", 64) == []  # remote: the trainer checks while reading
     [line] = preflight.check_data(str(root), "train", 32)
@@ -140,7 +110,7 @@ def test_accelerators_on_cpu():
 
 
 def test_main_passes_then_reports_one_line_per_problem(tmp_path, tiny_data, overrides, caplog):
-    data = _prepared(tmp_path, tiny_data)
+    data = prepared_copy(tmp_path, tiny_data)
     caplog.set_level(logging.INFO)
     assert preflight.main(None, overrides(tmp_path / "run", data), 0, 0.001, 60) == 0
     assert "preflight OK: 1 rank(s)" in caplog.text
@@ -164,7 +134,7 @@ def _free_port() -> int:
 
 def test_a_missing_rank_ends_in_one_line_not_a_hang(tmp_path, tiny_data, overrides):
     """Rank 0 of a 2-rank job whose rank 1 never comes: the watchdog reports and exits 1."""
-    data = _prepared(tmp_path, tiny_data)
+    data = prepared_copy(tmp_path, tiny_data)
     env = {
         **os.environ,
         "RANK": "0",
