@@ -116,8 +116,9 @@ test-eval: install
 bench-eval: install
 	$(PY) launch/bench_eval.py --out bench_eval.json $(ARGS)
 
-# Training-step time of GCA vs same-depth sliding window vs full attention (1K/4K/16K), and ZeRO-2 on 2 processes
-# vs 1 process with the real trainer (prepares data/default first when missing). ~10 min on 2 cores.
+# Training-step time of GCA vs same-depth sliding window vs full attention (1K/4K/16K), ZeRO-2 on 2 processes
+# vs 1 process with the real trainer, and a bf16 run's gradients summed in fp32 vs bf16 under ZeRO-1/2 (prepares
+# data/default first when missing). ~13 min on 2 cores.
 bench-train: install ds-warmup
 	@test -f data/default/_COMPLETE || $(PY) launch/prep.py --config configs/data/default.yaml
 	$(PY) launch/bench_train.py $(ARGS)

@@ -1,5 +1,5 @@
-"""Training step time of GCA vs sliding window vs full attention, and ZeRO-2 vs 1 process (``make bench-train``):
-``python launch/bench_train.py [--lengths 1024 4096 16384]``.
+"""Training step time of GCA vs sliding window vs full attention, ZeRO-2 vs 1 process, and bf16 gradients summed in
+fp32 vs bf16 under DeepSpeed (``make bench-train``): ``python launch/bench_train.py [--lengths 1024 4096 16384]``.
 
 The command line is ``pipeline.cli.bench_train``'s (also runnable as ``python -m pipeline.cli.bench_train``).
 """

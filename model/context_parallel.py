@@ -74,6 +74,7 @@ def cp_loss(
     labels: torch.Tensor,
     group: dist.ProcessGroup | None = None,
     weights: torch.Tensor | None = None,
+    weight_norm: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """This rank's share of the next-token loss of ``model(input_ids, labels)`` under context parallelism over
     ``group`` (``None``: the default group).
@@ -82,8 +83,9 @@ def cp_loss(
     ``weights`` and hold the same torch RNG state (the Gumbel top-k draws the same noise on every rank). The rank
     runs the model on its span only (``cp_span``) and returns the cross-entropy summed over its positions -- its
     last token is scored against the next rank's first label -- divided by the whole sequence's count of scored
-    positions (with ``weights [B, T]``: ``sum(w * ce)`` over its positions divided by ``sum(w)`` over the whole
-    sequence, like ``model.lm.lm_loss``). Hence the sum over the group of the returned losses equals the single-
+    positions (with ``weights [B, T]``: ``sum(w * ce)`` over its positions divided by ``weight_norm``, by default
+    ``sum(w)`` over the whole sequences' predicted positions, like ``model.lm.lm_loss``; every rank of the group
+    must pass the same ``weight_norm``). Hence the sum over the group of the returned losses equals the single-
     process loss, and after ``backward()`` the sum over the group of each parameter's gradient equals the single-
     process gradient; summing the gradients (an all-reduce over the group) is the caller's job. The span runs
     through the module call (``model(span, cp=...)``), so the forward hooks of a wrapper such as FSDP2 run.
@@ -97,7 +99,8 @@ def cp_loss(
     )
     if weights is None:
         return ce.sum() / (labels[:, 1:] != -100).sum()
-    return (ce * weights[:, start + 1 : end + 1].flatten()).sum() / weights[:, 1:].sum()
+    norm = weights[:, 1:].sum() if weight_norm is None else weight_norm
+    return (ce * weights[:, start + 1 : end + 1].flatten()).sum() / norm
 
 
 def _send_recv(

@@ -35,12 +35,20 @@ class CausalLMOutput(NamedTuple):
     loss: torch.Tensor | None = None
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+def lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    weight_norm: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Next-token cross-entropy of ``logits [B, T, V]`` against ``labels [B, T]`` aligned with the inputs
     (Hugging Face convention: ``logits[:, t]`` is scored against ``labels[:, t + 1]``), computed in fp32.
 
     Without ``weights``: the mean over the positions whose label is not ``-100``. With ``weights [B, T]``
-    (aligned like ``labels``): the weighted mean ``sum(w * ce) / sum(w)`` over the predicted positions.
+    (aligned like ``labels``): ``sum(w * ce)`` over the predicted positions divided by ``weight_norm``, by default
+    their own ``sum(w)`` (the batch's weighted mean). The trainer passes the mean weight sum per micro-batch of the
+    whole global batch instead, so that its micro-batches add up to the global batch's weighted mean however the
+    batch is split (``pipeline.train.trainer.Trainer.train_step``).
     """
     flat_logits = logits[:, :-1].flatten(0, 1).float()
     targets = labels[:, 1:].flatten()
@@ -48,7 +56,7 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | 
         return F.cross_entropy(flat_logits, targets, ignore_index=-100)
     ce = F.cross_entropy(flat_logits, targets, reduction="none")
     w = weights[:, 1:].flatten()
-    return (ce * w).sum() / w.sum()
+    return (ce * w).sum() / (w.sum() if weight_norm is None else weight_norm)
 
 
 def count_parameters(module: nn.Module) -> int:

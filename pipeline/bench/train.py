@@ -1,17 +1,21 @@
-"""Training step throughput of GCA vs a same-depth sliding-window model vs full attention, and DeepSpeed ZeRO-2 on
-2 processes vs 1 process, printed as ratios measured in one run (``make bench-train``).
+"""Training step throughput of GCA vs a same-depth sliding-window model vs full attention, DeepSpeed ZeRO-2 on
+2 processes vs 1 process, and the cost of summing bf16 gradients in fp32, printed as ratios measured in one run
+(``make bench-train``).
 
 Part 0 counts the ATen operators of one training step of each model (``pipeline.bench.step_ops``, the CPU proxy of
 the GPU step's kernel launches) and its host synchronisations. Part 1 times one optimizer step (forward, backward,
 AdamW) of each model at each sequence length, every configuration in a fresh process, on random tokens. Part 2 runs
 the real trainer (``configs/train/debug.yaml`` on a prepared dataset) for a few steps with one process and with
-``deepspeed --num_gpus 2`` and compares the median ``tokens_per_s`` of ``metrics.jsonl``.
+``deepspeed --num_gpus 2`` and compares the median ``tokens_per_s`` of ``metrics.jsonl``. Part 3 runs the trainer
+in bf16 under DeepSpeed ZeRO-1 and ZeRO-2 on 2 processes with ``parallel.grad_reduce_dtype`` fp32 (the default) and
+bf16 and compares their median ``tokens_per_s`` and rank 0's largest ``mem_gb``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -32,6 +36,11 @@ KINDS = ("gca", "swa", "full")
 """The ``model.arch`` of each compared model."""
 STEP_MODULE = "pipeline.cli.bench_train"
 """The benchmark's own command line; its hidden ``--one KIND LENGTH`` times one configuration."""
+CPU_ENV = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+"""Part 2 and 3's environment: one thread per rank, DeepSpeed on its CPU accelerator."""
+GRAD_DTYPE_MODEL = ["model.d_model=256", "model.n_heads=4", "model.n_kv_heads=4", "model.ffn_hidden=1024"]
+"""Part 3's model: ``configs/train/debug.yaml``'s 4x wider (4.5M parameters instead of 0.4M), so that its gradients
+weigh in the step and the memory."""
 
 
 def time_step(kind: str, length: int, repeats: int) -> dict:
@@ -61,15 +70,24 @@ def _isolated(kind: str, length: int, repeats: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _median_tokens_per_s(run_dir: Path) -> float:
+def _metric_rows(run_dir: Path) -> list[dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    speeds = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r][3:]  # skip warm-up steps
-    return statistics.median(speeds)
+    return [r for r in rows if "tokens_per_s" in r]
 
 
-def trainer_throughput(data: str, steps: int) -> tuple[float, float]:
-    """Median tokens/s of the real trainer on ``data``: one process, then DeepSpeed ZeRO-2 on 2 processes."""
-    common = [
+def _median_tokens_per_s(run_dir: Path) -> float:
+    return statistics.median(r["tokens_per_s"] for r in _metric_rows(run_dir)[3:])  # skip warm-up steps
+
+
+def _peak_mem_gb(run_dir: Path) -> float:
+    """Rank 0's largest ``mem_gb`` over the steps: resident memory at the step's end on CPU, the peak on CUDA."""
+    return max(r["mem_gb"] for r in _metric_rows(run_dir))
+
+
+def _trainer_args(data: str, steps: int, micro_batch: int) -> list[str]:
+    """``configs/train/debug.yaml`` on ``data`` for ``steps`` steps of 8 sequences, logging every step, saving
+    nothing."""
+    return [
         "--config",
         "configs/train/debug.yaml",
         f"data.path={data}",
@@ -80,36 +98,52 @@ def trainer_throughput(data: str, steps: int) -> tuple[float, float]:
         "logging.every=1",
         "logging.progress=false",
         "train.global_batch=8",
-        "train.micro_batch=4",
+        f"train.micro_batch={micro_batch}",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _deepspeed_trainer(args: list[str]) -> None:
+    """The trainer on 2 processes under the DeepSpeed launcher, on a free port (another run may hold the default)."""
+    launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(_free_port())]
+    cmd = [*launcher, "--module", TRAIN_MODULE, *args, "parallel.engine=deepspeed"]
+    subprocess.run(cmd, cwd=ROOT, env={**os.environ, **CPU_ENV}, check=True, capture_output=True)
+
+
+def trainer_throughput(data: str, steps: int) -> tuple[float, float]:
+    """Median tokens/s of the real trainer on ``data``: one process, then DeepSpeed ZeRO-2 on 2 processes."""
+    common = _trainer_args(data, steps, micro_batch=4)
     with tempfile.TemporaryDirectory() as tmp:
         single, ds = Path(tmp) / "single", Path(tmp) / "zero2"
         subprocess.run(
             [sys.executable, "-m", TRAIN_MODULE, *common, f"run_dir={single}", "parallel.engine=none"],
             cwd=ROOT,
-            env={**env, "OMP_NUM_THREADS": "2"},
+            env={**os.environ, **CPU_ENV, "OMP_NUM_THREADS": "2"},
             check=True,
             capture_output=True,
         )
-        subprocess.run(
-            [
-                str(Path(sys.executable).parent / "deepspeed"),
-                "--num_gpus",
-                "2",
-                "--module",
-                TRAIN_MODULE,
-                *common,
-                f"run_dir={ds}",
-                "parallel.engine=deepspeed",
-                "parallel.zero_stage=2",
-            ],
-            cwd=ROOT,
-            env=env,
-            check=True,
-            capture_output=True,
-        )
+        _deepspeed_trainer([*common, f"run_dir={ds}", "parallel.zero_stage=2"])
         return _median_tokens_per_s(single), _median_tokens_per_s(ds)
+
+
+def grad_dtype_costs(data: str, steps: int) -> dict[tuple[int, str], tuple[float, float]]:
+    """(ZeRO stage, ``parallel.grad_reduce_dtype``) -> (median tokens/s, rank 0's largest ``mem_gb``) of the
+    trainer in bf16 under DeepSpeed on 2 processes, 2 micro-batches per rank and step, with `GRAD_DTYPE_MODEL`."""
+    common = [*_trainer_args(data, steps, micro_batch=2), *GRAD_DTYPE_MODEL, "precision.dtype=bf16"]
+    costs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for stage in (1, 2):
+            for dtype in ("fp32", "bf16"):
+                run = Path(tmp) / f"zero{stage}_{dtype}"
+                settings = [f"run_dir={run}", f"parallel.zero_stage={stage}", f"parallel.grad_reduce_dtype={dtype}"]
+                _deepspeed_trainer([*common, *settings])
+                costs[stage, dtype] = _median_tokens_per_s(run), _peak_mem_gb(run)
+    return costs
 
 
 def op_count_table(out: TextIO, seq_len: int = 256, compiled: bool = False) -> None:
@@ -163,7 +197,8 @@ def step_time_table(lengths: list[int], repeats: int, out: TextIO) -> None:
 
 
 def zero2_comparison(data: str, steps: int, out: TextIO) -> None:
-    """Part 2, skipped with a line saying why when ``data`` (relative to the repository) is not a prepared dataset."""
+    """Parts 2 and 3 (the trainer), skipped with a line saying why when ``data`` (relative to the repository) is not
+    a prepared dataset."""
     path = ROOT / data
     if not (path / "_COMPLETE").is_file():
         out.write(f"\nZeRO-2 comparison skipped: {data} is not a complete data-prep output (run `make prep`)\n")
@@ -173,3 +208,26 @@ def zero2_comparison(data: str, steps: int, out: TextIO) -> None:
         f"\ntrainer, configs/train/debug.yaml: 1 process {single:,.0f} tokens/s; DeepSpeed ZeRO-2 on 2 "
         f"processes {zero2:,.0f} tokens/s ({zero2 / single:.2f}x)\n"
     )
+    grad_dtype_table(grad_dtype_costs(str(path), steps), out)
+
+
+def grad_dtype_table(costs: dict[tuple[int, str], tuple[float, float]], out: TextIO) -> None:
+    """Part 3: per ZeRO stage, the trainer's speed and memory with gradients summed in fp32 and in bf16, and the
+    fp32 run's step time and memory over the bf16 run's."""
+    out.write(
+        f"\ntrainer in bf16, configs/train/debug.yaml x4 wide ({' '.join(GRAD_DTYPE_MODEL)}), DeepSpeed on 2 "
+        "processes, 2 micro-batches per rank and step: parallel.grad_reduce_dtype fp32 (default) vs bf16; memory: "
+        "rank 0's largest mem_gb\n\n"
+    )
+    header = (
+        f"{'engine':>6} | {'fp32 tok/s':>10} | {'bf16 tok/s':>10} | {'fp32/bf16 time':>14} | {'fp32 GB':>7} | "
+        f"{'bf16 GB':>7} | fp32/bf16 memory"
+    )
+    out.write(header + "\n" + "-" * len(header) + "\n")
+    for stage in sorted({stage for stage, _ in costs}):
+        (speed32, mem32), (speed16, mem16) = costs[stage, "fp32"], costs[stage, "bf16"]
+        out.write(
+            f"{'ZeRO-' + str(stage):>6} | {speed32:>10,.0f} | {speed16:>10,.0f} | {speed16 / speed32:>13.2f}x | "
+            f"{mem32:>7.3f} | {mem16:>7.3f} | {mem32 / mem16:.3f}x\n"
+        )
+    out.flush()

@@ -1,5 +1,5 @@
-"""ATen operators per training step, training step time of GCA vs sliding window vs full attention, and ZeRO-2 on
-2 processes vs 1:
+"""ATen operators per training step, training step time of GCA vs sliding window vs full attention, ZeRO-2 on 2
+processes vs 1, and a bf16 run's gradient sums in fp32 vs bf16 under ZeRO-1/2:
 ``python -m pipeline.cli.bench_train [--lengths 1024 4096 16384] [--repeats N] [--data DIR] [--steps N]
 [--compiled]``.
 
@@ -16,7 +16,7 @@ from pipeline.bench.train import op_count_table, step_time_table, time_step, zer
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse ``argv`` (default: ``sys.argv[1:]``) and print both parts of the benchmark."""
+    """Parse ``argv`` (default: ``sys.argv[1:]``) and print every part of the benchmark."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--repeats", type=int, default=2)

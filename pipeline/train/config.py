@@ -206,6 +206,12 @@ class ParallelConfig:
     """Ranks that split each sequence between them (``model/context_parallel.py``); it must divide the world size,
     and the data-parallel degree is world size / context_parallel. > 1 needs ``parallel.engine=fsdp`` and
     ``model.arch=gca``."""
+    grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    """A bf16 run's dtype for summing gradients over micro-batches and over ranks; an fp32 run sums in fp32 whatever
+    this says. ``fp32``: DeepSpeed ZeRO 1-3 and FSDP2 accumulate and reduce in fp32 (DeepSpeed ZeRO-0 cannot: a
+    config error). ``bf16``: they accumulate and reduce in bf16, for less gradient memory and traffic and bf16
+    rounding in every sum (tests/pipeline/test_grad_accum_dtype.py measures it). ``parallel.engine=none`` keeps fp32
+    gradients (fp32 parameters under autocast) either way; ``bf16`` makes DDP all-reduce them in bf16."""
 
 
 @dataclass
@@ -504,6 +510,23 @@ def check_context_parallel(cfg: TrainConfig, world_size: int) -> None:
         ) from None
 
 
+def check_grad_reduce_dtype(cfg: TrainConfig, bf16: bool) -> None:
+    """``parallel.grad_reduce_dtype`` is one the engine can honour in a run whose compute dtype is bf16 (``bf16``).
+
+    Called by ``validate`` when ``precision.dtype=bf16`` says so before any device is known, and again by
+    ``build_deepspeed_config`` with the dtype the trainer resolved (``auto`` is bf16 on CUDA)."""
+    p = cfg.parallel
+    if bf16 and p.engine == "deepspeed" and p.zero_stage == 0 and p.grad_reduce_dtype == "fp32":
+        # DeepSpeed 0.19 raises NotImplementedError("unsupported mix of model_dtype ... and grad_accum_dtype") for
+        # bf16 parameters with fp32 accumulation without ZeRO (engine.py _do_optimizer_sanity_check). ZeRO-1 has it
+        # (BF16_Optimizer: a whole fp32 gradient on every rank, as ZeRO-0 has a bf16 one; the optimizer state sharded).
+        raise ConfigError(
+            "parallel.grad_reduce_dtype=fp32 in a bf16 run needs parallel.zero_stage >= 1 with "
+            "parallel.engine=deepspeed (DeepSpeed sums ZeRO-0 gradients only in bf16): set parallel.zero_stage=1, or "
+            "parallel.grad_reduce_dtype=bf16 to accept bf16 gradient sums"
+        )
+
+
 def validate(cfg: TrainConfig, world_size: int) -> None:
     """Cross-field rules; each error states the rule and the values."""
     _check_finite(cfg)
@@ -577,6 +600,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"parallel.offload_optimizer needs parallel.zero_stage >= 1; got {p.zero_stage}")
     if p.offload_params and p.zero_stage != 3:
         raise ConfigError(f"parallel.offload_params needs parallel.zero_stage=3; got {p.zero_stage}")
+    check_grad_reduce_dtype(cfg, bf16=cfg.precision.dtype == "bf16")
     if c.init_from is not None and c.init_from.startswith(HF_INIT_PREFIX):
         try:
             check_fits(cfg.model, c.init_from[len(HF_INIT_PREFIX) :])

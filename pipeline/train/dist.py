@@ -288,6 +288,15 @@ def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def mean_weight_sum(weights: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of ``weights`` (this rank's loss weights ``[B, T]`` of one step, aligned with the tokens as labels)
+    over the predicted positions ``w[:, 1:]``, averaged over all ranks: a device tensor, from one all-reduce and no
+    host sync. The ranks of a context-parallel group hold the same sequences, so this is the global batch's weight
+    sum divided by the data-parallel degree."""
+    local = torch.stack([w[:, 1:].sum() for w in weights]).sum()
+    return all_reduce_mean(local.to(device))
+
+
 def all_reduce_max(value: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         value = value.clone()

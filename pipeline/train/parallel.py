@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from model.context_parallel import cp_loss
 from model.lm import lm_loss
-from pipeline.train.config import TrainConfig
+from pipeline.train.config import TrainConfig, check_grad_reduce_dtype
 from pipeline.train.dist import DistInfo
 from pipeline.train.optim import build_optimizer
 
@@ -86,8 +86,12 @@ def build_deepspeed_config(cfg: TrainConfig, world_size: int, bf16: bool) -> dic
 
     The optimizer is our torch AdamW passed as a client optimizer (no JIT-built FusedAdam/CPUAdam), and the LR
     is set on it by the trainer each step, so no ``optimizer``/``scheduler`` sections are generated.
+
+    A bf16 run names its gradient dtype (``parallel.grad_reduce_dtype``): left out, DeepSpeed accumulates and
+    reduces gradients in the model dtype, bf16. An fp32 run's config has neither key: it is fp32 throughout.
     """
     p = cfg.parallel
+    check_grad_reduce_dtype(cfg, bf16)  # precision.dtype=auto is resolved only now
     zero: dict[str, Any] = {"stage": p.zero_stage}
     if p.zero_stage >= 1:
         zero.update(overlap_comm=False, contiguous_gradients=True)
@@ -95,7 +99,7 @@ def build_deepspeed_config(cfg: TrainConfig, world_size: int, bf16: bool) -> dic
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if p.offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-    return {
+    config: dict[str, Any] = {
         "train_batch_size": cfg.train.global_batch,
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch,
         "gradient_accumulation_steps": cfg.grad_accum(world_size),
@@ -108,15 +112,25 @@ def build_deepspeed_config(cfg: TrainConfig, world_size: int, bf16: bool) -> dic
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
+    if bf16:
+        # grad_accum_dtype: what micro-batches add into (ZeRO-1 without offload: BF16_Optimizer's whole gradient;
+        # otherwise the ZeRO optimizer's gradient partition). communication_data_type: what the reduction runs in;
+        # left bf16, it would round even an fp32 buffer (ZeRO-1 all-reduces BF16_Optimizer's buffer in it).
+        config["data_types"] = {"grad_accum_dtype": p.grad_reduce_dtype}
+        config["communication_data_type"] = p.grad_reduce_dtype
+    return config
 
 
 def _clean(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return {k.replace(_WRAPPED, ""): v.detach().cpu() for k, v in state.items()}
 
 
-def next_token_loss(model: nn.Module, x: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+def next_token_loss(
+    model: nn.Module, x: torch.Tensor, weights: torch.Tensor | None, weight_norm: torch.Tensor | None = None
+) -> torch.Tensor:
     """Next-token loss of ``x`` (``model.lm_loss``): the model's own mean loss, or with ``weights [B, T]``
-    (aligned with ``x`` as labels) the weighted mean over the predicted positions.
+    (aligned with ``x`` as labels) ``sum(w * ce)`` over the predicted positions divided by ``weight_norm``, by
+    default by their own ``sum(w)`` (the weighted mean of ``x`` alone).
 
     The weights stay outside the model's forward: FSDP's mixed precision would cast a floating-point forward
     argument to bf16. Without them the model computes the loss from its final hidden states in slices
@@ -124,7 +138,24 @@ def next_token_loss(model: nn.Module, x: torch.Tensor, weights: torch.Tensor | N
     """
     if weights is None:
         return model(x, labels=x, return_logits=False).loss
-    return lm_loss(model(x).logits, x, weights)
+    return lm_loss(model(x).logits, x, weights, weight_norm)
+
+
+def _bf16_all_reduce(process_group, bucket):  # unannotated: DDP rejects the string annotations of this module
+    """DDP communication hook for ``parallel.grad_reduce_dtype=bf16``: each bucket of fp32 gradients is averaged
+    over the ranks in bf16 (half the traffic) and written back as fp32.
+
+    torch's own ``bf16_compress_hook`` does the same but is refused at registration on every build without CUDA and
+    NCCL (or XPU), so CPU runs over gloo, which all-reduces bf16, could not use it."""
+    compressed = bucket.buffer().to(torch.bfloat16).div_(torch_dist.get_world_size(process_group))
+    future = torch_dist.all_reduce(compressed, group=process_group, async_op=True).get_future()
+
+    def decompress(done: torch.futures.Future) -> torch.Tensor:
+        buffer = bucket.buffer()
+        buffer.copy_(done.value()[0])
+        return buffer
+
+    return future.then(decompress)
 
 
 class TorchEngine:
@@ -152,6 +183,8 @@ class TorchEngine:
                 device_ids=[info.device.index] if info.device.type == "cuda" else None,
                 find_unused_parameters=untrained,
             )
+            if bf16 and cfg.parallel.grad_reduce_dtype == "bf16":
+                self.model.register_comm_hook(None, _bf16_all_reduce)
         else:
             self.module = self.model = model
         self.optimizer = build_optimizer(self.module, cfg.optim)
@@ -173,23 +206,40 @@ class TorchEngine:
             return self.model.no_sync()
         return contextlib.nullcontext()
 
-    def loss(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    def loss(
+        self, x: torch.Tensor, weights: torch.Tensor | None = None, weight_norm: torch.Tensor | None = None
+    ) -> torch.Tensor:
         with torch.autocast(self.info.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            return next_token_loss(self.model, x, weights)
+            return next_token_loss(self.model, x, weights, weight_norm)
 
-    def micro_step(self, x: torch.Tensor, accum: int, last: bool, weights: torch.Tensor | None = None) -> torch.Tensor:
+    def micro_step(
+        self,
+        x: torch.Tensor,
+        accum: int,
+        last: bool,
+        weights: torch.Tensor | None = None,
+        weight_norm: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Forward and backward of one micro-batch; returns its loss over whole sequences (what one process
-        computes), also under context parallelism."""
+        computes), also under context parallelism. ``weight_norm``: what the weighted loss divides by
+        (``next_token_loss``; the trainer's global normaliser)."""
         if self.kind == "fsdp" and last:
             self.model.set_requires_gradient_sync(True)  # type: ignore[operator]
         if self.cp_group is not None:
-            return self._cp_micro_step(x, accum, last, weights)
+            return self._cp_micro_step(x, accum, last, weights, weight_norm)
         with self._sync_context(last):
-            loss = self.loss(x, weights)
+            loss = self.loss(x, weights, weight_norm)
             (loss / accum).backward()
         return loss.detach()
 
-    def _cp_micro_step(self, x: torch.Tensor, accum: int, last: bool, weights: torch.Tensor | None) -> torch.Tensor:
+    def _cp_micro_step(
+        self,
+        x: torch.Tensor,
+        accum: int,
+        last: bool,
+        weights: torch.Tensor | None,
+        weight_norm: torch.Tensor | None,
+    ) -> torch.Tensor:
         """Every rank of the CP group runs its span of the same ``x`` (``cp_loss``: its share of the loss).
 
         FSDP2 averages each gradient over all the ranks it shards over, dp x cp, but the shares of one sequence
@@ -197,7 +247,7 @@ class TorchEngine:
         the data-parallel degree, the single-process gradient of the dp ranks' mean loss."""
         cp = self.info.context_parallel
         with self._sync_context(last):
-            share = cp_loss(cast("GCAForCausalLM", self.model), x, x, self.cp_group, weights)
+            share = cp_loss(cast("GCAForCausalLM", self.model), x, x, self.cp_group, weights, weight_norm)
             (share * (cp / accum)).backward()
         loss = share.detach().clone()
         torch_dist.all_reduce(loss, group=self.cp_group)  # the sequences' loss, the same on every rank of the group
@@ -289,13 +339,16 @@ def apply_fsdp(model: nn.Module, cfg: TrainConfig, info: DistInfo, bf16: bool, m
     On gloo, FSDP2's built-in gradient averaging is wrong (pytorch#162338), so reductions are forced to plain
     sums with FSDP doing the division itself; ``tests/pipeline/test_pipeline_dist.py`` checks the gradients against a
     single process on the whole batch.
+
+    Under bf16, ``reduce_dtype`` is ``parallel.grad_reduce_dtype``: fp32 makes FSDP2 add each micro-batch's bf16
+    gradient into an fp32 buffer and reduce-scatter that; bf16 (equal to the parameter dtype, so FSDP2 drops the
+    cast) accumulates and reduce-scatters in bf16. The sharded gradient is fp32 either way (the parameters' dtype).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     shard_mesh = mesh._flatten("dp_cp")
-    mp = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
-    )
+    reduce_dtype = torch.float32 if cfg.parallel.grad_reduce_dtype == "fp32" else torch.bfloat16
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype) if bf16 else MixedPrecisionPolicy()
     reshard = cfg.parallel.fsdp_reshard_after_forward
     for block in blocks(model):
         fully_shard(block, mesh=shard_mesh, mp_policy=mp, reshard_after_forward=reshard)
@@ -335,11 +388,20 @@ class DeepSpeedEngine:
     def train(self, mode: bool = True) -> None:
         self.model.train(mode)
 
-    def loss(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        return next_token_loss(self.model, x, weights)
+    def loss(
+        self, x: torch.Tensor, weights: torch.Tensor | None = None, weight_norm: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return next_token_loss(self.model, x, weights, weight_norm)
 
-    def micro_step(self, x: torch.Tensor, accum: int, last: bool, weights: torch.Tensor | None = None) -> torch.Tensor:
-        loss = self.loss(x, weights)
+    def micro_step(
+        self,
+        x: torch.Tensor,
+        accum: int,
+        last: bool,
+        weights: torch.Tensor | None = None,
+        weight_norm: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        loss = self.loss(x, weights, weight_norm)
         self.model.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself
         if not last:
             self.model.step()  # off the accumulation boundary this only advances DeepSpeed's counters

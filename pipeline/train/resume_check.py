@@ -70,7 +70,7 @@ RULES: tuple[Rule, ...] = (
         "from an export: checkpoint.init_from)",
     ),
     Rule(("optim.*", "train.grad_clip"), "warned", "the optimizer update"),
-    Rule(("precision.*",), "warned", "the numerics of every step"),
+    Rule(("precision.*", "parallel.grad_reduce_dtype"), "warned", "the numerics of every step"),
     Rule(
         ("data.needle_mix", "data.needle_variant", "data.hop_chains", "data.needle_answer_weight"),
         "warned",

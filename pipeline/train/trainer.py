@@ -222,20 +222,31 @@ class Trainer:
 
     # -- one optimizer step -------------------------------------------------------------------------------
     def train_step(self) -> dict[str, Any]:
-        """Forward/backward over this rank's micro-batches, a collective finiteness check, then the update."""
+        """Forward/backward over this rank's micro-batches, a collective finiteness check, then the update.
+
+        With loss weights every micro-batch's ``sum(w * ce)`` is divided by one normaliser of the whole global
+        batch, so the step trains on the global batch's weighted mean whatever its split into ranks and
+        micro-batches; without weights there is no extra collective."""
         cfg, eng, step = self.cfg, self.engine, self.step + 1
         lr = lr_at(self.step, cfg.train.max_steps, cfg.optim, cfg.schedule)
         set_lr(eng.param_groups, lr)
         t0 = time.perf_counter()
         eng.train(True)
-        self._phase = "forward/backward (with the data-parallel gradient reduction)"
+        self._phase = "all-reduce of the loss weights"
         micro = self.batches.next_step_weighted()
+        weights = [w for _, w in micro if w is not None]  # every rank has weights or none has
+        # The global batch's weight sum per micro-batch: the engines average the micro-batches' gradients over the
+        # accumulation steps and the data-parallel ranks, which makes this step's gradient (and logged loss) the
+        # global weighted mean. A micro-batch's own sum(w) would weigh its tokens by how the batch is split.
+        weight_norm = dist.mean_weight_sum(weights, self.info.device) / self.accum if weights else None
+        self._phase = "forward/backward (with the data-parallel gradient reduction)"
         losses = [
             eng.micro_step(
                 x.to(self.info.device),
                 self.accum,
                 last=i == len(micro) - 1,
                 weights=None if w is None else w.to(self.info.device),
+                weight_norm=weight_norm,
             )
             for i, (x, w) in enumerate(micro)
         ]
