@@ -5,6 +5,10 @@ Imported as ``helpers`` (pytest puts ``tests/`` on ``sys.path`` for its root ``c
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
@@ -307,3 +311,54 @@ def grid_samples_with_picks(model, source, tokenizer, grid, monkeypatch) -> list
             rows.append((sample, batch_forward_picks(model, sample.ids[: sample.answer_start], monkeypatch)))
         out.append(rows)
     return out
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (for a rendezvous the test starts at once)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_process_group(cmd: list[str], env: Mapping[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """``cmd`` (a launcher and its ranks) in a process group of its own; past ``timeout`` seconds the whole group is
+    killed and ``TimeoutExpired`` raised (a failure), so no rank outlives the test."""
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(env), cwd=cwd, start_new_session=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def run_local_ranks(cmd: list[str], world: int, env: Mapping[str, str], cwd: Path, timeout: float) -> None:
+    """``world`` copies of ``cmd``, rank ``r`` with ``RANK`` = ``LOCAL_RANK`` = ``r`` and ``WORLD_SIZE``, rendezvous
+    on loopback at a free port; every one is waited for (or killed). Fails naming each rank that failed, with the
+    end of its output."""
+    base = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world)}
+    procs = [
+        subprocess.Popen(
+            cmd,
+            env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    logs = []
+    try:
+        for proc in procs:
+            logs.append(proc.communicate(timeout=timeout)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    failed = [(r, p.returncode, log[-3000:]) for r, (p, log) in enumerate(zip(procs, logs)) if p.returncode]
+    assert not failed, failed

@@ -12,14 +12,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import free_port, run_process_group
 from safetensors.torch import load_file
 
 from pipeline.train.config import ConfigError, load_config
@@ -46,34 +45,13 @@ LOSS_RTOL = 1e-5
 STEP2 = "checkpoints/step_00000002"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
     """torchrun with ``nproc`` ranks; past ``TIMEOUT_S`` the launcher and every rank are killed (a failure)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
     cmd += ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PIPE_COLLECTIVE_TIMEOUT_S": "120"}
     env.pop("PIPE_FAULT", None)
-    proc = subprocess.Popen(
-        cmd + LAUNCH + args,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=REPO,
-        start_new_session=True,  # its own process group: a timeout kills the ranks too
-    )
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return run_process_group(cmd + LAUNCH + args, env, REPO, TIMEOUT_S)
 
 
 def train(run: Path, nproc: int, overrides: list[str]) -> Path:

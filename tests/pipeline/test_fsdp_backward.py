@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from fsdp_backward_worker import batch, fresh_model
+from helpers import run_local_ranks
 from safetensors.torch import load_file
 from torch.utils._pytree import tree_flatten
 
@@ -53,44 +52,10 @@ def test_the_model_output_is_a_pytree_of_its_tensors(arch):
     assert any(leaf is out.loss for leaf in leaves)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(world: int, traversal: str, out: Path) -> tuple[dict[str, torch.Tensor], dict]:
     """``world`` worker processes over gloo on loopback; every one is waited for (or killed) before returning."""
-    env = {
-        **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-        "WORLD_SIZE": str(world),
-        "OMP_NUM_THREADS": "1",
-    }
     cmd = [sys.executable, str(WORKER), "--out", str(out), "--traversal", traversal]
-    procs = [
-        subprocess.Popen(
-            cmd,
-            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    logs = []
-    try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=120)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    failed = [(r, p.returncode, log[-3000:]) for r, (p, log) in enumerate(zip(procs, logs)) if p.returncode]
-    assert not failed, failed
+    run_local_ranks(cmd, world, {**os.environ, "OMP_NUM_THREADS": "1"}, REPO, timeout=120)
     return load_file(out / "grads.safetensors"), json.loads((out / "facts.json").read_text())
 
 

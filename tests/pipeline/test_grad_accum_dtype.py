@@ -24,8 +24,6 @@ import argparse
 import copy
 import json
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpers, also when run as a script
 
-from helpers import TINY_TRAIN_OVERRIDES  # noqa: E402
+from helpers import TINY_TRAIN_OVERRIDES, run_local_ranks  # noqa: E402
 
 from pipeline.train.config import ConfigError, TrainConfig, load_config  # noqa: E402
 from pipeline.train.dist import DistInfo  # noqa: E402
@@ -146,46 +144,11 @@ def test_the_benchmark_table_gives_fp32_over_bf16_time_and_memory():
 # -- the accumulated gradient, per engine ------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_cases(cases: list[str], world: int, tmp_path: Path, timeout: int = 240) -> dict[str, dict]:
     """``world`` processes of this file's worker over gloo on loopback; every one is waited for (or killed)."""
-    env = {
-        **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-        "WORLD_SIZE": str(world),
-        "OMP_NUM_THREADS": "1",
-        "DS_ACCELERATOR": "cpu",
-    }
     out = tmp_path / "result.json"
-    cmd = [sys.executable, __file__, "--out", str(out), *cases]
-    procs = [
-        subprocess.Popen(
-            cmd,
-            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    logs = []
-    try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=timeout)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    failed = [(r, p.returncode, log[-3000:]) for r, (p, log) in enumerate(zip(procs, logs)) if p.returncode]
-    assert not failed, failed
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    run_local_ranks([sys.executable, __file__, "--out", str(out), *cases], world, env, REPO, timeout)
     return json.loads(out.read_text())
 
 

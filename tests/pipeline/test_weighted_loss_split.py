@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -172,15 +170,11 @@ TWO_RANKS = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_two_ranks(engine: str, out: Path, overrides: list[str]) -> subprocess.CompletedProcess:
     """This file as a script on two ranks (the deepspeed launcher for DeepSpeed, torchrun otherwise); past
     ``TIMEOUT_S`` the launcher and every rank are killed (a failure)."""
+    from helpers import free_port, run_process_group  # here: the ranks run this file as a script
+
     if engine == "deepspeed":
         cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
     else:
@@ -188,22 +182,7 @@ def launch_two_ranks(engine: str, out: Path, overrides: list[str]) -> subprocess
         cmd += ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PIPE_COLLECTIVE_TIMEOUT_S": "120"}
     env.pop("PIPE_FAULT", None)
-    proc = subprocess.Popen(
-        [*cmd, __file__, "--out", str(out), *overrides],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=REPO,
-        start_new_session=True,  # its own process group: a timeout kills the ranks too
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    return run_process_group([*cmd, __file__, "--out", str(out), *overrides], env, REPO, TIMEOUT_S)
 
 
 @pytest.mark.dist
