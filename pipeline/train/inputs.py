@@ -218,8 +218,9 @@ def resolve_document_eos(cfg: TrainConfig) -> None:
     if dataset_eos is None:
         raise ConfigError(
             f"model.retrieval_scope=document needs the end-of-document token between packed documents, and "
-            f"data.path={cfg.data.path} records none (no manifest with a tokenizer eos_id); prepare the data with "
-            "launch/prep.py, or use model.retrieval_scope=sequence"
+            f"data.path={cfg.data.path} has none (a remote dataset is packed without one; a local one needs the "
+            "manifest data prep writes, with a tokenizer eos_id): prepare the data with make prep, or use "
+            "model.retrieval_scope=sequence"
         )
     if m.eos_id is None:
         m.eos_id = dataset_eos

@@ -27,7 +27,7 @@ def test_a_dataset_without_a_separator_is_refused(tmp_path, tiny_data, overrides
     assert main(None, overrides(run, tiny_data, **FAST, **{"model.retrieval_scope": "document"})) == 2
     assert (
         f"model.retrieval_scope=document needs the end-of-document token between packed documents, and "
-        f"data.path={tiny_data} records none" in caplog.text
+        f"data.path={tiny_data} has none" in caplog.text
     )
     assert not run.exists()
 
