@@ -24,6 +24,7 @@ from data_prep.format import IncompleteDatasetError
 from data_prep.merge import merge_slices, prepare_tokenizer, slice_overrides
 from data_prep.redaction import install_log_redaction, redact
 from data_prep.safe_files import UnsafeDatasetError
+from data_prep.safe_write import UnsafeWriteError
 from data_prep.schema import add_keys_argument
 from data_prep.shard import main as prep
 
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging()
     try:
         prep(load_config(args.config, args.overrides))
-    except PrepError as exc:
+    except (PrepError, UnsafeWriteError) as exc:
         print(f"prep: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -76,7 +77,7 @@ def slices_main(argv: list[str] | None = None) -> int:
             prep(load_config(args.config, [*args.overrides, *per_slice]))
         else:
             merge_slices(cfg, args.num_slices, keep_slices=args.keep_slices)
-    except (PrepError, IncompleteDatasetError, UnsafeDatasetError) as exc:  # one line, never a traceback
+    except (PrepError, IncompleteDatasetError, UnsafeDatasetError, UnsafeWriteError) as exc:  # one line, no traceback
         print(f"prep_slices {args.step}: error: {redact(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

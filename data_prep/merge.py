@@ -55,12 +55,12 @@ from data_prep.format import (
     read_manifest,
 )
 from data_prep.safe_files import INDEX_FILENAME, open_regular, read_index, stat_regular
+from data_prep.safe_write import write_bytes
 from data_prep.shard import (
     check_output,
     commit_dataset,
     dataset_paths,
     delete_dataset,
-    fsync_write,
     is_plain_file,
     is_work_dir,
     make_work_dir,
@@ -208,7 +208,7 @@ def _make_slices_root(root: Path) -> None:
     """Create ``root`` and its marker (see `_SLICES_MARKER`) right after it."""
     try:
         root.mkdir(parents=True)
-        (root / _SLICES_MARKER).touch()
+        write_bytes(root / _SLICES_MARKER, b"")
     except OSError as exc:
         raise OutputWriteError(
             f"cannot create {exc.filename or root} ({exc.strerror or exc}): the slices need a "
@@ -221,9 +221,7 @@ def _write_shared_tokenizer(root: Path, files: dict[str, bytes]) -> None:
     """Write ``files`` into ``root``, each through a temporary file renamed into place. ``tokenizer_config.json`` goes
     first: the tokenizer file itself, renamed last, is what the slices and the merge take as the finished step."""
     for name in sorted(files, key=lambda n: n != HF_TOKENIZER_CONFIG):
-        tmp = root / f".{name}.tmp-{os.getpid()}"
-        fsync_write(tmp, files[name])
-        tmp.rename(root / name)
+        write_bytes(root / name, files[name], fsync=True)
 
 
 def prepare_tokenizer(cfg: PrepConfig, num_slices: int = 1) -> Path:
@@ -328,7 +326,7 @@ def _link(src_dir: Path, name: str, dst: Path) -> None:
         os.link(src_dir / name, dst, follow_symlinks=False)
     except OSError:  # another file system, or one without hard links
         with os.fdopen(open_regular(src_dir, name), "rb") as f:
-            fsync_write(dst, f.read())
+            write_bytes(dst, f.read(), fsync=True)
         return
     stat_regular(dst.parent, dst.name)
 
@@ -371,7 +369,9 @@ def _merge_split(sources: list[Path], dst: Path) -> int:
                 raise InputError(f"{src}: shard {entry['raw_data']['basename']} is listed in index.json but missing")
             entries.append(entry)
     # Written like MDSWriter writes it; the trainer and StreamingDataset read only this file.
-    fsync_write(dst / INDEX_FILENAME, json.dumps({"version": 2, "shards": entries}, sort_keys=True).encode())
+    write_bytes(
+        dst / INDEX_FILENAME, json.dumps({"version": 2, "shards": entries}, sort_keys=True).encode(), fsync=True
+    )
     return len(entries)
 
 
@@ -537,7 +537,7 @@ def merge_slices(cfg: PrepConfig, num_slices: int, keep_slices: bool = False) ->
     tmp = make_work_dir(out)
     try:
         for name, data in tokenizer.files().items():  # as a single run writes them (data_prep.shard)
-            fsync_write(tmp / name, data)
+            write_bytes(tmp / name, data, fsync=True)
         splits = _merge_splits(cfg, manifests, tmp)
         manifest = _merged_manifest(cfg, manifests, splits)
         commit_dataset(tmp, out, manifest, cfg.overwrite)

@@ -55,6 +55,7 @@ from data_prep.format import (
     token_dtype_for_vocab,
 )
 from data_prep.safe_files import index_file_names, is_within, parse_index
+from data_prep.safe_write import move, write_bytes
 from data_prep.sources import (
     BuiltinSource,
     Document,
@@ -500,7 +501,7 @@ def make_work_dir(out: Path) -> Path:
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
-        (tmp / _WORK_MARKER).touch()
+        write_bytes(tmp / _WORK_MARKER, b"")
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise OutputWriteError(
@@ -510,13 +511,6 @@ def make_work_dir(out: Path) -> Path:
     return tmp
 
 
-def fsync_write(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def commit_dataset(tmp: Path, out: Path, manifest: Manifest, overwrite: bool) -> None:
     """Write the manifest, then the completion marker (its sha256) last, and move ``tmp`` into place at ``out``.
 
@@ -524,8 +518,8 @@ def commit_dataset(tmp: Path, out: Path, manifest: Manifest, overwrite: bool) ->
     here: it may have changed during the run); it is deleted only after the new one is in place.
     """
     data = manifest.to_json().encode()
-    fsync_write(tmp / MANIFEST_FILENAME, data)
-    fsync_write(tmp / COMPLETE_MARKER, (hashlib.sha256(data).hexdigest() + "\n").encode())
+    write_bytes(tmp / MANIFEST_FILENAME, data, fsync=True)
+    write_bytes(tmp / COMPLETE_MARKER, (hashlib.sha256(data).hexdigest() + "\n").encode(), fsync=True)
     _commit(tmp, out, overwrite)
 
 
@@ -536,15 +530,15 @@ def _commit(tmp: Path, out: Path, overwrite: bool) -> None:
         dataset_paths(out)
         # Move the old dataset aside first, so there is never a moment with neither a complete old nor new one.
         old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        out.rename(old)
+        move(out, old)
         try:
-            tmp.rename(out)
+            move(tmp, out)
         except BaseException:
-            old.rename(out)
+            move(old, out)
             raise
         delete_dataset(old)
     else:
-        tmp.rename(out)
+        move(tmp, out)
     (out / _WORK_MARKER).unlink(missing_ok=True)  # the marker is for work directories, not datasets
     dir_fd = os.open(out.parent, os.O_RDONLY)
     try:
@@ -678,7 +672,7 @@ def _prepare(sources: list[Source], is_val: ValSplit, cfg: PrepConfig, tmp: Path
     """Tokenizer and splits into ``tmp``; the manifest describing them."""
     tokenizer = prep_tokenizer(sources, cfg, is_val)
     for name, data in tokenizer.files.items():
-        fsync_write(tmp / name, data)
+        write_bytes(tmp / name, data, fsync=True)
     info = tokenizer.info
     skips = SkipCounter(strict=cfg.strict)
     writers = _write_documents(sources, cfg, is_val, tokenizer.model, info.vocab_size, tmp, skips)

@@ -23,6 +23,8 @@ import sysconfig
 import types
 from pathlib import Path
 
+from data_prep.safe_write import write_text
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["STARTUP_HOOK_FILE", "ensure_streaming_importable", "write_startup_hook"]
@@ -79,5 +81,5 @@ def write_startup_hook(site_packages: str | Path | None = None) -> Path:
         "__import__('data_prep.streaming_hook').streaming_hook.install()\n"
     )
     path = directory / STARTUP_HOOK_FILE
-    path.write_text(line)
+    write_text(path, line)
     return path

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from data_prep.safe_write import replacing, write_text
 from model.archs import build_model
 from model.config import GCAConfig
 from model.lm import CausalLM
@@ -39,13 +40,10 @@ def save_pretrained(model: CausalLM, directory: str | os.PathLike, extra: dict |
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tmp_weights = directory / (WEIGHTS_NAME + ".tmp")
-    save_model(model, str(tmp_weights), metadata={"format": "pt"})
-    os.replace(tmp_weights, directory / WEIGHTS_NAME)
+    with replacing(directory / WEIGHTS_NAME) as weights:
+        save_model(model, str(weights), metadata={"format": "pt"})
     payload = {"model": model.cfg.to_dict(), "export": extra or {}}
-    tmp_config = directory / (CONFIG_NAME + ".tmp")
-    tmp_config.write_text(json.dumps(payload, indent=2, sort_keys=True))
-    os.replace(tmp_config, directory / CONFIG_NAME)
+    write_text(directory / CONFIG_NAME, json.dumps(payload, indent=2, sort_keys=True))
     return directory
 
 

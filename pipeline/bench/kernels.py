@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from data_prep.safe_write import write_text
 from kernels.gca import triton_utils as tu
 from kernels.gca.naive import naive_gca
 from kernels.gca.triton_bwd import bwd_fused_launch, bwd_launches
@@ -460,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
             sweeps = [sweep_tiles(TINY_SWEEP_SHAPE, device, torch.float16, Timer(False, reps=1), limit=2)]
         text = json.dumps(sweeps, indent=2) + "\n"
         if args.out:
-            Path(args.out).write_text(text)
+            write_text(Path(args.out), text)
         else:
             print(text, end="")
         return 0
@@ -472,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     out = result(shape, device, dtype)
     out["targets"] = targets(out, cuda)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    write_text(Path(args.out), json.dumps(out, indent=2) + "\n")
     log.info("%s", json.dumps({k: out[k] for k in ("speedup_vs_naive", "time_vs_fastest", "fastest", "targets")}))
     return 0
 

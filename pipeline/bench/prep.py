@@ -40,6 +40,7 @@ import sentencepiece as spm
 from data_prep import tokenize
 from data_prep.config import load_config
 from data_prep.errors import PrepError
+from data_prep.safe_write import write_bytes
 from data_prep.shard import main as prep
 from data_prep.shard import tokenizer_sample
 from data_prep.sources import SkipCounter, iter_documents, resolve_sources
@@ -64,7 +65,7 @@ def bench(config: str | None, overrides: list[str], procs: list[int], repeats: i
             train_s: float | None = time.perf_counter() - start
         else:
             model, train_s = Path(cfg.tokenizer.model).read_bytes(), None
-        (work / "tokenizer.model").write_bytes(model)
+        write_bytes(work / "tokenizer.model", model)
         processor = spm.SentencePieceProcessor(model_proto=model)
         texts = [
             part

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from data_prep import format as fmt
+from data_prep.safe_write import write_bytes
 from pipeline.data.reader import MDSReader
 
 _KEEP_FILES = 4
@@ -63,7 +64,7 @@ class DiskCacheReader(MDSReader):
             [(raw, packed)] = reader.file_pairs
             path = self.cache / raw.basename
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(self._raw_bytes(raw, packed, reader.compression))
+            write_bytes(path, self._raw_bytes(raw, packed, reader.compression))
             self._files[shard] = None
             while len(self._files) > _KEEP_FILES:
                 old, _ = self._files.popitem(last=False)

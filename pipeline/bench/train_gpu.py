@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from data_prep.safe_write import write_text
+
 ROOT = Path(__file__).resolve().parents[2]
 GPU_CONFIG = "configs/train/gca_pg19_16k.yaml"
 CPU_CONFIG = "configs/train/debug.yaml"
@@ -214,7 +216,7 @@ def run_all(cpu: bool, args: list[str], timeout_s: float, out_json: Path | None)
     result = {"device": "cpu" if cpu else _device_name(), "rows": rows, "ratios": measured}
     if out_json is not None:
         out_json.parent.mkdir(parents=True, exist_ok=True)
-        out_json.write_text(json.dumps(result, indent=1) + "\n")
+        write_text(out_json, json.dumps(result, indent=1) + "\n")
     return result
 
 

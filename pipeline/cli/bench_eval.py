@@ -17,6 +17,7 @@ import logging
 import sys
 from pathlib import Path
 
+from data_prep.safe_write import write_text
 from pipeline.bench.eval import run_bench, run_per_token
 
 
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         report = run_bench(args.lengths, args.full_lengths, args.timeout)
         args.out = args.out or "bench_eval.json"
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_text(Path(args.out), json.dumps(report, indent=2) + "\n")
     logging.getLogger(__name__).info("wrote %s", args.out)
     return 0
 

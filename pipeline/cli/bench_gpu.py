@@ -13,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+from data_prep.safe_write import write_text
 from data_prep.schema import ConfigError
 from pipeline.bench.train_gpu import ARCHS, ENGINES, check_overrides, loss_agreement, measure, run_all
 
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{result.get('max_rel_diff', result.get('error'))}"
         )
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        write_text(args.out, json.dumps(result, indent=1) + "\n")
         return 0
     child = ["--steps", str(args.steps), "--micro-batch", str(args.micro_batch), *args.overrides]
     run_all(args.cpu, child, args.timeout_s, args.out)

@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from data_prep.dataset_tokenizer import folder_tokenizer
+from data_prep.safe_write import UnsafeWriteError
 from model.config import ConfigError, GCAConfig
 from model.convert import DENSE_KEYS, ConversionError, convert_dense
 from pipeline.train.export import write_export
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         model, source = convert_dense(args.dense, parse_layout(args.overrides))
         tokenizer = folder_tokenizer(args.dense)
         out = write_export(model, args.out, step=None, seq_len=None, tokenizer=tokenizer)
-    except (ConfigError, ConversionError, FileExistsError, TypeError) as err:
+    except (ConfigError, ConversionError, FileExistsError, TypeError, UnsafeWriteError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     new = sum(origin.startswith("new") for origin in source.values())

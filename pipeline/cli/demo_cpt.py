@@ -13,6 +13,7 @@ import logging
 import sys
 
 from data_prep.redaction import install_log_redaction
+from data_prep.safe_write import UnsafeWriteError
 from data_prep.schema import ConfigError
 from pipeline.demos.demo_cpt import DemoCPTError, run_demo_cpt
 
@@ -27,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     install_log_redaction()
     try:
         run_demo_cpt(args.config, args.overrides)
-    except ConfigError as err:
+    except (ConfigError, UnsafeWriteError) as err:  # a bad setting, or a link planted in the run folder
         print(f"demo-cpt: error: {err}", file=sys.stderr)
         return 2
     except DemoCPTError as err:

@@ -14,6 +14,7 @@ import logging
 import sys
 
 from data_prep.redaction import install_log_redaction
+from data_prep.safe_write import UnsafeWriteError
 from data_prep.schema import ConfigError
 from pipeline.demos.demo_lm import DemoLMError, run_demo_lm
 
@@ -28,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     install_log_redaction()
     try:
         run_demo_lm(args.config, args.overrides)
-    except ConfigError as err:
+    except (ConfigError, UnsafeWriteError) as err:  # a bad setting, or a link planted in the run folder
         print(f"demo-lm: error: {err}", file=sys.stderr)
         return 2
     except DemoLMError as err:

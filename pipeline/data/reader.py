@@ -59,6 +59,7 @@ from data_prep.safe_files import (
     read_regular,
     stat_regular,
 )
+from data_prep.safe_write import move
 from data_prep.streaming_compat import ensure_streaming_importable
 
 if TYPE_CHECKING:
@@ -222,7 +223,7 @@ class MDSReader:
             if check is not None:
                 data = check(data)
                 (directory / name).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-                os.replace(tmp, directory / name)
+                move(tmp, directory / name)
             return data
         finally:
             downloader.clean_up()

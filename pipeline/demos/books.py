@@ -19,6 +19,8 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from data_prep.safe_write import write_text
+
 SHARD_GLOB = "gutenberg-*.tar.xz"
 MEMBER = re.compile(r"(\d+)\.txt")
 TRAIN, HELDOUT = "train", "heldout"
@@ -144,7 +146,7 @@ def unpack(books: Path, held_out: set[int], out: Path) -> dict:
                     assert source is not None, "_book accepts only regular files"
                     text = normalise(source.read())
                     folder = HELDOUT if book.id in held_out else TRAIN
-                    (out / folder / f"{book.id}.txt").write_text(text, encoding="utf-8")
+                    write_text(out / folder / f"{book.id}.txt", text)
                     counts[folder]["books"] += 1
                     counts[folder]["bytes"] += len(text.encode("utf-8"))
                     seen.add(book.id)
@@ -153,7 +155,7 @@ def unpack(books: Path, held_out: set[int], out: Path) -> dict:
     missing = sorted(held_out - seen)
     if missing:
         raise BooksError(f"held-out books {missing} are in no shard of {books}")
-    (out / INDEX).write_text(json.dumps(counts, indent=2) + "\n")
+    write_text(out / INDEX, json.dumps(counts, indent=2) + "\n")
     return counts
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from data_prep.redaction import restore_env_interpolations
+from data_prep.safe_write import write_text
 from data_prep.schema import load_schema
 from pipeline.demos.runner import StageError, StageRunner, eval_command, train_command
 
@@ -296,7 +297,7 @@ def run_demo(config: str, overrides: list[str]) -> None:
     stages = Stages(cfg)
     # The demo config as run (overrides applied); each training stage writes its own resolved config.yaml.
     as_run = restore_env_interpolations(OmegaConf.to_container(OmegaConf.structured(cfg)), env_paths)
-    (stages.run_dir / "demo.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(as_run)))
+    write_text(stages.run_dir / "demo.yaml", OmegaConf.to_yaml(OmegaConf.create(as_run)))
     hop = cfg.multihop
     main_runs = not (hop.enabled and hop.only)
     exports: dict[str, Path] = {}

@@ -31,6 +31,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from data_prep.redaction import restore_env_interpolations
+from data_prep.safe_write import write_text
 from data_prep.schema import ConfigError, load_schema
 from pipeline.demos.demo_lm import (
     EVAL_DOCS,
@@ -236,7 +237,7 @@ def run_demo_cpt(config: str, overrides: list[str]) -> None:
         raise DemoCPTError(str(err)) from None
     stages = StageRunner(run_dir, ROOT)
     as_run = restore_env_interpolations(OmegaConf.to_container(OmegaConf.structured(cfg)), env_paths)
-    (run_dir / "demo_cpt.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(as_run)))
+    write_text(run_dir / "demo_cpt.yaml", OmegaConf.to_yaml(OmegaConf.create(as_run)))
     dense_dir = run_dir / "dense_hf"
     exports = {m: run_dir / m / "export" for m in MODELS}
     try:
@@ -248,7 +249,7 @@ def run_demo_cpt(config: str, overrides: list[str]) -> None:
             t0 = time.perf_counter()
             lengths = max(cfg.ppl_lengths)
             index = write_eval_documents(cfg.holdout, run_dir / EVAL_DOCS, data / "tokenizer.model", lengths)
-            index_path.write_text(json.dumps(index, indent=2))
+            write_text(index_path, json.dumps(index, indent=2))
             stages.record("eval-documents", time.perf_counter() - t0)
         stages.run("train-dense", dense_command(cfg, data, dense_dir), dense_dir / "model.safetensors")
         stages.run(
@@ -262,7 +263,7 @@ def run_demo_cpt(config: str, overrides: list[str]) -> None:
             first = json.loads(index_path.read_text())[0]["name"]
             document = run_dir / EVAL_DOCS / f"{first}.txt"
             check = check_dense_export(dense_dir, exports["dense"], document, cfg.check_tokens)
-            check_path.write_text(json.dumps(check, indent=2))
+            write_text(check_path, json.dumps(check, indent=2))
             stages.record("check-dense", time.perf_counter() - t0)
         stages.run(
             "convert",

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from data_prep.safe_write import write_text
+
 MODELS = ("dense", "converted", "stage1", "stage2")
 DESCRIPTIONS = {
     "dense": "the dense Llama (full attention; as an export whose window spans the context)",
@@ -120,11 +122,12 @@ def write_demo_cpt_report(run_dir: Path, timings: dict[str, float]) -> str:
     ppl, passkey, training = ppl_rows(run_dir), passkey_rows(run_dir), training_summary(run_dir)
     check_path = run_dir / "dense_check.json"
     check = json.loads(check_path.read_text()) if check_path.is_file() else None
-    (run_dir / "results.json").write_text(
+    write_text(
+        run_dir / "results.json",
         json.dumps(
             {"ppl": ppl, "passkey": passkey, "training": training, "dense_check": check, "timings": timings},
             indent=2,
-        )
+        ),
     )
     parts = ["# make demo-cpt", ""]
     parts += [f"- `{m}`: {DESCRIPTIONS[m]}" for m in MODELS]
@@ -162,5 +165,5 @@ def write_demo_cpt_report(run_dir: Path, timings: dict[str, float]) -> str:
         parts += ["", "## Stage wall times (s)", ""]
         parts.append(_table(["stage", "seconds"], [[k, f"{v:.0f}"] for k, v in timings.items()]))
     markdown = "\n".join(parts) + "\n"
-    (run_dir / "results.md").write_text(markdown)
+    write_text(run_dir / "results.md", markdown)
     return markdown

@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 from data_prep.builtin import corpus_files
 from data_prep.format import COMPLETE_MARKER, read_manifest
 from data_prep.redaction import restore_env_interpolations
+from data_prep.safe_write import write_text
 from data_prep.schema import load_schema
 from pipeline.demos.runner import StageRunner, eval_command, train_command
 
@@ -166,7 +167,7 @@ def write_eval_documents(packages: list[str], out_dir: Path, tokenizer_model: Pa
                 f"held-out package {package!r} is {tokens} tokens long, fewer than the longest context length "
                 f"{min_tokens}: choose a larger package in 'holdout' or shorter 'lengths'"
             )
-        (out_dir / f"{package}.txt").write_text(document, encoding="utf-8")
+        write_text(out_dir / f"{package}.txt", document)
         index.append({"name": package, "files": len(paths), "tokens": tokens})
     return index
 
@@ -260,7 +261,7 @@ def run_demo_lm(config: str, overrides: list[str]) -> None:
     check_earlier_outputs(cfg.holdout, data, run_dir)
     stages = StageRunner(run_dir, ROOT)
     as_run = restore_env_interpolations(OmegaConf.to_container(OmegaConf.structured(cfg)), env_paths)
-    (run_dir / "demo_lm.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(as_run)))
+    write_text(run_dir / "demo_lm.yaml", OmegaConf.to_yaml(OmegaConf.create(as_run)))
     try:
         exclude = json.dumps(exclude_patterns(cfg.holdout))
         prep = [sys.executable, "-m", PREP_MODULE, "--config", cfg.prep_config, f"output={data}", f"exclude={exclude}"]
@@ -269,7 +270,7 @@ def run_demo_lm(config: str, overrides: list[str]) -> None:
         if not index_path.is_file():
             t0 = time.perf_counter()
             index = write_eval_documents(cfg.holdout, run_dir / EVAL_DOCS, data / "tokenizer.model", max(cfg.lengths))
-            index_path.write_text(json.dumps(index, indent=2))
+            write_text(index_path, json.dumps(index, indent=2))
             stages.record("eval-documents", time.perf_counter() - t0)
         for model in cfg.models:  # each model trained and evaluated before the next: results arrive early
             train_model(stages, cfg, model, run_dir, data)

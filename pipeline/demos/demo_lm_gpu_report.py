@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from data_prep.safe_write import write_text
 from pipeline.evaluation.plots import plot_ppl_models, short_length
 
 
@@ -260,7 +261,7 @@ def markdown(report: dict) -> str:
 
 def write_outputs(report: dict, out: Path) -> None:
     """``results.md`` and, once a model has perplexities, ``ppl.png``."""
-    (out / "results.md").write_text(markdown(report))
+    write_text(out / "results.md", markdown(report))
     summary = report["summary"]
     if summary["ppl"]:
         rows = {

@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+from data_prep.safe_write import write_text
 from pipeline.evaluation.plots import plot_ppl_models, short_length
 
 GCA_VS_BASELINE_FROM = 4096
@@ -261,7 +262,7 @@ def write_demo_lm_report(run_dir: Path, models: list[str], timings: dict[str, fl
     documents_path = run_dir / "eval_docs.json"
     documents = json.loads(documents_path.read_text()) if documents_path.is_file() else []
     payload = {"train_seq_len": train_len, "documents": documents, "parameters": params, "results": rows}
-    (run_dir / "ppl.json").write_text(json.dumps(payload, indent=2) + "\n")
+    write_text(run_dir / "ppl.json", json.dumps(payload, indent=2) + "\n")
     by_model = {m: [r for r in rows if r["model"] == m] for m in models if any(r["model"] == m for r in rows)}
     plot_ppl_models(by_model, train_len, "perplexity of the same tokens vs context", run_dir / "ppl.png")
     doc_list = ", ".join(f"{d['name']} ({d['files']} files, {d['tokens']} tokens)" for d in documents)
@@ -319,5 +320,5 @@ def write_demo_lm_report(run_dir: Path, models: list[str], timings: dict[str, fl
         f"| total | {sum(timings.values()):.0f} s |",
     ]
     markdown = "\n".join(parts) + "\n"
-    (run_dir / "results.md").write_text(markdown)
+    write_text(run_dir / "results.md", markdown)
     return markdown

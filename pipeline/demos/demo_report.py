@@ -12,6 +12,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from data_prep.safe_write import replacing, write_text
 from pipeline.evaluation.plots import plot_ppl_models, short_length  # noqa: E402
 from pipeline.evaluation.ruler import markdown_table  # noqa: E402
 
@@ -88,7 +89,8 @@ def _plot(rows: list[dict], metric: str, ylabel: str, train_len: int | None, pat
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with replacing(path) as png:
+        fig.savefig(png, dpi=120)
     plt.close(fig)
 
 
@@ -225,8 +227,9 @@ def _multihop_section(run_dir: Path, models: list[str]) -> list[str]:
     rows, train_len = collect_passkey(run_dir / "multihop", models)
     if not rows:
         return []
-    (run_dir / "multihop" / "passkey.json").write_text(
-        json.dumps({"train_seq_len": train_len, "variant": "multihop", "results": rows}, indent=2)
+    write_text(
+        run_dir / "multihop" / "passkey.json",
+        json.dumps({"train_seq_len": train_len, "variant": "multihop", "results": rows}, indent=2),
     )
     _plot(rows, "accuracy", "two-hop accuracy (first answer token)", train_len, run_dir / "multihop.png")
     return [
@@ -336,9 +339,9 @@ def write_report(
     ppl = collect_ppl(run_dir, models)
     ruler = collect_ruler(run_dir, models)
     if ruler:
-        (run_dir / "ruler.json").write_text(json.dumps({"results": ruler}, indent=2))
-    (run_dir / "passkey.json").write_text(json.dumps({"train_seq_len": train_len, "results": passkey}, indent=2))
-    (run_dir / "ppl.json").write_text(json.dumps({"train_seq_len": train_len, "results": ppl}, indent=2))
+        write_text(run_dir / "ruler.json", json.dumps({"results": ruler}, indent=2))
+    write_text(run_dir / "passkey.json", json.dumps({"train_seq_len": train_len, "results": passkey}, indent=2))
+    write_text(run_dir / "ppl.json", json.dumps({"train_seq_len": train_len, "results": ppl}, indent=2))
     if passkey:
         _plot(passkey, "accuracy", "passkey accuracy (first answer token)", train_len, run_dir / "passkey.png")
     if ppl:
@@ -346,7 +349,7 @@ def write_report(
         plot_ppl_models(by_model, train_len, "perplexity of the same tokens vs context", run_dir / "ppl.png")
     seeds = collect_seeds(seed_runs or {})
     if seeds:
-        (run_dir / "seeds.json").write_text(json.dumps({"train_seq_len": train_len, "results": seeds}, indent=2))
+        write_text(run_dir / "seeds.json", json.dumps({"train_seq_len": train_len, "results": seeds}, indent=2))
     timing_lines = [f"| {name} | {seconds:.0f} s |" for name, seconds in timings.items()]
     report = "\n".join(
         [
@@ -366,5 +369,5 @@ def write_report(
             "",
         ]
     )
-    (run_dir / "results.md").write_text(report)
+    write_text(run_dir / "results.md", report)
     return report

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from data_prep.safe_write import move, write_bytes, write_text
 from pipeline.data.reader import MDSReader, PackedSequences, eos_id_of
 
 log = logging.getLogger(__name__)
@@ -119,8 +120,9 @@ def train_dense_llama(args: argparse.Namespace) -> Path:
     seconds = time.perf_counter() - t0
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # a half folder an interrupted run of this command left
+    tmp.mkdir()  # empty and made here, so no name inside it can have been planted for transformers to write through
     model.save_pretrained(tmp, safe_serialization=True)
-    shutil.copyfile(tokenizer, tmp / TOKENIZER)
+    write_bytes(tmp / TOKENIZER, Path(tokenizer).read_bytes())
     record = {
         "steps": steps,
         "val_loss": val_loss(model, data, args.seq_len, args.val_batches, args.batch),
@@ -129,9 +131,9 @@ def train_dense_llama(args: argparse.Namespace) -> Path:
         "seq_len": args.seq_len,
         "parameters": sum(p.numel() for p in model.parameters()),
     }
-    (tmp / "train_log.json").write_text(json.dumps(record, indent=2))
+    write_text(tmp / "train_log.json", json.dumps(record, indent=2))
     shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    move(tmp, out)
     return out
 
 

@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from data_prep.safe_write import write_text
+
 log = logging.getLogger(__name__)
 
 
@@ -53,7 +55,7 @@ class StageRunner:
     def record(self, name: str, seconds: float) -> None:
         """Store a stage's wall time (also for work done in-process)."""
         self.timings[name] = round(seconds, 1)
-        self.timings_path.write_text(json.dumps(self.timings, indent=2))
+        write_text(self.timings_path, json.dumps(self.timings, indent=2))
         log.info("[%s] done in %.0f s", name, self.timings[name])
 
 

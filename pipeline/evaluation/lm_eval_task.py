@@ -16,6 +16,7 @@ import json
 import random
 from pathlib import Path
 
+from data_prep.safe_write import write_text
 from pipeline.evaluation.haystack import WORDS
 
 DATA_FILE = Path("data/lm_eval/gca_recall.jsonl")
@@ -44,7 +45,7 @@ def write_recall_data(path: str | Path = DATA_FILE, n_docs: int = 100, sentences
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = "".join(json.dumps(doc) + "\n" for doc in recall_docs(n_docs, sentences, seed))
-    path.write_text(lines, encoding="utf-8")
+    write_text(path, lines)
     return path
 
 

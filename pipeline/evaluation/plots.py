@@ -11,6 +11,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from data_prep.safe_write import replacing  # noqa: E402
+
 
 def plot_ppl(rows: list[dict], train_seq_len: int | None, title: str, path: Path) -> None:
     """Perplexity of the same scored tokens vs context length (log2 x axis), the training length marked and the
@@ -42,7 +44,8 @@ def plot_ppl_models(rows_by_model: dict[str, list[dict]], train_seq_len: int | N
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120, format="png")  # the path may be a temp name
+    with replacing(path) as png:
+        fig.savefig(png, dpi=120, format="png")
     plt.close(fig)
 
 
@@ -97,7 +100,8 @@ def _heatmap(
     ax.set_title(title)
     fig.colorbar(image, ax=ax, label=colour)
     fig.tight_layout()
-    fig.savefig(path, dpi=120, format="png")  # the path may be a temp name
+    with replacing(path) as png:
+        fig.savefig(png, dpi=120, format="png")
     plt.close(fig)
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from data_prep.redaction import redact_tree
+from data_prep.safe_write import open_append
 from data_prep.schema import ConfigError
 
 if TYPE_CHECKING:
@@ -109,7 +110,8 @@ class SampleLog:
         # its sample reruns. Cutting it here lets the next append start a line of its own.
         complete = text[: text.rfind("\n") + 1]
         if len(complete) < len(text):
-            os.truncate(self.path, len(complete.encode()))
+            with open_append(self.path, binary=True) as f:
+                os.ftruncate(f.fileno(), len(complete.encode()))
         lines = complete.splitlines()
         if not lines:
             self._append({"settings": settings})
@@ -150,13 +152,10 @@ class SampleLog:
 
     def _append(self, record: dict) -> None:
         """One line, written and synced before the next sample starts: a kill loses at most the running sample."""
-        data = (json.dumps(record) + "\n").encode()
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        with open_append(self.path, binary=True) as f:
+            f.write((json.dumps(record) + "\n").encode())
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def _key(record: dict) -> SampleKey:

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from data_prep.format import COMPLETE_MARKER, MANIFEST_FILENAME
 from data_prep.redaction import redact_tree, restore_env_interpolations
 from data_prep.safe_files import is_within
+from data_prep.safe_write import UnsafeWriteError, check_names, write_text
 from data_prep.schema import ConfigError
 from kernels.cpu_math import flush_denormals
 from pipeline.evaluation import ruler
@@ -111,10 +112,10 @@ def run_eval(checkpoint: str, task: str, out: str | Path, overrides: list[str], 
         plot = functools.partial(plot_ruler, rows, train_seq_len, heading)
         table = out / "ruler.md"
         try:
-            _replace_atomically(table, lambda tmp: tmp.write_text(ruler.markdown_table(rows)))
-        except OSError as err:
+            write_text(table, ruler.markdown_table(rows))
+        except (OSError, UnsafeWriteError) as err:
             raise EvalOutputError(
-                f"the result is in {json_path}, but {table} could not be written ({err.strerror or err})",
+                f"the result is in {json_path}, but {table} could not be written ({_why(err)})",
                 result,
                 json_path,
             ) from None
@@ -122,10 +123,10 @@ def run_eval(checkpoint: str, task: str, out: str | Path, overrides: list[str], 
         plot = functools.partial(plot_passkey, rows, train_seq_len, f"passkey ({cfg.variant}): {title}")
     png = out / f"{task}.png"
     try:
-        _replace_atomically(png, plot)
-    except OSError as err:
+        plot(png)
+    except (OSError, UnsafeWriteError) as err:
         raise EvalOutputError(
-            f"the result is in {json_path}, but {png} could not be written ({err.strerror or err})", result, json_path
+            f"the result is in {json_path}, but {png} could not be written ({_why(err)})", result, json_path
         ) from None
     log.info("wrote %s and %s", json_path, png)
     return result
@@ -250,12 +251,12 @@ def prepare_out(out: Path, task: str, data: str) -> list[Path]:
         )
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out}: exists and is not a directory; pass a directory (created if missing)")
-    for name in (f"{task}.json", f"{task}.png"):
-        if (out / name).is_dir():
-            raise ConfigError(
-                f"--out {out}: {out / name} is a directory, so the result cannot be written "
-                "there; move it away or choose another --out"
-            )
+    try:  # every name the task writes, so that a link planted at one is refused before the work, not after it
+        check_names(
+            out, [f"{task}.json", f"{task}.png", f"{task}.samples.jsonl", *(["ruler.md"] if task == "ruler" else [])]
+        )
+    except UnsafeWriteError as err:
+        raise ConfigError(f"--out {out}: {err}") from None
     created = [p for p in (out, *out.parents) if not p.exists()][::-1]
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -264,9 +265,7 @@ def prepare_out(out: Path, task: str, data: str) -> list[Path]:
         os.unlink(probe)
     except OSError as err:
         _remove_empty(created)
-        raise ConfigError(
-            f"--out {out}: cannot write there ({err.strerror or err}); choose a writable directory"
-        ) from None
+        raise ConfigError(f"--out {out}: cannot write there ({_why(err)}); choose a writable directory") from None
     return created
 
 
@@ -279,14 +278,9 @@ def _remove_empty(created: list[Path]) -> None:
             return
 
 
-def _replace_atomically(path: Path, write: Callable[[Path], object]) -> None:
-    """``write`` a hidden temp file next to ``path``, then rename it over ``path``: never a half-written result."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+def _why(err: Exception) -> object:
+    """What went wrong with a write, in a few words: the system's reason, or the refusal's own line."""
+    return getattr(err, "strerror", None) or err
 
 
 def write_result(result: dict, out: Path, task: str) -> Path:
@@ -299,10 +293,10 @@ def write_result(result: dict, out: Path, task: str) -> Path:
     path = out / f"{task}.json"
     try:
         out.mkdir(parents=True, exist_ok=True)  # it may have been removed while the eval ran
-        _replace_atomically(path, lambda tmp: tmp.write_text(text))
+        write_text(path, text)
         return path
-    except OSError as err:
-        problem = f"could not write {path} ({err.strerror or err})"
+    except (OSError, UnsafeWriteError) as err:
+        problem = f"could not write {path} ({_why(err)})"
     try:
         fd, rescue = tempfile.mkstemp(prefix=f"gca-eval-{task}-", suffix=".json")
         with os.fdopen(fd, "w") as f:

@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from data_prep.safe_write import write_text
 from data_prep.schema import load_schema
 from pipeline.demos.books import HELDOUT, INDEX, TRAIN
 from pipeline.demos.demo_lm import MODEL_OVERRIDES as DEMO_LM_MODELS
@@ -268,5 +269,5 @@ def run_experiment(plan: Plan, cfg: DemoLMGPUConfig, books: Path, out: Path, exp
     ``out/demo-lm-gpu.json``."""
     paths = Paths(plan.work)
     paths.work.mkdir(parents=True, exist_ok=True)
-    paths.holdout.write_text(json.dumps(experiment["holdout"], indent=2) + "\n")
+    write_text(paths.holdout, json.dumps(experiment["holdout"], indent=2) + "\n")
     return DemoRunner(plan, out, budget_s, experiment).run(build_stages(plan, cfg, books))

@@ -37,6 +37,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from data_prep.safe_write import write_bytes, write_text
+
 DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIMS = (64, 128)
 KERNELS = ("fwd", "decode", "bwd_dq", "bwd_dkdv", "bwd_fused")
@@ -299,8 +301,8 @@ def compile_case(case: Case, dump_dir: str | None = None) -> Result:
     name = compiled.metadata.name
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(dump_dir or tmp) / f"{case_id(case)}.cubin"
-        cubin.write_bytes(compiled.asm["cubin"])
-        cubin.with_suffix(".ptx").write_text(compiled.asm["ptx"])
+        write_bytes(cubin, compiled.asm["cubin"])
+        write_text(cubin.with_suffix(".ptx"), compiled.asm["ptx"])
         usage = subprocess.run(
             [cuda_tool("cuobjdump"), "--dump-resource-usage", str(cubin)], capture_output=True, text=True, check=True
         )
@@ -335,7 +337,7 @@ def device_resources(case: Case) -> dict[str, int | None]:
     static: int | None = None
     with contextlib.suppress(ToolMissing), tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"
-        cubin.write_bytes(compiled.asm["cubin"])
+        write_bytes(cubin, compiled.asm["cubin"])
         usage = subprocess.run(
             [cuda_tool("cuobjdump"), "--dump-resource-usage", str(cubin)], capture_output=True, text=True, check=True
         )
@@ -505,13 +507,13 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.monotonic() - start
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(markdown(results, wall, args.jobs))
+        write_text(args.out, markdown(results, wall, args.jobs))
         print(f"gpu_compile: wrote {args.out}")
     if args.json:
         import json
 
         rows = [dict(asdict(r), problems=r.problems) for r in results]
-        args.json.write_text(json.dumps(rows, indent=1))
+        write_text(args.json, json.dumps(rows, indent=1))
     failing = [r for r in results if r.problems]
     for r in failing:
         print(f"FAIL {case_id(r.case)}: {'; '.join(r.problems)}", file=sys.stderr)

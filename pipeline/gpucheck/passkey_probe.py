@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from data_prep.redaction import install_log_redaction
+from data_prep.safe_write import write_text
 from pipeline.evaluation.run import EvalOutputError, run_eval
 
 log = logging.getLogger("passkey_probe")
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         "peak_gpu_mib": peak,
         "seconds": result.get("seconds"),
     }
-    Path(args.out, "probe.json").write_text(json.dumps(probe, indent=2) + "\n")
+    write_text(Path(args.out, "probe.json"), json.dumps(probe, indent=2) + "\n")
     log.info("%s", json.dumps(probe))
     return 0
 

@@ -13,6 +13,8 @@ import json
 import re
 from pathlib import Path
 
+from data_prep.safe_write import write_text
+
 RESULTS_BEGIN = "<!-- gpu-check results: written by launch/gpu_check.py --publish -->"
 RESULTS_END = "<!-- end of gpu-check results -->"
 
@@ -150,6 +152,6 @@ def publish(json_path: Path, results_dir: Path, docs: Path) -> tuple[Path, str]:
     updated = replace_block(text, table, docs)
     results_dir.mkdir(parents=True, exist_ok=True)
     target = results_dir / name
-    target.write_text(json.dumps(report, indent=2) + "\n")
-    docs.write_text(updated)
+    write_text(target, json.dumps(report, indent=2) + "\n")
+    write_text(docs, updated)
     return target, table

@@ -30,6 +30,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from data_prep.safe_write import write_text
 from pipeline.gpucheck import kernel_compile as kc
 
 ROW_FIELDS = (
@@ -354,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"registers: error: {err}", file=sys.stderr)
         return 2
     report["committed_triton"] = committed_triton(text)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_text(Path(args.out), json.dumps(report, indent=1) + "\n")
     print(markdown(report), flush=True)
     print(
         f"registers: {report['configs']} {target} configurations: {report['same']} same, {report['differs']} differ, "

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from data_prep.redaction import redact, redact_tree
+from data_prep.safe_write import open_append, write_text
 from pipeline.gpucheck.stages import ROOT, Plan, Stage, StageError, build, summary
 
 SCHEMA = 2  # 2: "source" (the code's commit), the stages' expected times
@@ -75,7 +76,7 @@ def write_stamp(path: Path) -> dict:
         raise RuntimeError(f"{ROOT} is not a git checkout (git rev-parse HEAD failed): nothing to stamp")
     source["stamped"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(source, indent=2) + "\n")
+    write_text(path, json.dumps(source, indent=2) + "\n")
     return source
 
 
@@ -139,7 +140,7 @@ class Runner:
         line = redact(text.rstrip("\n")) + "\n"
         sys.stdout.write(line)
         sys.stdout.flush()
-        with self.log_path.open("a") as log:
+        with open_append(self.log_path) as log:
             log.write(line)
 
     def summarize(self) -> dict:
@@ -148,10 +149,7 @@ class Runner:
     def write(self) -> None:
         self.report["seconds"] = round(time.monotonic() - self.start, 1)
         self.report["summary"] = self.summarize()
-        path = self.out / f"{self.NAME}.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(redact_tree(self.report), indent=2) + "\n")
-        tmp.replace(path)
+        write_text(self.out / f"{self.NAME}.json", json.dumps(redact_tree(self.report), indent=2) + "\n")
 
     def skip_reason(self, stage: Stage) -> str | None:
         missing = [n for n in stage.needs if self.results.get(n, {}).get("status") != "ok"]
@@ -184,7 +182,8 @@ class Runner:
         stage_log = self.plan.work / "logs" / f"{stage.name}.log"
         stage_log.parent.mkdir(parents=True, exist_ok=True)
         begin = time.monotonic()
-        with stage_log.open("w") as sink:
+        write_text(stage_log, "")
+        with open_append(stage_log) as sink:
             proc = subprocess.Popen(
                 stage.cmd,
                 cwd=ROOT,
@@ -215,7 +214,7 @@ class Runner:
             }
 
     def run(self, stages: list[Stage]) -> dict:
-        self.log_path.write_text("")
+        write_text(self.log_path, "")
         self.log(f"== {self.NAME} ({self.report['mode']}), budget {self.budget_s:.0f} s, work dir {self.plan.work}")
         self.log(f"== machine: {json.dumps(self.report['machine'])}")
         self.write()

@@ -20,6 +20,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from data_prep.safe_write import write_bytes
+
 log = logging.getLogger("gpu-wheels")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -196,7 +198,7 @@ def fetch(pin: Pin, python_version: str, dest: Path, python: str | None) -> str:
                 f"{pin.name}=={pin.version}: got {wheel.name}, which is not that version for "
                 f"CPython {python_version} on Linux x86-64"
             )
-        shutil.move(str(wheel), dest / wheel.name)
+        write_bytes(dest / wheel.name, wheel.read_bytes())  # the work folder may be on another file system
         return wheel.name
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from data_prep.dataset_tokenizer import HF, TokenizerFiles, named_tokenizer_files
 from data_prep.safe_files import UnsafeDatasetError
+from data_prep.safe_write import write_text
 from model.io import CONFIG_NAME, read_export_config
 from pipeline.hf.bundle import MANIFEST_NAME, manifest, shipped_files
 from pipeline.hf.tokenizer import (
@@ -76,8 +77,8 @@ def write_hf_files(directory: str | os.PathLike) -> Path:
     tokenizer = _tokenizer_files(root, export)
     files = shipped_files()
     for shipped in files:
-        (root / shipped.name).write_text(shipped.text, encoding="utf-8")
-    (root / MANIFEST_NAME).write_text(json.dumps(manifest(files), indent=2, sort_keys=True), encoding="utf-8")
+        write_text(root / shipped.name, shipped.text)
+    write_text(root / MANIFEST_NAME, json.dumps(manifest(files), indent=2, sort_keys=True))
     special_ids: dict[str, int] = {}
     try:
         if tokenizer is not None and tokenizer.kind == HF:
@@ -100,7 +101,5 @@ def write_hf_files(directory: str | os.PathLike) -> Path:
             **special_ids,
         }
     )
-    tmp = root / (CONFIG_NAME + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True), encoding="utf-8")
-    os.replace(tmp, root / CONFIG_NAME)
+    write_text(root / CONFIG_NAME, json.dumps(payload, indent=2, sort_keys=True))
     return root

@@ -32,6 +32,7 @@ from sentencepiece import sentencepiece_model_pb2
 from tokenizers import Tokenizer
 
 from data_prep.dataset_tokenizer import TokenizerFiles
+from data_prep.safe_write import write_bytes, write_text
 
 SPACE = "\u2581"
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
@@ -175,8 +176,8 @@ def write_hf_tokenizer_config(directory: Path, tokenizer: TokenizerFiles) -> dic
         **tokens,
         "clean_up_tokenization_spaces": False,
     }
-    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
-    (directory / "special_tokens_map.json").write_text(json.dumps(tokens, indent=2, sort_keys=True), encoding="utf-8")
+    write_text(directory / "tokenizer_config.json", json.dumps(config, indent=2, sort_keys=True))
+    write_text(directory / "special_tokens_map.json", json.dumps(tokens, indent=2, sort_keys=True))
     named = {"bos_token_id": ids["bos_id"], "eos_token_id": ids["eos_id"], "pad_token_id": ids["pad_id"]}
     return {key: value for key, value in named.items() if value >= 0}
 
@@ -184,8 +185,8 @@ def write_hf_tokenizer_config(directory: Path, tokenizer: TokenizerFiles) -> dic
 def write_tokenizer_files(directory: Path, model: bytes) -> None:
     """Write ``tokenizer.model``, ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json``."""
     tokens = special_tokens(model)
-    (directory / TOKENIZER_MODEL).write_bytes(model)
-    (directory / "tokenizer.json").write_text(tokenizer_json(model), encoding="utf-8")
+    write_bytes(directory / TOKENIZER_MODEL, model)
+    write_text(directory / "tokenizer.json", tokenizer_json(model))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         **tokens,
@@ -195,5 +196,5 @@ def write_tokenizer_files(directory: Path, model: bytes) -> None:
         "clean_up_tokenization_spaces": False,
         "split_special_tokens": True,
     }
-    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
-    (directory / "special_tokens_map.json").write_text(json.dumps(tokens, indent=2, sort_keys=True), encoding="utf-8")
+    write_text(directory / "tokenizer_config.json", json.dumps(config, indent=2, sort_keys=True))
+    write_text(directory / "special_tokens_map.json", json.dumps(tokens, indent=2, sort_keys=True))

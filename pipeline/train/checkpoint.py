@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from data_prep.redaction import redact
+from data_prep.safe_write import move, replacing, write_text
 from model.config import BACKEND_FIELDS
 from pipeline.train import dist, save_failure
 
@@ -133,11 +134,8 @@ def write_integrity(root: Path, info: dist.DistInfo) -> None:
     names = dist.broadcast_object(_files(root) if info.is_main else None)
     files = _hash_share(root, names, info, fsync=True)
     if info.is_main:
-        path = root / INTEGRITY_FILE
-        with open(path, "w") as f:
-            json.dump({"format": 1, "algorithm": "sha256", "files": files}, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
+        record = {"format": 1, "algorithm": "sha256", "files": files}
+        write_text(root / INTEGRITY_FILE, json.dumps(record, indent=1, sort_keys=True), fsync=True)
 
 
 def verify_integrity(root: Path, info: dist.DistInfo) -> None:
@@ -444,7 +442,7 @@ class CheckpointManager:
                 tmp.mkdir(parents=True)
                 owner = {"writer": OWNER_WRITER, "step": step, "run_dir": redact(str(self.root.parent.resolve()))}
                 try:
-                    (tmp / OWNER_FILE).write_text(json.dumps(owner, sort_keys=True))
+                    write_text(tmp / OWNER_FILE, json.dumps(owner, sort_keys=True))
                 except OSError:
                     # Created just above, so ours to remove: left with a torn OWNER.json it would look foreign
                     # and stop the next start.
@@ -547,7 +545,8 @@ class CheckpointManager:
             engine.save(tmp)
             reached("engine")
             if self.info.cp_rank == 0:  # one RNG stream per data-parallel rank: its context-parallel group shares it
-                torch.save(_rng_state(), tmp / f"rng_rank{self.info.dp_rank}.pt")
+                with replacing(tmp / f"rng_rank{self.info.dp_rank}.pt") as rng_file:
+                    torch.save(_rng_state(), rng_file)
             reached("rng")
 
         def export_and_state() -> None:
@@ -558,7 +557,7 @@ class CheckpointManager:
             reached("export")
             if self.info.is_main:
                 state = {"format": STATE_FORMAT, "step": step, "world_size": self.info.world_size, **trainer_state}
-                (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=1, sort_keys=True))
+                write_text(tmp / TRAINER_STATE, json.dumps(state, indent=1, sort_keys=True))
             reached("trainer_state")
 
         def manifest() -> None:
@@ -570,14 +569,10 @@ class CheckpointManager:
                 return
             if final.exists():
                 _remove_own(final, f"the save of step {step}")  # checked by _start_save: this trainer's own
-            os.replace(tmp, final)
+            move(tmp, final)
             _fsync_dir(self.root)
             reached("renamed")
-            with open(final / COMMIT_MARKER, "w") as f:
-                f.write(json.dumps({"step": step, "time": time.time()}))
-                f.flush()
-                os.fsync(f.fileno())
-            _fsync_dir(final)
+            write_text(final / COMMIT_MARKER, json.dumps({"step": step, "time": time.time()}), fsync=True)
             self._prune()
 
         for part in (shards, export_and_state, manifest):
@@ -787,5 +782,5 @@ def set_aside(path: Path) -> Path:
     while aside.exists() or aside.is_symlink():
         n += 1
         aside = path.with_name(f"{path.name}.rejected-{n}")
-    path.rename(aside)
+    move(path, aside)
     return aside

@@ -28,6 +28,7 @@ import yaml
 from data_prep.dataset_tokenizer import TokenizerFiles
 from data_prep.format import HF_TOKENIZER_CONFIG, HF_TOKENIZER_JSON
 from data_prep.safe_files import open_regular, stat_regular
+from data_prep.safe_write import replacing, write_bytes
 from model import CausalLM, GCAConfig, build_model, read_export_config, save_pretrained
 from model.io import CONFIG_NAME, WEIGHTS_NAME, ExportError, check_safetensors
 from pipeline.data.reader import read_tokenizer
@@ -115,8 +116,9 @@ def _copy_export(source: Path, target: Path) -> None:
             names.append(HF_TOKENIZER_CONFIG)  # its special tokens
     target.mkdir(parents=True, exist_ok=True)
     for name in names:
-        with os.fdopen(open_regular(source, name), "rb") as src, (target / name).open("xb") as dst:
-            shutil.copyfileobj(src, dst)
+        with os.fdopen(open_regular(source, name), "rb") as src, replacing(target / name) as copy:
+            with open(copy, "wb") as dst:
+                shutil.copyfileobj(src, dst)
     check_safetensors(target / WEIGHTS_NAME)
 
 
@@ -143,7 +145,7 @@ def write_export(
     if tokenizer is not None:
         directory.mkdir(parents=True, exist_ok=True)
         for name, data in tokenizer.files().items():
-            (directory / name).write_bytes(data)
+            write_bytes(directory / name, data)
         extra["tokenizer"] = tokenizer.name
     save_pretrained(model, directory, extra=extra)
     return write_hf_files(directory)

@@ -19,6 +19,8 @@ from typing import Any, Literal
 import torch
 
 from data_prep.redaction import install_log_redaction, redact_tree
+from data_prep.safe_write import open_append, write_text
+from pipeline.train.run_files import METRICS_FILE, WANDB_ID_FILE
 from pipeline.train.wandb_online import asked_online, online_problem
 
 log = logging.getLogger(__name__)
@@ -161,9 +163,9 @@ class MetricsLogger:
         start_step: int,
         resumed: bool,
     ) -> None:
-        self.cfg, self.path = cfg, run_dir / "metrics.jsonl"
+        self.cfg, self.path = cfg, run_dir / METRICS_FILE
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.file = open(self.path, "a")
+        self.file = open_append(self.path)
         self._write({"event": "start", "start_step": start_step, **header})
         self.wandb: Any = None
         if cfg.logging.wandb:
@@ -193,9 +195,9 @@ class MetricsLogger:
                     run_dir / "wandb",
                 )
                 mode = "offline"
-        run_id_file = run_dir / "wandb_run_id"
+        run_id_file = run_dir / WANDB_ID_FILE
         run_id = run_id_file.read_text().strip() if resumed and run_id_file.is_file() else uuid.uuid4().hex[:8]
-        run_id_file.write_text(run_id)
+        write_text(run_id_file, run_id)
         log.info("wandb: mode=%s project=%s id=%s", mode, self.cfg.logging.wandb_project, run_id)
         return wandb.init(
             project=self.cfg.logging.wandb_project,

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as torch_dist
 import torch.nn as nn
 
+from data_prep.safe_write import replacing
 from model.context_parallel import cp_loss
 from model.lm import lm_loss
 from pipeline.train.config import TrainConfig, check_grad_reduce_dtype
@@ -281,9 +282,8 @@ class TorchEngine:
             }
             dcp.save(state, checkpoint_id=str(directory / "dcp"))
         elif self.info.is_main:
-            torch.save(
-                {"model": self.module.state_dict(), "optim": self.optimizer.state_dict()}, directory / "state.pt"
-            )
+            with replacing(directory / "state.pt") as state_file:
+                torch.save({"model": self.module.state_dict(), "optim": self.optimizer.state_dict()}, state_file)
 
     def load(self, directory: Path) -> None:
         if self.kind == "fsdp":

@@ -13,7 +13,8 @@ Checks, each failure one ``preflight: <host> rank <r>: <what>: <why and the fix>
   a hang anywhere (a missing node, a blocked port) ends the run after ``--timeout-s`` with a line saying so;
 - data: ``data.path`` is a complete prepared dataset (``manifest.json`` + ``_COMPLETE``), its train split (and
   the val split when ``train.eval_every`` > 0) has a safe index, every listed shard present as a regular file and
-  at least one sample, the index is the one the manifest records, and its tokenizer fits ``model.vocab_size``;
+  at least one sample, the index is the one the manifest records and holds the counts it records
+  (`data_prep.format.split_count_mismatch`), and its tokenizer fits ``model.vocab_size``;
 - checkpoint dir: ``run_dir`` is writable on every node and shared (a file written by rank 0 is seen by every node);
 - free disk: ``run_dir`` has room for ``checkpoint.keep_last + 1`` checkpoints (estimated from the parameter
   count) and at least ``--min-free-gb``;
@@ -43,6 +44,7 @@ import torch.distributed as tdist
 
 from data_prep import format as fmt
 from data_prep.safe_files import INDEX_FILENAME, UnsafeDatasetError, index_file_names, read_index, stat_regular
+from data_prep.safe_write import write_bytes, write_text
 from model import build_model, count_parameters
 from pipeline.data.reader import is_remote
 from pipeline.train import dist
@@ -160,10 +162,7 @@ def check_writable(run_dir: Path) -> list[str]:
     probe = run_dir / f".preflight-{socket.gethostname()}-{os.getpid()}"
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        with open(probe, "wb") as f:
-            f.write(b"ok")
-            f.flush()
-            os.fsync(f.fileno())
+        write_bytes(probe, b"ok", fsync=True)
         probe.unlink()
     except OSError as err:
         return [f"checkpoint dir: cannot write to {run_dir}: {err.strerror or err}"]
@@ -272,7 +271,7 @@ def _collective_checks(cfg: TrainConfig, info: dist.DistInfo, report: Report) ->
     probe = Path(cfg.run_dir) / f".preflight-shared-{token[0]}"
     if info.is_main:
         try:
-            probe.write_text(token[0])
+            write_text(probe, token[0])
         except OSError:
             pass  # rank 0's run_dir is not writable: already reported by check_writable
     dist.barrier()

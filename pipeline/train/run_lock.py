@@ -18,12 +18,12 @@ import json
 import logging
 import os
 import socket
-import stat
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from data_prep.safe_write import UnsafeWriteError, open_lock
 from pipeline.train import dist
 
 log = logging.getLogger(__name__)
@@ -78,13 +78,12 @@ def acquire(run_dir: Path, environ: Mapping[str, str]) -> RunLock:
     path = run_dir / LOCK_FILE
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        # O_NOFOLLOW: a planted link must never make the trainer write into the file it points at.
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fd = open_lock(path)  # a planted link must never make the trainer write into the file it points at
+    except UnsafeWriteError as err:
+        raise RunDirLockError(f"run_dir={run_dir}: {err}") from None
     except OSError as err:
         raise RunDirLockError(f"run_dir={run_dir}: cannot create the lock file {path}: {err}") from None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise RunDirLockError(f"run_dir={run_dir}: {path} is not a regular file; move it away and relaunch")
         mine = _record(environ)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -61,7 +61,7 @@ from pipeline.train.callbacks import (
 )
 from pipeline.train.checkpoint import CheckpointCorruptError, CheckpointManager, UnsafeCheckpointError
 from pipeline.train.config import ConfigError, TrainConfig, check_context_parallel, load_config, mix_settings
-from pipeline.train.export import write_export
+from pipeline.train.export import EXPORT_DIR, write_export
 from pipeline.train.inputs import (
     build_mix,
     check_inputs,
@@ -75,6 +75,7 @@ from pipeline.train.optim import freeze_for_stage, lr_at, set_lr
 from pipeline.train.parallel import build_engine
 from pipeline.train.preflight import version_mismatches
 from pipeline.train.resume_check import ResumeRefusedError, check_resume, config_record
+from pipeline.train.run_files import check_run_files
 from pipeline.train.save_failure import SaveFailedError
 
 log = logging.getLogger(__name__)
@@ -121,6 +122,7 @@ class Trainer:
         info = dataclasses.replace(info, context_parallel=cfg.parallel.context_parallel)
         self.cfg, self.info = cfg, info
         self.run_dir = Path(cfg.run_dir)
+        check_run_files(self.run_dir)  # before any work: a link planted in run_dir is refused now, not at the end
         self.accum = cfg.grad_accum(info.world_size)
         self.bf16 = use_bf16(cfg, info.device)
         resolve_document_eos(cfg)  # the model needs its document separator (a Trainer may be built without main)
@@ -186,8 +188,8 @@ class Trainer:
                 return self.exit_code
             weights = self.engine.full_state_dict()
             if self.info.is_main:
-                self.export(weights, self.run_dir / "export")
-                log.info("done: %d steps, eval export in %s", self.step, self.run_dir / "export")
+                self.export(weights, self.run_dir / EXPORT_DIR)
+                log.info("done: %d steps, eval export in %s", self.step, self.run_dir / EXPORT_DIR)
             dist.barrier()
             return 0
         finally:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING, Any
 
 from data_prep.redaction import redact
+from data_prep.safe_write import write_text
 from pipeline.train.callbacks.base import Callback
 from pipeline.train.config import to_plain, to_yaml
 from pipeline.train.metrics import MetricsLogger, log_run_header
+from pipeline.train.run_files import CONFIG_FILE
 
 if TYPE_CHECKING:
     from pipeline.train.trainer import Trainer
@@ -52,11 +53,8 @@ class MetricsLogging(Callback):
 
 
 def _write_resolved_config(trainer: Trainer) -> None:
-    # Written to a temporary name and renamed, so a crash never leaves a half-written config.yaml.
     trainer.run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = trainer.run_dir / f"config.yaml.tmp-{os.getpid()}"
-    tmp.write_text(redact(to_yaml(trainer.cfg)))
-    os.replace(tmp, trainer.run_dir / "config.yaml")
+    write_text(trainer.run_dir / CONFIG_FILE, redact(to_yaml(trainer.cfg)))
 
 
 def _derived(trainer: Trainer) -> dict[str, Any]:
