@@ -90,7 +90,7 @@ def _plot(rows: list[dict], metric: str, ylabel: str, train_len: int | None, pat
     ax.legend()
     fig.tight_layout()
     with replacing(path) as png:
-        fig.savefig(png, dpi=120)
+        fig.savefig(png, dpi=120, format="png")  # the temporary name has no .png suffix
     plt.close(fig)
 
 
