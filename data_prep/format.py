@@ -60,6 +60,7 @@ __all__ = [
     "manifest_from_dict",
     "mds_columns",
     "read_manifest",
+    "split_count_mismatch",
     "token_dtype_for_vocab",
 ]
 
@@ -80,6 +81,7 @@ EMPTY_SPLIT_SHA256 = ""
 """`SplitStats.index_sha256` of a split with no documents, whose directory is not written."""
 
 _UINT16_MAX_VOCAB = 1 << 16
+_TOKEN_BYTES = {"uint16": 2, "uint32": 4}
 
 
 class IncompleteDatasetError(RuntimeError):
@@ -111,7 +113,8 @@ def mds_columns(token_dtype: str) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class SplitStats:
-    """Counts for one split, equal to what a reader of ``<output>/<split>/`` gets."""
+    """Counts for one split, equal to what a reader of ``<output>/<split>/`` gets (held against the split's index by
+    `split_count_mismatch`)."""
 
     documents: int
     """Distinct documents (distinct `DOC_ID` values)."""
@@ -263,3 +266,75 @@ def read_manifest(path: str | Path) -> Manifest:
     except ValueError as err:  # also UnicodeDecodeError: one line, never a traceback from the JSON parser
         raise ValueError(f"{manifest_path}: not valid JSON ({err}); re-run prep") from None
     return manifest_from_dict(obj)
+
+
+# An MDS shard file (streaming's MDSWriter) is: the sample count (uint32), count + 1 offsets (uint32), the writer's
+# config as JSON, then the samples. A sample of prep's columns is: the byte size of its one variable column (uint32),
+# `DOC_ID` and `PIECE` (int64 each), and `TOKENS` as an NDArray of static dtype and dynamic shape: one byte of
+# rank and shape dtype, the length in 1, 2 or 4 bytes (the smallest unsigned type that holds it), then the ids.
+_SHARD_INDEX_ONLY = ("samples", "raw_data", "zip_data")
+"""The keys of an index entry that are not the writer's config (which the shard file repeats as JSON)."""
+_SAMPLE_FIXED_BYTES = 4 + 8 + 8 + 1
+_LENGTH_BYTES_MIN, _LENGTH_BYTES_MAX = 1, 4
+"""Fewest and most bytes the length of one `TOKENS` array takes (a piece is shorter than 2**32 tokens)."""
+
+
+def _prep_token_dtype(shard: dict[str, Any]) -> str | None:
+    """The token dtype of an index entry laid out as prep writes its shards (`mds_columns`, a raw file size), else
+    None: the token count is derived from that layout only."""
+    columns = dict(zip(shard.get("column_names", []), shard.get("column_encodings", []), strict=False))
+    size = shard["raw_data"].get("bytes")
+    if not isinstance(size, int) or isinstance(size, bool):
+        return None
+    return next((dtype for dtype in _TOKEN_BYTES if columns == mds_columns(dtype)), None)
+
+
+def _token_range(shard: dict[str, Any], dtype: str) -> tuple[int, int]:
+    """Fewest and most tokens a shard of prep's layout holds, from the sizes its index entry records: only the
+    bytes each piece spends on its length are unknown (1, 2 or 4 of them, by the length), so the range spans
+    3 / itemsize tokens per piece. Every piece holds at least one token (MDS refuses an empty array)."""
+    samples = int(shard["samples"])
+    config = json.dumps({k: v for k, v in shard.items() if k not in _SHARD_INDEX_ONLY}, sort_keys=True)
+    payload = shard["raw_data"]["bytes"] - 4 * (samples + 2) - len(config.encode()) - samples * _SAMPLE_FIXED_BYTES
+    item = _TOKEN_BYTES[dtype]
+    low = -(-(payload - samples * _LENGTH_BYTES_MAX) // item)  # rounded up
+    return max(low, samples), (payload - samples * _LENGTH_BYTES_MIN) // item
+
+
+def split_count_mismatch(root: Path, split: str, manifest: Manifest, shards: list[dict[str, Any]]) -> str | None:
+    """Why the counts ``root``'s manifest records for ``split`` are not those of the split whose checked
+    ``index.json`` lists ``shards`` (``[]`` for a split prep did not write); None when they agree.
+
+    The manifest is sealed by `COMPLETE_MARKER`, but resealing an edited one is one sha256 away, and every figure
+    derived from its counts (epochs, tokens available) would be wrong. So the counts are held against the index,
+    which the reader reads anyway and whose hash `SplitStats.index_sha256` already pins:
+
+    - ``pieces``: exactly the index's sample count;
+    - ``token_dtype``: the index's `TOKENS` encoding;
+    - ``tokens``: within the range the shard sizes allow (`_token_range`; exact up to 1.5 tokens per piece for
+      uint16 ids), without opening a shard (the reader holds every shard to those sizes as it loads it);
+    - ``documents``: consistent only (a document is one or more pieces): the index holds no document ids.
+    """
+    stats = manifest.splits[split]
+    recorded = f"{root / MANIFEST_FILENAME} records"
+    index = root / split / "index.json"
+    samples = sum(int(shard["samples"]) for shard in shards)
+    if stats.pieces != samples:
+        return f"{recorded} splits.{split}.pieces={stats.pieces}, but {index} lists {samples} samples"
+    dtypes = [_prep_token_dtype(shard) for shard in shards]
+    if any(dtype != manifest.token_dtype for dtype in dtypes):
+        found = sorted({dtype or "another layout than data prep writes" for dtype in dtypes})
+        return f"{recorded} token_dtype={manifest.token_dtype}, but {index} lists shards of {', '.join(found)}"
+    ranges = [_token_range(shard, manifest.token_dtype) for shard in shards]
+    low, high = sum(r[0] for r in ranges), sum(r[1] for r in ranges)
+    if not low <= stats.tokens <= high:
+        return (
+            f"{recorded} splits.{split}.tokens={stats.tokens}, but the {len(shards)} shards {index} lists hold "
+            f"{low} to {high} tokens (by their sizes)"
+        )
+    if not min(samples, 1) <= stats.documents <= samples:
+        return (
+            f"{recorded} splits.{split}.documents={stats.documents}, but {index} lists {samples} samples (a document "
+            "is one or more of them)"
+        )
+    return None

@@ -16,7 +16,7 @@ from typing import Any
 from data_prep import format as fmt
 from data_prep.dataset_tokenizer import HF, SENTENCEPIECE, TokenizerFiles, folder_tokenizer
 from data_prep.redaction import find_secret, is_secret_name
-from data_prep.safe_files import read_index, read_regular
+from data_prep.safe_files import parse_index, read_index, read_regular
 from model import CausalLM, GCAForCausalLM, read_export_config
 from model.convert import ConversionError, convert_dense_into
 from model.io import ExportError, check_finite_weights, check_safetensors
@@ -132,7 +132,9 @@ def build_mix(cfg: TrainConfig, tokenizer: TokenizerFiles | None) -> RetrievalMi
 def split_mismatch(root: Path, split: str, manifest: fmt.Manifest) -> str | None:
     """Why ``root/split`` is not the split data prep recorded in ``manifest`` (None when it is): its ``index.json``
     (which lists every shard's hash) must hash to the manifest's ``index_sha256``, and a split the manifest records
-    as empty must not exist. A split copied in from another prep (other token ids) or altered since fails here."""
+    as empty must not exist. A split copied in from another prep (other token ids) or altered since fails here.
+    The counts the manifest records must then be that index's (`data_prep.format.split_count_mismatch`): a manifest
+    edited and resealed would otherwise feed wrong counts to every figure derived from them."""
     stats = manifest.splits.get(split)
     if stats is None:
         return None  # not a split data prep wrote (a custom data.train_split); nothing recorded to compare
@@ -140,20 +142,25 @@ def split_mismatch(root: Path, split: str, manifest: fmt.Manifest) -> str | None
     if stats.index_sha256 == fmt.EMPTY_SPLIT_SHA256:
         if index.exists():
             return f"{index} exists, but manifest.json records '{split}' as empty (data prep wrote no such split)"
-        return None
+        return fmt.split_count_mismatch(root, split, manifest, [])
     try:
-        actual = hashlib.sha256(read_regular(root / split, "index.json")).hexdigest()
+        raw = read_regular(root / split, "index.json")
     except FileNotFoundError:
         return f"{index} is missing, though manifest.json records {stats.pieces} samples in '{split}'"
     except (OSError, UnsafeDatasetError) as err:
         return f"cannot read {index}: {err}"
+    actual = hashlib.sha256(raw).hexdigest()
     if actual != stats.index_sha256:
         return (
             f"{index} is not the one data prep recorded in manifest.json (sha256 {actual[:16]}... vs recorded "
             f"{stats.index_sha256[:16]}...): the split was replaced or changed after prep (a split from another "
             "prep holds another tokenizer's ids)"
         )
-    return None
+    try:
+        shards = parse_index(raw, str(index))["shards"]  # the bytes just hashed, never a second read
+    except UnsafeDatasetError as err:
+        return str(err)
+    return fmt.split_count_mismatch(root, split, manifest, shards)
 
 
 def _index_samples(root: Path, split: str) -> int | None:

@@ -58,6 +58,21 @@ def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+def split_stats(root: Path, split: str) -> fmt.SplitStats:
+    """The counts data prep records for ``root/split``, read back from its samples, and its index's hash."""
+    from pipeline.data.reader import MDSReader
+
+    reader = MDSReader(str(root), split, cache_dir=None)
+    shards = range(reader.num_shards)
+    samples = [reader.sample(s, i) for s in shards for i in range(int(reader.samples_per_shard[s]))]
+    return fmt.SplitStats(
+        documents=len({doc for _, doc in samples}),
+        pieces=len(samples),
+        tokens=sum(len(tokens) for tokens, _ in samples),
+        index_sha256=hashlib.sha256((root / split / "index.json").read_bytes()).hexdigest(),
+    )
+
+
 def prepared_copy(tmp_path: Path, tiny_data: Path, vocab: int = 64) -> Path:
     """A copy of ``tiny_data`` with the manifest and completion marker data prep writes."""
     root = tmp_path / "data"
@@ -68,15 +83,7 @@ def prepared_copy(tmp_path: Path, tiny_data: Path, vocab: int = 64) -> Path:
         tokenizer=fmt.TokenizerInfo(
             sha256="0" * 64, vocab_size=vocab, model_type="bpe", trained=True, unk_id=0, bos_id=-1, eos_id=1, pad_id=-1
         ),
-        splits={
-            s: fmt.SplitStats(
-                documents=1,
-                pieces=1,
-                tokens=1,
-                index_sha256=hashlib.sha256((root / s / "index.json").read_bytes()).hexdigest(),
-            )
-            for s in fmt.SPLITS
-        },
+        splits={s: split_stats(root, s) for s in fmt.SPLITS},
         skipped={},
         inputs=[],
         config={},
