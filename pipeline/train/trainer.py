@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from data_prep import format as fmt
+from data_prep.safe_write import UnsafeWriteError
 from kernels.cpu_math import flush_denormals, retain_freed_memory
 from model import build_model, count_parameters
 from model.flops import flops_per_token, matmul_params
@@ -364,9 +365,34 @@ DATASET_ERRORS = (UnsafeDatasetError, ShardCorruptError, EmptySplitError, DataFi
 """What a reader raises for a dataset it refuses: one line to the user, never a traceback."""
 
 
+def _say_once(message: str) -> None:
+    """Log ``message``, an error every rank may hit alike, unless another rank of the job said it already."""
+    if dist.first_to_say(message):
+        log.error("%s", message)
+    else:
+        log.debug("%s (another rank reported it)", message)
+
+
+def _last_committed(cfg: TrainConfig, info: dist.DistInfo) -> str:
+    good = CheckpointManager(cfg.run_dir, cfg.checkpoint.keep_last, info).committed()
+    if not good:
+        return f"no checkpoint was committed in {Path(cfg.run_dir) / 'checkpoints'}: a relaunch starts from step 0"
+    return f"the last committed checkpoint is {good[-1]}: a relaunch resumes from it (checkpoint.resume=auto)"
+
+
 def main(config_path: str | None, overrides: list[str]) -> int:
-    """Entry point of ``pipeline.cli.train``; returns the exit code (2 for a configuration error)."""
+    """Entry point of ``pipeline.cli.train``; returns the exit code (2 for a configuration error).
+
+    An error every rank hits alike (the configuration, the data, a refused resume) is one line for the job, not one
+    per rank (`_say_once`); an error of one rank is still that rank's line.
+    """
     flush_denormals()  # first, before torch starts its thread pool (see kernels/cpu_math.py)
+    try:
+        dist.check_launch()  # within seconds, before the config work and long before a rendezvous could hang
+    except ValueError as err:
+        setup_logging(0)  # RANK itself may be what is wrong; an error shows whatever the rank
+        log.error("%s", err)
+        return 2
     setup_logging(dist.rank_from_env())
     try:
         cfg = load_config(config_path, overrides, dist.world_size_from_env())
@@ -375,11 +401,15 @@ def main(config_path: str | None, overrides: list[str]) -> int:
         check_host_memory(cfg, dist.world_size_from_env())
         check_device_memory(cfg, dist.world_size_from_env())
     except ConfigError as err:
-        log.error("configuration error: %s", err)
+        _say_once(f"configuration error: {err}")
         return 2
     if cfg.train.retain_freed_memory:
         retain_freed_memory()  # steps reuse their buffers instead of page-faulting fresh mappings
-    info = dist.init_distributed(cfg.parallel.engine)
+    try:
+        info = dist.init_distributed(cfg.parallel.engine)
+    except dist.RendezvousError as err:
+        log.error("%s", err)
+        return 1
     setup_logging(info.rank)
     lock: run_lock.RunLock | None = None
     try:
@@ -399,41 +429,45 @@ def main(config_path: str | None, overrides: list[str]) -> int:
         try:
             trainer = Trainer(cfg, info)
         except ConfigError as err:  # found while building the run (e.g. checkpoint.init_from does not fit)
-            log.error("configuration error: %s", err)
+            _say_once(f"configuration error: {err}")
             return 2
         except (*DATASET_ERRORS, fmt.IncompleteDatasetError, FileNotFoundError) as err:
-            log.error("data error (data.path=%s): %s", cfg.data.path, err)
+            _say_once(f"data error (data.path={cfg.data.path}): {err}")
             return 2
         return trainer.train()
     except ResumeRefusedError as err:  # found on resume, before any step
-        log.error("configuration error: %s", err)
+        _say_once(f"configuration error: {err}")
         return 2
     except (CheckpointCorruptError, UnsafeCheckpointError) as err:  # found on resume, before any tensor loads
-        log.error("checkpoint error: %s", err)
+        _say_once(f"checkpoint error: {err}")
         return 2
     except DataFingerprintError as err:  # found on resume, before any step
-        log.error("data error: %s", err)
+        _say_once(f"data error: {err}")
         return 2
     except DATASET_ERRORS as err:  # a shard damaged or changed since the start, found when it is first read
-        log.error(
-            "data error at step %d (data.path=%s): %s; nothing of this step was saved, the last checkpoint is intact",
-            trainer.step + 1,
-            cfg.data.path,
-            err,
+        _say_once(
+            f"data error at step {trainer.step + 1} (data.path={cfg.data.path}): {err}; nothing of this step was "
+            "saved, the last checkpoint is intact"
         )
         return 1
     except EvalError as err:  # one line, naming what the relaunch resumes from
-        log.error("%s", err)
+        _say_once(str(err))
         return 1
     except SaveFailedError as err:  # every rank holds the same line (the ranks agree on a failed save): logged once
         if info.is_main:
             log.error("%s", err)
         return 1
+    except UnsafeWriteError as err:  # a link planted in run_dir after the start check (one rank writes: its line)
+        log.error("%s; %s", err, _last_committed(cfg, info))
+        return 2
+    except dist.CollectiveError as err:  # a peer died or hangs: this rank's traceback, ending in where to resume
+        err.add_note(_last_committed(cfg, info))
+        raise
     except KeyboardInterrupt:
-        log.error(
+        _say_once(
             "stopped at once by Ctrl-C (a second one, or one before training began): nothing saved since the "
-            "last committed checkpoint in %s (an interrupted save is removed at the next start)",
-            Path(cfg.run_dir) / "checkpoints",
+            f"last committed checkpoint in {Path(cfg.run_dir) / 'checkpoints'} (an interrupted save is removed at "
+            "the next start)"
         )
         return EXIT_INTERRUPTED
     finally:

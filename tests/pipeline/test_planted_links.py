@@ -108,3 +108,21 @@ def test_eval_refuses_a_link_at_every_name_it_wrote_before_any_work(trained, tmp
         assert len(err) == 1 and str(out / name) in err[0] and "symbolic link" in err[0], (name, err)
         assert victim.read_text() == VICTIM_TEXT
         assert sorted(p.name for p in out.iterdir()) == [name]  # nothing else written: refused before the work
+
+
+def test_a_link_planted_after_the_start_check_is_still_one_line(
+    trained, tiny_data, overrides, tmp_path, caplog, monkeypatch
+):
+    """A name planted between the start check and its first write (simulated by skipping the check) is refused by
+    the writer itself: one line naming it and where a relaunch resumes, exit 2, nothing written through."""
+    import pipeline.train.trainer as trainer
+
+    monkeypatch.setattr(trainer, "check_run_files", lambda run_dir: None)
+    victim = _victim(tmp_path)
+    run = tmp_path / "run"
+    _plant(run / "metrics.jsonl", victim, "symlink")
+    caplog.clear()
+    assert train_main(None, overrides(run, tiny_data, **{"train.max_steps": 3, "checkpoint.every": 0})) == 2
+    errors = _errors(caplog)
+    assert len(errors) == 1 and str(run / "metrics.jsonl") in errors[0] and "relaunch" in errors[0], errors
+    assert victim.read_text() == VICTIM_TEXT
