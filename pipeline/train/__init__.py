@@ -1,4 +1,5 @@
-"""Training: the typed config (``config``), process groups (``dist``), engines (``parallel``: DeepSpeed ZeRO,
+"""Training: the typed config (``config``), the launcher's variables (``launch_env``), process groups and their time
+budgets (``dist``), the files kept at the top of ``run_dir`` (``run_files``), engines (``parallel``: DeepSpeed ZeRO,
 FSDP2, plain/DDP, context parallelism), optimizer and schedule (``optim``), checkpoints (``checkpoint``), what is
 checked before any work (``preflight``, ``inputs``), run metrics, MFU and the run log (``metrics``; the FLOPs per
 token are ``model.flops``), injected faults (``faults``), the loop (``trainer``) with everything around the step
