@@ -28,12 +28,14 @@ import os
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 __all__ = [
+    "FailedWrite",
     "UnsafeWriteError",
     "check_name",
     "check_names",
+    "failed_write",
     "open_append",
     "open_lock",
     "move",
@@ -55,6 +57,24 @@ _HINT = "this tool writes only files it creates itself; remove or move it, or ch
 
 class UnsafeWriteError(ValueError):
     """A file the tool is about to write is a link or not a regular file; the message names the path."""
+
+
+class FailedWrite(NamedTuple):
+    """What `replacing` knew when the write into its temporary file failed (the file itself is removed)."""
+
+    path: Path
+    """The name being written (not the temporary one)."""
+    bytes_written: int
+
+
+_FAILED_WRITE_ATTRIBUTE = "_safe_write_failure"
+
+
+def failed_write(err: BaseException) -> FailedWrite | None:
+    """The file `replacing` was writing when ``err`` came out of it, or None. A library's error often names no
+    file (safetensors, torch's zip writer), and the temporary file is gone, so this is how a report names it."""
+    found = getattr(err, _FAILED_WRITE_ATTRIBUTE, None)
+    return found if isinstance(found, FailedWrite) else None
 
 
 def _describe(path: Path, st: os.stat_result) -> str | None:
@@ -85,7 +105,7 @@ def check_name(path: str | os.PathLike[str]) -> None:
     path = Path(path)
     try:
         st = os.lstat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # nothing there (a folder on the way may not exist yet)
         return
     why = _describe(path, st)
     if why is not None:
@@ -172,9 +192,14 @@ def replacing(path: str | os.PathLike[str], fsync: bool = False) -> Iterator[Pat
         os.replace(tmp, path)
         if fsync:
             _fsync(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
+    except BaseException as err:
+        try:
+            written = os.lstat(tmp).st_size
             os.unlink(tmp)
+        except FileNotFoundError:
+            written = 0
+        with contextlib.suppress(AttributeError, TypeError):  # an exception type without a __dict__ keeps none
+            setattr(err, _FAILED_WRITE_ATTRIBUTE, FailedWrite(path, written))
         raise
 
 

@@ -274,3 +274,14 @@ def test_move_never_lands_on_a_link(elsewhere):
     with pytest.raises(UnsafeWriteError, match="hard link"):
         safe_write.move(file, out / "final.json")
     assert elsewhere.read_text() == "precious\n"
+
+
+def test_a_failed_write_names_its_file_and_how_far_it_got(tmp_path):
+    """A library's error that names no file (safetensors, torch's zip writer) still says which file it was and how
+    many bytes it had written: the temporary file is removed, so a report could not find them on disk."""
+    path = tmp_path / "state.pt"
+    with pytest.raises(RuntimeError) as info, safe_write.replacing(path) as tmp:
+        tmp.write_bytes(b"x" * 1234)
+        raise RuntimeError("unexpected pos 1234 vs 1000")
+    assert safe_write.failed_write(info.value) == safe_write.FailedWrite(path, 1234)
+    assert safe_write.failed_write(RuntimeError("elsewhere")) is None

@@ -19,6 +19,8 @@ import resource
 import shutil
 from pathlib import Path
 
+from data_prep.safe_write import FailedWrite, failed_write
+
 _RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 _NEARLY_FULL_BYTES = 1 << 20
 """Free space below this after a failed write counts as a full disk: a file system rarely fills to the last byte
@@ -55,11 +57,14 @@ def _latest_written(directory: Path) -> Path:
     return max(files, key=lambda p: p.stat().st_mtime_ns) if files else directory
 
 
-def _at_size_limit(directory: Path) -> tuple[Path, int] | None:
-    """A file of the save that has grown to this process's file-size limit, and the limit."""
+def _at_size_limit(directory: Path, failed: FailedWrite | None) -> tuple[Path, int] | None:
+    """A file of the save that has grown to this process's file-size limit (the one a failed write had reached,
+    whose temporary file is gone, or one still on disk), and the limit."""
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     if limit == resource.RLIM_INFINITY:
         return None
+    if failed is not None and failed.bytes_written >= limit:
+        return failed.path, limit
     full = [p for p in _files(directory) if p.stat().st_size >= limit]
     return (full[0], limit) if full else None
 
@@ -77,16 +82,17 @@ def describe(err: BaseException, directory: Path) -> str | None:
     """``"<cause> writing <file>; <what to do>"`` for a write into the save directory ``directory`` that failed
     with ``err``, or None when ``err`` is not a failed write."""
     code = _errno_of(err)
+    failed = failed_write(err)
     if code is not None:
         filename = getattr(err, "filename", None)
-        where = Path(filename) if filename else _latest_written(directory)
+        where = failed.path if failed else Path(filename) if filename else _latest_written(directory)
         advice = _ADVICE.get(code, "check the file system of the run directory")
         if code in (errno.ENOSPC, errno.EDQUOT):
             advice += f" ({_free_bytes(directory)} bytes free now)"
         return f"{os.strerror(code)} (errno {code}) writing {where}; {advice}"
     if not isinstance(err, RuntimeError):
         return None
-    at_limit = _at_size_limit(directory)
+    at_limit = _at_size_limit(directory, failed)
     if at_limit is not None:
         path, limit = at_limit
         return (
@@ -95,7 +101,8 @@ def describe(err: BaseException, directory: Path) -> str | None:
         )
     if _free_bytes(directory) < _NEARLY_FULL_BYTES:
         return (
-            f"the file system is full ({_free_bytes(directory)} bytes free) writing {_latest_written(directory)} "
+            f"the file system is full ({_free_bytes(directory)} bytes free) writing "
+            f"{failed.path if failed else _latest_written(directory)} "
             f"({_first_line(err)}); {_ADVICE[errno.ENOSPC]}"
         )
     return None

@@ -97,7 +97,7 @@ def _disk_full_in_the_export(monkeypatch) -> str:
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
     monkeypatch.setattr(safetensors.torch, "save_model", save_model)
-    return r"No space left on device \(errno 28\) writing \S+/step_00000008\.tmp/export/model\.safetensors\.tmp"
+    return r"No space left on device \(errno 28\) writing \S+/step_00000008\.tmp/export/model\.safetensors;"
 
 
 def _permission_denied_on_the_engine_state(monkeypatch) -> str:
