@@ -1,0 +1,234 @@
+"""Reading back a JSON file the tools wrote, without trusting it: the one validator for every such file.
+
+Trainer state, checkpoint integrity manifests, dataset and dense-checkpoint indexes and export configs are all
+files that someone may have edited and resealed (recomputed the hash that guards them). A plain
+``json.loads(path.read_text())`` followed by ``obj["step"]`` then fails deep inside the code that uses the value:
+a ``RecursionError`` for nesting 200,000 deep, an ``OverflowError`` for a count of ``1e30``, a ``TypeError`` for a
+``null`` where an object belongs, or worse, it works with a value out of range. So every reader:
+
+- reads the file with `read_json` (or parses bytes it already has with `parse_json`): a regular file only (a FIFO
+  would block, ``/dev/zero`` never ends), at most ``max_bytes``, nesting at most ``max_depth`` deep (checked
+  before the parse, so nothing recurses), no ``NaN``/``Infinity`` (not JSON);
+- takes each value through `Fields`, which checks its type and range and names the file and the field when it
+  does not fit.
+
+Every problem is a `JsonFileError` (a ``ValueError``) whose message is one line naming the file and, where there
+is one, the field. This lives in ``data_prep`` because prep reads indexes with it and may not import the
+pipeline; ``model`` uses it for export configs and dense-checkpoint indexes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, NoReturn
+
+__all__ = [
+    "DEFAULT_MAX_BYTES",
+    "DEFAULT_MAX_DEPTH",
+    "Fields",
+    "JsonFileError",
+    "parse_json",
+    "read_json",
+    "summarize",
+]
+
+DEFAULT_MAX_BYTES = 256 * 1024 * 1024
+"""Larger than any index the tools write (an index of 100,000 shards is ~40 MB), small enough to refuse a file that
+would fill memory."""
+DEFAULT_MAX_DEPTH = 32
+"""The tools' own files nest at most ~5 deep; anything deeper was not written by them."""
+_SHOWN_CHARS = 60
+_STRING = re.compile(rb'"(?:[^"\\]+|\\.)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+class JsonFileError(ValueError):
+    """A JSON file the tools read back is unreadable or does not have the shape they wrote; one line, naming it."""
+
+
+def _max_depth(raw: bytes) -> int:
+    """The deepest bracket nesting of ``raw`` (brackets inside strings do not count), without recursion."""
+    brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    depth = deepest = 0
+    for opened, run in _runs(brackets):
+        depth += run if opened else -run
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def _runs(brackets: bytes) -> Iterable[tuple[bool, int]]:
+    """Runs of opening or closing brackets, so a file with millions of brackets is walked in runs, not bytes."""
+    for match in re.finditer(rb"[\[{]+|[\]}]+", brackets):
+        yield match.group()[0] in b"[{", len(match.group())
+
+
+def _no_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if abs(value) == float("inf"):
+        raise ValueError(f"{text} is out of range for a number")
+    return value
+
+
+def parse_json(raw: bytes | str, where: str, *, max_depth: int = DEFAULT_MAX_DEPTH) -> Any:
+    """The JSON value in ``raw`` (the bytes of ``where``), its nesting checked before the parse.
+
+    Raises:
+        JsonFileError: not UTF-8 JSON, nested deeper than ``max_depth``, or using ``NaN``/``Infinity``.
+    """
+    data = raw.encode("utf-8", "surrogateescape") if isinstance(raw, str) else raw
+    depth = _max_depth(data)
+    if depth > max_depth:
+        raise JsonFileError(f"{where}: JSON nested {depth} deep (at most {max_depth} is read)")
+    try:
+        return json.loads(data.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite)
+    except (ValueError, RecursionError) as err:
+        reason = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+        raise JsonFileError(f"{where}: not valid JSON ({reason})") from None
+
+
+def read_json(path: str | Path, *, max_bytes: int = DEFAULT_MAX_BYTES, max_depth: int = DEFAULT_MAX_DEPTH) -> Any:
+    """The JSON value in the regular file ``path``, read with the checks of `parse_json`.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist (callers often have their own answer for that).
+        JsonFileError: not a regular file, larger than ``max_bytes``, or not JSON the tools would write.
+    """
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except PermissionError as err:
+        raise JsonFileError(f"{path}: cannot be read ({err.strerror})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a FIFO or device?)"
+        raise JsonFileError(f"{path}: {kind}, not a JSON file")
+    with os.fdopen(fd, "rb") as f:
+        if st.st_size > max_bytes:
+            raise JsonFileError(f"{path}: {st.st_size:,} bytes, more than the {max_bytes:,} read for a JSON file")
+        raw = f.read(max_bytes + 1)
+    if len(raw) > max_bytes:
+        raise JsonFileError(f"{path}: grew past the {max_bytes:,} bytes read for a JSON file while it was read")
+    return parse_json(raw, str(path), max_depth=max_depth)
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 3] + "..."
+
+
+def _kind(value: Any) -> str:
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}
+    return names.get(type(value), "a number")
+
+
+def summarize(items: Iterable[Any], limit: int = 10) -> str:
+    """``a, b, c`` for a short list; the first ``limit`` and ``... and 19,990 more`` for a long one, so a message
+    about a hostile file stays one readable line."""
+    items = list(items)
+    shown = ", ".join(str(item) for item in items[:limit])
+    return shown if len(items) <= limit else f"{shown} ... and {len(items) - limit:,} more"
+
+
+_MISSING: Any = object()
+
+
+class Fields:
+    """The values of one JSON object, each taken with its type and range checked.
+
+    ``Fields(obj, "ckpt/trainer_state.json")`` refuses an ``obj`` that is not an object; ``fields.integer("step",
+    low=0)`` returns the value or raises `JsonFileError` naming the file, the field and what was found. A
+    ``default`` is returned when the key is absent (not when it is present with a wrong type).
+    """
+
+    def __init__(self, obj: Any, where: str, prefix: str = "") -> None:
+        self.where = where
+        self.prefix = prefix
+        if not isinstance(obj, dict):
+            self._fail(f"{prefix.rstrip('.') or 'the file'} is {_kind(obj)}, expected an object")
+        self.obj: dict[str, Any] = obj
+
+    def _fail(self, message: str) -> NoReturn:
+        raise JsonFileError(f"{self.where}: {message}")
+
+    def _get(self, key: str, default: Any) -> Any:
+        if key in self.obj:
+            return self.obj[key]
+        if default is _MISSING:
+            self._fail(f"field '{self.prefix}{key}' is missing")
+        return default
+
+    def _wrong(self, key: str, value: Any, expected: str) -> NoReturn:
+        self._fail(f"field '{self.prefix}{key}' is {_shown(value)}, expected {expected}")
+
+    def integer(self, key: str, *, low: int | None = None, high: int | None = None, default: Any = _MISSING) -> Any:
+        """An integer (not a boolean, not a float) in ``[low, high]``."""
+        value = self._get(key, default)
+        if value is default and key not in self.obj:
+            return value
+        in_range = isinstance(value, int) and not isinstance(value, bool)
+        in_range = in_range and (low is None or value >= low) and (high is None or value <= high)
+        if not in_range:
+            bounds = f" in [{'-inf' if low is None else low}, {'inf' if high is None else high}]"
+            self._wrong(key, value, "an integer" + (bounds if low is not None or high is not None else ""))
+        return value
+
+    def number(self, key: str, *, low: float | None = None, high: float | None = None, default: Any = _MISSING) -> Any:
+        """A finite number (an integer or a float, not a boolean) in ``[low, high]``."""
+        value = self._get(key, default)
+        if value is default and key not in self.obj:
+            return value
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and abs(value) < float("inf")
+        ok = ok and (low is None or value >= low) and (high is None or value <= high)
+        if not ok:
+            self._wrong(key, value, f"a number in [{low}, {high}]")
+        return value
+
+    def string(self, key: str, *, default: Any = _MISSING, choices: Iterable[str] | None = None) -> Any:
+        """A string; one of ``choices`` when given."""
+        value = self._get(key, default)
+        if value is default and key not in self.obj:
+            return value
+        allowed = None if choices is None else sorted(choices)
+        if not isinstance(value, str) or (allowed is not None and value not in allowed):
+            self._wrong(key, value, "a string" if allowed is None else f"one of {', '.join(allowed)}")
+        return value
+
+    def boolean(self, key: str, *, default: Any = _MISSING) -> Any:
+        value = self._get(key, default)
+        if value is default and key not in self.obj:
+            return value
+        if not isinstance(value, bool):
+            self._wrong(key, value, "true or false")
+        return value
+
+    def mapping(self, key: str, *, default: Any = _MISSING) -> Any:
+        """A JSON object (returned as the dict)."""
+        value = self._get(key, default)
+        if value is default and key not in self.obj:
+            return value
+        if not isinstance(value, dict):
+            self._wrong(key, value, "an object")
+        return value
+
+    def sequence(self, key: str, *, default: Any = _MISSING) -> Any:
+        """A JSON list."""
+        value = self._get(key, default)
+        if value is default and key not in self.obj:
+            return value
+        if not isinstance(value, list):
+            self._wrong(key, value, "a list")
+        return value
+
+    def nested(self, key: str) -> Fields:
+        """The fields of the object under ``key``, with messages naming ``key.field``."""
+        return Fields(self.mapping(key), self.where, f"{self.prefix}{key}.")
