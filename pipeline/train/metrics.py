@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ import torch
 from data_prep.redaction import install_log_redaction, redact_tree
 from data_prep.safe_write import open_append, write_text
 from pipeline.train.run_files import METRICS_FILE, WANDB_ID_FILE
+from pipeline.train.save_failure import describe
 from pipeline.train.wandb_online import asked_online, online_problem
 
 log = logging.getLogger(__name__)
@@ -144,6 +146,11 @@ def memory_gb() -> float:
     return psutil.Process().memory_info().rss / 2**30
 
 
+class MetricsWriteError(Exception):
+    """``metrics.jsonl`` could not be written (a full disk, a quota, ...); the message is one line naming the file,
+    the cause and what to do (``save_failure.describe``'s words)."""
+
+
 class MetricsLogger:
     """Rank-0 sink for per-step metrics: ``<run_dir>/metrics.jsonl`` (always), console, wandb, progress bar.
 
@@ -165,7 +172,10 @@ class MetricsLogger:
     ) -> None:
         self.cfg, self.path = cfg, run_dir / METRICS_FILE
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.file = open_append(self.path)
+        try:
+            self.file = open_append(self.path)
+        except OSError as err:
+            raise self._failed(err) from None
         self._write({"event": "start", "start_step": start_step, **header})
         self.wandb: Any = None
         if cfg.logging.wandb:
@@ -209,8 +219,18 @@ class MetricsLogger:
         )
 
     def _write(self, record: dict[str, Any]) -> None:
-        self.file.write(json.dumps(redact_tree(record)) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(redact_tree(record)) + "\n")
+            self.file.flush()
+        except OSError as err:
+            with contextlib.suppress(OSError):  # closing flushes the line that did not fit again, to fail again
+                self.file.close()
+            raise self._failed(err) from None
+
+    def _failed(self, err: OSError) -> MetricsWriteError:
+        """The one-line report of ``err``, met writing ``metrics.jsonl`` (an error of a write names no file)."""
+        named = OSError(err.errno, err.strerror, str(self.path))
+        return MetricsWriteError(describe(named, self.path.parent) or f"cannot write {self.path}: {err}")
 
     def step(self, step: int, metrics: dict[str, Any], console: bool) -> None:
         self._write({"step": step, **metrics})

@@ -71,7 +71,7 @@ from pipeline.train.inputs import (
     resolve_document_eos,
 )
 from pipeline.train.memory_estimate import check_device_memory, check_host_memory
-from pipeline.train.metrics import memory_gb, peak_flops, setup_logging
+from pipeline.train.metrics import MetricsWriteError, memory_gb, peak_flops, setup_logging
 from pipeline.train.optim import freeze_for_stage, lr_at, set_lr
 from pipeline.train.parallel import build_engine
 from pipeline.train.preflight import version_mismatches
@@ -456,6 +456,9 @@ def main(config_path: str | None, overrides: list[str]) -> int:
     except SaveFailedError as err:  # every rank holds the same line (the ranks agree on a failed save): logged once
         if info.is_main:
             log.error("%s", err)
+        return 1
+    except MetricsWriteError as err:  # a full disk met by the one rank that writes metrics: its line, no traceback
+        log.error("%s; %s", err, _last_committed(cfg, info))
         return 1
     except UnsafeWriteError as err:  # a link planted in run_dir after the start check (one rank writes: its line)
         log.error("%s; %s", err, _last_committed(cfg, info))
