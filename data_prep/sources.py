@@ -46,6 +46,9 @@ _FORMATS_BY_SUFFIX = {
 _EXPECTED_REASONS = ("empty", "too_short")  # normal in any corpus: counted, not warned about, fine under strict
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 """JSON's ``\\uXXXX`` escapes can name half of a surrogate pair alone: valid JSON, but text UTF-8 cannot encode."""
+_TEXT_ENCODING = "utf-8-sig"
+"""UTF-8 without a leading byte-order mark: editors on Windows start files with one, and it is no text (in a .jsonl
+line it is not JSON, in a .txt it would become tokens of U+FEFF)."""
 _WARNINGS_PER_REASON = 20  # beyond this, a reason's warnings are only counted, so a bad file cannot flood the log
 
 
@@ -159,7 +162,7 @@ class FileSource(Source):
         with _open_binary(self.path) as f:
             data = f.read()
         try:
-            yield Document(self.name, data.decode("utf-8"))
+            yield Document(self.name, data.decode(_TEXT_ENCODING))
         except UnicodeDecodeError as exc:
             skips.skip("non_utf8", self.name, f"invalid byte at offset {exc.start}")
 
@@ -170,7 +173,7 @@ class FileSource(Source):
                 if not raw.strip():
                     continue  # blank lines (a trailing newline, say) are not records
                 try:
-                    line = raw.decode("utf-8")
+                    line = raw.decode(_TEXT_ENCODING)  # each line: files concatenated with `cat` keep their marks
                 except UnicodeDecodeError as exc:
                     skips.skip("non_utf8", where, f"invalid byte at column {exc.start}")
                     continue
