@@ -2,10 +2,12 @@
 
 Data prep, training, evaluation and the demo all load their settings through `load_schema`, so every tool reports a
 bad config the same way: one `ConfigError` line naming the file or override, the full key and the value. In order:
-the file is read (missing, not UTF-8, not YAML, not a mapping: named), each layer's keys are checked against the
-schema (an unknown key gets a near-miss suggestion and the known keys), the layers are merged onto the schema in
-order (a wrong type names the key and where the value came from), and the dataclass is built (a missing required
-value, or a rule of the schema's own ``__post_init__``, is an error too).
+the working directory is checked (a removed one is named), the file is read (a regular file or a pipe such as
+``<(...)``; missing, a directory or a device, too large, not UTF-8, not YAML, not a mapping: named), each layer's
+keys are checked against the schema (an unknown key gets a near-miss suggestion and the known keys; an override
+that is not UTF-8 is named), the layers are merged onto the schema in order (a wrong type names the key and where
+the value came from), and the dataclass is built (a missing required value, or a rule of the schema's own
+``__post_init__``, is an error too).
 
 Values may read the environment (``${oc.env:NAME}``); errors show the interpolation, never the value (see
 ``data_prep.redaction``), and the loader returns where each such interpolation sits so that whatever writes the
@@ -22,8 +24,11 @@ import difflib
 import functools
 import inspect
 import json
+import os
 import re
+import stat
 import textwrap
+import time
 import types
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -34,6 +39,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException, ValidationError
 
 from data_prep.redaction import raw_env_paths, redact, track_env_values
+from data_prep.safe_files import file_kind
 
 __all__ = ["INTERNAL", "ONE_OR_LIST", "ConfigError", "add_keys_argument", "describe_keys", "load_schema"]
 
@@ -44,6 +50,12 @@ INTERNAL = {"internal": True}
 
 ONE_OR_LIST = {"one_or_list": True}
 """Field metadata of a list field: a single value stands for a list of that one value (``input: corpus.txt``)."""
+
+MAX_CONFIG_BYTES = 16 * 1024 * 1024
+"""The tools' configs are a few KB; a larger one is not a config, and a pipe that never ends must not fill memory."""
+PIPE_WRITER_WAIT_S = 2.0
+"""How long a config pipe may stay without a writer (see `_first_pipe_chunk`): a writer started alongside the
+command (``--config <(...)``, ``cat x > fifo &``) connects within milliseconds."""
 
 
 class ConfigError(ValueError):
@@ -91,6 +103,7 @@ def load_schema(
     Raises:
         ConfigError: the file, an override, a key or a value is wrong; the message names it.
     """
+    _check_working_directory()
     track_env_values()  # before anything resolves: every ${oc.env:...} value is then known to `redact`
     layers: list[tuple[str, DictConfig]] = []
     if path is not None:
@@ -124,16 +137,25 @@ def load_schema(
     return built, env_paths
 
 
+def _check_working_directory() -> None:
+    """Refuse to start in a working directory that was removed (the shell that started the command was inside it):
+    every relative path of the config would name nothing, and the first look at one would be a bare
+    ``FileNotFoundError`` naming no path."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        raise ConfigError(
+            "the working directory no longer exists (it was removed after the shell entered it); cd to a directory "
+            "that exists and run the command again"
+        ) from None
+
+
 def _read_yaml(path: Path, what: str) -> DictConfig:
     """The file as a mapping of keys; anything else is one line naming the file and what is wrong."""
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path} (expected a YAML file of {what} keys)")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = _read_config_bytes(path, what).decode("utf-8")
     except UnicodeDecodeError:
         raise ConfigError(f"config file {path}: not UTF-8 text; a config file is YAML") from None
-    except OSError as err:
-        raise ConfigError(f"config file {path}: cannot be read ({err.strerror or err})") from None
     try:
         top = yaml.safe_load(text)  # the top-level type, before omegaconf reinterprets a scalar
         if top is None:
@@ -153,8 +175,63 @@ def _read_yaml(path: Path, what: str) -> DictConfig:
     return loaded
 
 
+def _read_config_bytes(path: Path, what: str) -> bytes:
+    """The bytes of a config: a regular file, or a pipe (``--config <(sed ... base.yaml)`` passes ``/dev/fd/63``),
+    at most `MAX_CONFIG_BYTES`; a directory, a device or a socket is refused for what it is, before it is opened
+    (reading ``/dev/zero`` would never end)."""
+    try:
+        kind = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        raise ConfigError(f"config file not found: {path} (expected a YAML file of {what} keys)") from None
+    except OSError as err:
+        raise ConfigError(f"config file {path}: cannot be read ({err.strerror or err})") from None
+    if not (stat.S_ISREG(kind) or stat.S_ISFIFO(kind)):
+        raise ConfigError(f"config file {path}: {file_kind(kind)}, not a YAML file of {what} keys")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO's open waits for no writer
+    except OSError as err:
+        raise ConfigError(f"config file {path}: cannot be read ({err.strerror or err})") from None
+    try:
+        chunks = [_first_pipe_chunk(fd, path)] if stat.S_ISFIFO(kind) else []
+        os.set_blocking(fd, True)  # then read what the writer writes, as long as it takes, as `cat` would
+        size = sum(map(len, chunks))
+        while size <= MAX_CONFIG_BYTES and (chunk := os.read(fd, MAX_CONFIG_BYTES + 1 - size)):
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as err:
+        raise ConfigError(f"config file {path}: cannot be read ({err.strerror or err})") from None
+    finally:
+        os.close(fd)
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {path}: more than {MAX_CONFIG_BYTES:,} bytes; a config file is a few keys")
+    return b"".join(chunks)
+
+
+def _first_pipe_chunk(fd: int, path: Path) -> bytes:
+    """The first bytes of a pipe opened without blocking, or b"" once a writer is there with nothing written yet.
+
+    A read without a writer ends at once with nothing: a named FIFO no program writes to (whose blocking open would
+    wait forever), a writer not yet started, or a pipe whose writer wrote nothing. Each is given
+    `PIPE_WRITER_WAIT_S` to change before the pipe is refused."""
+    deadline = time.monotonic() + PIPE_WRITER_WAIT_S
+    while True:
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except BlockingIOError:  # a writer holds the pipe: what it writes is read blocking
+            return b""
+        if chunk:
+            return chunk
+        if time.monotonic() >= deadline:
+            raise ConfigError(
+                f"config file {path}: a pipe that nothing was written to within {PIPE_WRITER_WAIT_S:g} s (a FIFO no "
+                "program writes to, or a command that printed nothing); a config file is YAML"
+            )
+        time.sleep(0.05)
+
+
 def _parse_override(item: str, schema: type) -> DictConfig:
     """One ``key=value`` as a config tree; the key is checked before the value is parsed."""
+    _check_utf8(item)
     key, sep, _ = item.partition("=")
     if not sep or not key:
         raise ConfigError(f"override {item!r} is not of the form key=value")
@@ -165,6 +242,22 @@ def _parse_override(item: str, schema: type) -> DictConfig:
         raise ConfigError(f"override {item!r}: not a valid value ({_yaml_problem(err)}); {quote_hint(key)}") from None
     except OmegaConfBaseException as err:
         raise ConfigError(f"override {item!r}: {_first_line(err)}") from None
+
+
+def _check_utf8(item: str) -> None:
+    """Refuse an override holding bytes that are not UTF-8 (Python hands them over as lone surrogates): a config
+    value is text, and every file that records it (the written config, the manifest, the logs) is UTF-8. The
+    message names the key only, like any other override error."""
+    try:
+        item.encode("utf-8")
+    except UnicodeEncodeError as err:
+        bad = ord(item[err.start])
+        what = f"byte 0x{bad - 0xDC00:02x}" if 0xDC80 <= bad <= 0xDCFF else f"U+{bad:04X}"  # os.fsdecode's escape
+        key = item.partition("=")[0].encode("utf-8", "backslashreplace").decode("ascii")
+        raise ConfigError(
+            f"override '{key}=...': {what} at position {err.start} is not UTF-8 text; config values are UTF-8 (rename "
+            "a path whose name is not)"
+        ) from None
 
 
 def _yaml_problem(err: yaml.YAMLError) -> str:
