@@ -19,6 +19,7 @@ import logging
 import sys
 
 from data_prep.config import PrepConfig, load_config
+from data_prep.entry import run
 from data_prep.errors import PrepError
 from data_prep.format import IncompleteDatasetError
 from data_prep.merge import merge_slices, prepare_tokenizer, slice_overrides
@@ -87,4 +88,4 @@ def slices_main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -4,9 +4,8 @@
 The command line is ``pipeline.cli.bench_cp``'s (also runnable as ``python -m pipeline.cli.bench_cp``).
 """
 
-import sys
-
+from data_prep.entry import run
 from pipeline.cli.bench_cp import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -3,9 +3,8 @@
 The command line is ``pipeline.cli.bench_eval``'s (also runnable as ``python -m pipeline.cli.bench_eval``).
 """
 
-import sys
-
+from data_prep.entry import run
 from pipeline.cli.bench_eval import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -4,9 +4,8 @@
 The command line is ``pipeline.cli.bench_gpu``'s (also runnable as ``python -m pipeline.cli.bench_gpu``).
 """
 
-import sys
-
+from data_prep.entry import run
 from pipeline.cli.bench_gpu import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

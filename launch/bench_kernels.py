@@ -6,9 +6,8 @@ The command line is ``pipeline.bench.kernels``'s (also runnable as ``python -m p
 every kernel, ``--count-work`` (under ``TRITON_INTERPRET=1``) counts each launch's products and bytes.
 """
 
-import sys
-
+from data_prep.entry import run
 from pipeline.bench.kernels import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

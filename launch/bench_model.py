@@ -4,9 +4,8 @@
 The command line is ``pipeline.bench.model``'s (also runnable as ``python -m pipeline.bench.model``).
 """
 
-import sys
-
+from data_prep.entry import run
 from pipeline.bench.model import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -4,9 +4,8 @@
 The command line is ``pipeline.bench.prep``'s (also runnable as ``python -m pipeline.bench.prep``).
 """
 
-import sys
-
+from data_prep.entry import run
 from pipeline.bench.prep import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

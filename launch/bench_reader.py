@@ -4,9 +4,8 @@
 The command line is ``pipeline.bench.reader``'s (also runnable as ``python -m pipeline.bench.reader``).
 """
 
-import sys
-
+from data_prep.entry import run
 from pipeline.bench.reader import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

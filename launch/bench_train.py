@@ -4,9 +4,8 @@ fp32 vs bf16 under DeepSpeed (``make bench-train``): ``python launch/bench_train
 The command line is ``pipeline.cli.bench_train``'s (also runnable as ``python -m pipeline.cli.bench_train``).
 """
 
-import sys
-
+from data_prep.entry import run
 from pipeline.cli.bench_train import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

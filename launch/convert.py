@@ -4,9 +4,8 @@
 The command line is ``pipeline.cli.convert``'s (also runnable as ``python -m pipeline.cli.convert``); docs/cpt.md.
 """
 
-import sys
-
+from data_prep.entry import run
 from pipeline.cli.convert import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

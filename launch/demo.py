@@ -4,9 +4,8 @@ table: ``python launch/demo.py [--config configs/demo/demo.yaml] [key=value ...]
 The command line is ``pipeline.cli.demo``'s (also runnable as ``python -m pipeline.cli.demo``).
 """
 
-import sys
-
+from data_prep.entry import run
 from pipeline.cli.demo import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -4,9 +4,8 @@ with the dense model: ``python launch/demo_cpt.py [--config configs/demo_cpt/dem
 The command line is ``pipeline.cli.demo_cpt``'s (also runnable as ``python -m pipeline.cli.demo_cpt``).
 """
 
-import sys
-
+from data_prep.entry import run
 from pipeline.cli.demo_cpt import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

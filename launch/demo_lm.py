@@ -4,9 +4,8 @@ the same held-out tokens: ``python launch/demo_lm.py [--config configs/demo_lm/d
 The command line is ``pipeline.cli.demo_lm``'s (also runnable as ``python -m pipeline.cli.demo_lm``).
 """
 
-import sys
-
+from data_prep.entry import run
 from pipeline.cli.demo_lm import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -10,7 +10,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from data_prep.entry import run  # noqa: E402  (needs the repository root on sys.path)
 from pipeline.cli.demo_lm_gpu import main  # noqa: E402  (needs the repository root on sys.path)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -4,9 +4,8 @@
 The command line is ``pipeline.cli.eval``'s (also runnable as ``python -m pipeline.cli.eval``).
 """
 
-import sys
-
+from data_prep.entry import run
 from pipeline.cli.eval import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -5,9 +5,8 @@ The export loads with ``model.load_pretrained`` and, offline, with ``transformer
 ``python -m pipeline.cli.export``).
 """
 
-import sys
-
+from data_prep.entry import run
 from pipeline.cli.export import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

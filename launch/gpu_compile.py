@@ -5,9 +5,8 @@ The command line is ``pipeline.gpucheck.kernel_compile``'s (also runnable as
 ``python -m pipeline.gpucheck.kernel_compile``).
 """
 
-import sys
-
+from data_prep.entry import run
 from pipeline.gpucheck.kernel_compile import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

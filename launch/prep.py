@@ -3,9 +3,8 @@
 The command line is ``data_prep.cli``'s (also runnable as ``python -m data_prep.cli``).
 """
 
-import sys
-
 from data_prep.cli import main
+from data_prep.entry import run
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -3,9 +3,8 @@
 The command line is ``pipeline.cli.train``'s (also runnable as ``python -m pipeline.cli.train``).
 """
 
-import sys
-
+from data_prep.entry import run
 from pipeline.cli.train import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

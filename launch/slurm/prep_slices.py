@@ -7,9 +7,8 @@
 The command line is ``data_prep.cli.slices_main``'s.
 """
 
-import sys
-
 from data_prep.cli import slices_main
+from data_prep.entry import run
 
 if __name__ == "__main__":
-    sys.exit(slices_main())
+    run(slices_main)

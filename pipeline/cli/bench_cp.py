@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 
+from data_prep.entry import run
 from pipeline.bench.cp import cp_table, run_rank
 
 
@@ -32,4 +33,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

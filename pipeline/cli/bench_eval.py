@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 from pathlib import Path
 
+from data_prep.entry import run
 from data_prep.safe_write import write_text
 from pipeline.bench.eval import run_bench, run_per_token
 
@@ -52,4 +52,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

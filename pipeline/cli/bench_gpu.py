@@ -13,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+from data_prep.entry import run
 from data_prep.safe_write import write_text
 from data_prep.schema import ConfigError
 from pipeline.bench.train_gpu import ARCHS, ENGINES, check_overrides, loss_agreement, measure, run_all
@@ -70,4 +71,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 
+from data_prep.entry import run
 from pipeline.bench.train import op_count_table, step_time_table, time_step, zero2_comparison
 
 
@@ -38,4 +39,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from data_prep.dataset_tokenizer import folder_tokenizer
+from data_prep.entry import run
 from data_prep.safe_write import UnsafeWriteError
 from model.config import ConfigError, GCAConfig
 from model.convert import DENSE_KEYS, ConversionError, convert_dense
@@ -60,4 +61,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

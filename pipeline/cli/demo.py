@@ -11,6 +11,7 @@ import argparse
 import logging
 import sys
 
+from data_prep.entry import run
 from data_prep.redaction import install_log_redaction
 from data_prep.safe_write import UnsafeWriteError
 from data_prep.schema import ConfigError
@@ -37,4 +38,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -19,6 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from data_prep.entry import run
 from pipeline.demos.books import BooksError, choose_holdout, scan
 from pipeline.gpucheck.cli import ROOT, install_wheels, missing_packages
 
@@ -109,4 +110,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -2,7 +2,8 @@
 --out <dir> [--config <yaml>] [key=value ...]`` writes ``<dir>/<task>.json`` and ``<dir>/<task>.png`` (ruler also
 ``<dir>/ruler.md``).
 Keys: ``pipeline/evaluation/config.py``. Exit status: 0 done, 1 the result could not be written where asked,
-2 bad input (found before any evaluation ran)."""
+2 bad input (found before any evaluation ran), 130 interrupted (Ctrl-C; passkey and ruler keep their finished
+samples in ``--out`` and the same command continues from them)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import json
 import logging
 import sys
 
+from data_prep.entry import run
 from data_prep.redaction import install_log_redaction, redact
 from data_prep.schema import add_keys_argument
 from pipeline.evaluation.config import TASKS, EvalConfig
-from pipeline.evaluation.run import EvalOutputError, run_eval
+from pipeline.evaluation.run import EvalInterrupted, EvalOutputError, run_eval
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:  # bad input, found before any evaluation ran
         print(f"error: {redact(str(err))}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as err:  # one line, like the trainer's: what was kept and how to go on
+        kept = f"{err}; " if isinstance(err, EvalInterrupted) else ""
+        print(f"interrupted: {kept}rerun the same command to continue", file=sys.stderr)
+        return 130
     except EvalOutputError as err:  # the eval finished; its result is somewhere else
         print(f"error: {err}", file=sys.stderr)
         if err.saved_to is None:
@@ -46,4 +52,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

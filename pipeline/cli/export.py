@@ -12,6 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from data_prep.entry import run
 from data_prep.redaction import redact
 from model.io import CONFIG_NAME, ExportError
 from pipeline.train.checkpoint import COMMIT_MARKER, CheckpointError
@@ -34,4 +35,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

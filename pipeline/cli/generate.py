@@ -8,6 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from data_prep.entry import run
 from data_prep.redaction import redact
 from pipeline.evaluation.generate import Sampling, check_sampling, generate
 from pipeline.evaluation.runtime import StreamBudget, check_device, load_checkpoint
@@ -81,4 +82,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -9,8 +9,8 @@ error.
 from __future__ import annotations
 
 import argparse
-import sys
 
+from data_prep.entry import run
 from pipeline.train.preflight import main as preflight
 
 
@@ -34,4 +34,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

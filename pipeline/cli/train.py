@@ -7,8 +7,8 @@ The same front-end serves ``launch/pretrain.py`` under ``python``, ``torchrun`` 
 from __future__ import annotations
 
 import argparse
-import sys
 
+from data_prep.entry import run
 from data_prep.schema import add_keys_argument
 from pipeline.train.config import TrainConfig
 from pipeline.train.trainer import main as train
@@ -28,4 +28,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)
