@@ -150,6 +150,11 @@ class SampleLog:
         self._append(record)
         self.done[self._key(record)] = record
 
+    def kept(self) -> int:
+        """How many finished samples the file holds now, which a rerun skips: its complete lines but the header (an
+        interrupt may have come between writing a sample's line and adding it to ``done``)."""
+        return max(self.path.read_bytes().count(b"\n") - 1, 0)
+
     def _append(self, record: dict) -> None:
         """One line, written and synced before the next sample starts: a kill loses at most the running sample."""
         with open_append(self.path, binary=True) as f:

@@ -40,7 +40,7 @@ from pipeline.evaluation.passkey import evaluate_passkey
 from pipeline.evaluation.plots import plot_passkey, plot_ppl, plot_ruler
 from pipeline.evaluation.ppl import context_ppl, document_ppl, too_short
 from pipeline.evaluation.resume import SAMPLES_FILE, SETTING_KEYS, SampleLog, sample_settings
-from pipeline.evaluation.runtime import load_checkpoint
+from pipeline.evaluation.runtime import Checkpoint, load_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,11 @@ class EvalOutputError(RuntimeError):
         self.result, self.saved_to = result, saved_to
 
 
+class EvalInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped the evaluation; the message says what was kept for the rerun (the finished samples and their
+    file, or that the task keeps none)."""
+
+
 def run_eval(checkpoint: str, task: str, out: str | Path, overrides: list[str], config: str | None = None) -> dict:
     """Evaluate ``checkpoint`` on ``task``; returns the JSON written to ``<out>/<task>.json``.
 
@@ -87,6 +92,7 @@ def run_eval(checkpoint: str, task: str, out: str | Path, overrides: list[str], 
         ConfigError: a bad key, value, config file or output location.
         FileNotFoundError / ValueError: the export is missing or malformed (named).
         EvalOutputError: the result could not be written to ``out`` (it was saved elsewhere, named).
+        EvalInterrupted: Ctrl-C while the task ran.
     """
     flush_denormals()  # before torch starts its thread pool (see kernels/cpu_math.py)
     if task not in TASKS:
@@ -153,6 +159,37 @@ def _evaluate(checkpoint: str, task: str, cfg: EvalConfig, out: Path) -> dict:
         finished = SampleLog(out / ruler.SAMPLES_FILE, settings, cfg.restart, key=ruler.sample_key)
     progress = _Progress(task) if cfg.progress else None
     t0 = time.perf_counter()
+    try:
+        rows = _run_task(task, cfg, ckpt, sources, progress, finished)
+    except KeyboardInterrupt:
+        if finished is None:
+            raise EvalInterrupted(f"--task {task} keeps no partial results (a rerun starts over)") from None
+        raise EvalInterrupted(f"{finished.kept()} finished samples are kept in {finished.path}") from None
+    finally:
+        if progress:
+            progress.close()  # a line said after it starts on a line of its own
+    return {
+        "task": task,
+        "checkpoint": str(checkpoint),
+        "train_seq_len": ckpt.train_seq_len,
+        "results": rows,
+        "config": asdict(cfg),
+        "seconds": round(time.perf_counter() - t0, 3),
+        # ru_maxrss is KiB on Linux: the whole process's peak, model and Python included.
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }
+
+
+def _run_task(
+    task: str,
+    cfg: EvalConfig,
+    ckpt: Checkpoint,
+    sources: dict[str, TokenSource],
+    progress: _Progress | None,
+    finished: SampleLog | None,
+) -> list[dict]:
+    """The result rows of ``task``, each finished sample of passkey and ruler added to ``finished``."""
+    source = sources["data"]
     if task == "ppl":
         documents = ppl_documents(source, cfg)
         run = (ckpt.model, documents)
@@ -181,18 +218,7 @@ def _evaluate(checkpoint: str, task: str, cfg: EvalConfig, out: Path) -> dict:
             progress=progress,
             finished=finished,
         )
-    if progress:
-        progress.close()
-    return {
-        "task": task,
-        "checkpoint": str(checkpoint),
-        "train_seq_len": ckpt.train_seq_len,
-        "results": rows,
-        "config": asdict(cfg),
-        "seconds": round(time.perf_counter() - t0, 3),
-        # ru_maxrss is KiB on Linux: the whole process's peak, model and Python included.
-        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-    }
+    return rows
 
 
 def ppl_documents(source: TokenSource, cfg: EvalConfig) -> list[np.ndarray]:
