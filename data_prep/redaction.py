@@ -89,6 +89,15 @@ def _reveal_env() -> bool:
     return os.environ.get(REVEAL_ENV, "") == "1"
 
 
+def reveal_env_problem() -> str | None:
+    """What is wrong with the value of `REVEAL_ENV`, if anything: only 1 shows, so a "yes" or "true" would go on
+    hiding without a word. Checked with every config (``data_prep.schema.load_schema``), before any work."""
+    value = os.environ.get(REVEAL_ENV, "")
+    if value in ("", "0", "1"):
+        return None
+    return f"{REVEAL_ENV}={value!r} must be 1 (show values taken from the environment) or 0 (hide them, as when unset)"
+
+
 def _bounded(value: str) -> str:
     """A pattern for ``value``; a short one must not match inside a longer word ("test" in "pytest"), a long one
     (``_MIN_SECRET_LEN`` and up) matches anywhere, also joined to other text (``${oc.env:DIR}x``)."""

@@ -2,12 +2,12 @@
 
 Data prep, training, evaluation and the demo all load their settings through `load_schema`, so every tool reports a
 bad config the same way: one `ConfigError` line naming the file or override, the full key and the value. In order:
-the working directory is checked (a removed one is named), the file is read (a regular file or a pipe such as
-``<(...)``; missing, a directory or a device, too large, not UTF-8, not YAML, not a mapping: named), each layer's
-keys are checked against the schema (an unknown key gets a near-miss suggestion and the known keys; an override
-that is not UTF-8 is named), the layers are merged onto the schema in order (a wrong type names the key and where
-the value came from), and the dataclass is built (a missing required value, or a rule of the schema's own
-``__post_init__``, is an error too).
+the working directory and ``GCA_SHOW_ENV_VALUES`` are checked (a removed directory, a value other than 0 or 1:
+named), the file is read (a regular file or a pipe such as ``<(...)``; missing, a directory or a device, too large,
+not UTF-8, not YAML, not a mapping: named), each layer's keys are checked against the schema (an unknown key gets a
+near-miss suggestion and the known keys; an override that is not UTF-8 is named), the layers are merged onto the
+schema in order (a wrong type names the key and where the value came from), and the dataclass is built (a missing
+required value, or a rule of the schema's own ``__post_init__``, is an error too).
 
 Values may read the environment (``${oc.env:NAME}``); errors show the interpolation, never the value (see
 ``data_prep.redaction``), and the loader returns where each such interpolation sits so that whatever writes the
@@ -38,7 +38,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException, ValidationError
 
-from data_prep.redaction import raw_env_paths, redact, track_env_values
+from data_prep.redaction import raw_env_paths, redact, reveal_env_problem, track_env_values
 from data_prep.safe_files import file_kind
 
 __all__ = ["INTERNAL", "ONE_OR_LIST", "ConfigError", "add_keys_argument", "describe_keys", "load_schema"]
@@ -104,6 +104,8 @@ def load_schema(
         ConfigError: the file, an override, a key or a value is wrong; the message names it.
     """
     _check_working_directory()
+    if (problem := reveal_env_problem()) is not None:
+        raise ConfigError(problem)
     track_env_values()  # before anything resolves: every ${oc.env:...} value is then known to `redact`
     layers: list[tuple[str, DictConfig]] = []
     if path is not None:

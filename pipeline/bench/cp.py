@@ -37,6 +37,7 @@ from model.context_parallel import cp_chunk_bounds, cp_loss
 from model.gca import GCAForCausalLM
 from model.lm import lm_loss
 from pipeline.bench.model import BENCH_CONFIG
+from pipeline.train.dist import local_rank_from_env
 
 ROOT = Path(__file__).resolve().parents[2]
 RANK_MODULE = "pipeline.cli.bench_cp"
@@ -84,7 +85,7 @@ def run_rank(length: int, cp: int, repeats: int) -> dict:
     """One rank's measurement (``cp > 1``: inside the gloo group set up by the environment variables)."""
     flush_denormals()  # as the trainer does
     retain_freed_memory()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else None
+    device = torch.device("cuda", local_rank_from_env()) if torch.cuda.is_available() else None
     device = device or torch.device("cpu")
     if cp > 1:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=RANK_TIMEOUT_S))

@@ -20,7 +20,6 @@ from __future__ import annotations
 import faulthandler
 import hashlib
 import logging
-import math
 import os
 import random
 import socket
@@ -39,18 +38,13 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from pipeline.train import launch_env
+from pipeline.train.launch_env import STARTUP_ENV, STEP_ENV, TIMEOUT_ENV
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-STARTUP_ENV = "PIPE_STARTUP_TIMEOUT_S"
-STEP_ENV = "PIPE_STEP_TIMEOUT_S"
-TIMEOUT_ENV = "PIPE_COLLECTIVE_TIMEOUT_S"
-"""The one budget before there were two: when set, the default of both (`startup_budget`, `step_budget`)."""
 DEFAULT_STARTUP_S = 600
 DEFAULT_STEP_S = 300
-MAX_BUDGET_S = 1e9
-"""About 30 years: any larger number of seconds overflows a ``timedelta``."""
 WAIT_LOG_EVERY_S = 30.0
 """How often a rank waiting in the rendezvous says so."""
 CENSUS_GRACE_S = 10.0
@@ -78,23 +72,9 @@ class Budget:
         return f"{self.seconds:g} s ({self.source})"
 
 
-def _seconds_from(name: str) -> float | None:
-    """``$name`` as a number of seconds, None when unset; anything but a positive number is one line naming it."""
-    raw = os.environ.get(name)
-    if raw is None:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not 0 < value <= MAX_BUDGET_S:
-        raise ValueError(f"{name}={raw!r} must be a positive number of seconds (at most {MAX_BUDGET_S:g})")
-    return value
-
-
 def _budget(name: str, default: float) -> Budget:
-    legacy = _seconds_from(TIMEOUT_ENV)  # checked even when both budgets are set: a typo never goes unnoticed
-    own = _seconds_from(name)
+    legacy = launch_env.number(os.environ, TIMEOUT_ENV)  # checked even when both budgets are set: no typo unseen
+    own = launch_env.number(os.environ, name)
     if own is not None:
         return Budget(own, name)
     if legacy is not None:
@@ -127,15 +107,13 @@ def collective_timeout_s() -> float:
 
 
 def check_launch() -> None:
-    """Refuse, before any work, launcher variables that contradict each other (`launch_env.check`) and timeout
-    budgets that are not positive numbers of seconds.
+    """Refuse, before any work, a malformed numeric variable (the timeout budgets and the launcher's among them) and
+    launcher variables that contradict each other (`launch_env.check`).
 
     Raises:
-        ValueError: one line naming the variable(s) and value(s) (``launch_env.LaunchEnvError`` for the launcher's).
+        launch_env.LaunchEnvError: one line naming the variable(s) and value(s).
     """
     launch_env.check(os.environ)
-    startup_budget()
-    step_budget()
 
 
 _in_force: Budget | None = None
@@ -184,7 +162,7 @@ def _job_store(timeout_s: float) -> dist.Store | None:
             store.set_timeout(timeout)
             return store
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+            host, port = os.environ["MASTER_ADDR"], launch_env.integer(os.environ, "MASTER_PORT", 0)
             restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
             agent = dist.TCPStore(host, port, is_master=False, timeout=timeout)
             return dist.PrefixStore(f"attempt_{restart}", agent)  # a restarted job must report again
@@ -375,16 +353,16 @@ class DistInfo:
 
 def world_size_from_env() -> int:
     """World size the launcher announced (1 for a plain ``python`` run); read before any process group exists."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return launch_env.integer(os.environ, "WORLD_SIZE", 1)
 
 
 def rank_from_env() -> int:
-    return int(os.environ.get("RANK", "0"))
+    return launch_env.integer(os.environ, "RANK", 0)
 
 
 def local_rank_from_env() -> int:
     """This process's index on its node, which is its CUDA device (read before any process group exists)."""
-    return int(os.environ.get("LOCAL_RANK", "0"))
+    return launch_env.integer(os.environ, "LOCAL_RANK", 0)
 
 
 def _free_port() -> int:
@@ -452,14 +430,14 @@ def init_distributed(engine: str, timeout_s: float | None = None) -> DistInfo:
     """
     budget = startup_budget() if timeout_s is None else Budget(timeout_s, "the caller's timeout")
     rank, world = rank_from_env(), world_size_from_env()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = local_rank_from_env()
     if "LOCAL_WORLD_SIZE" not in os.environ and "LOCAL_SIZE" in os.environ:
         # The deepspeed launcher says LOCAL_SIZE; streaming (one shard-cache leader per node) and the thread
         # count below read torchrun's LOCAL_WORLD_SIZE.
         os.environ["LOCAL_WORLD_SIZE"] = os.environ["LOCAL_SIZE"]
     if "OMP_NUM_THREADS" not in os.environ and not torch.cuda.is_available():
         # CPU ranks share the cores; more intra-op threads than cores makes every small op spin and wait.
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        local_world = launch_env.integer(os.environ, "LOCAL_WORLD_SIZE", 1)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)

@@ -1,4 +1,10 @@
-"""The launcher's variables, checked before any rendezvous (`check`): a contradiction is one line, not a silent wait.
+"""The environment's variables, checked before any work (`check`): a malformed value or a contradiction between the
+launcher's variables is one line naming them, not a traceback or a silent wait.
+
+Every variable the tools read is listed here: `NUMBERS` with how each must read (an integer in range, a finite
+positive number of seconds), `TEXTS` with what each is read for; tests/pipeline/test_env_values.py finds every read
+in the code and fails on one listed in neither. The numbers are read only through `number` and `integer`, so no
+value reaches ``int()`` or a ``timedelta`` unchecked.
 
 A rank learns its place from the variables its launcher sets. torchrun sets ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` and, per node, ``GROUP_RANK``/
@@ -8,31 +14,101 @@ A rank learns its place from the variables its launcher sets. torchrun sets ``RA
 per node with ``--nnodes`` = its node count = srun's task count, so torchrun's node count must equal srun's.
 
 A variable left over in a shell is the usual cause: ``WORLD_SIZE=2`` in a plain ``python`` run used to wait in the
-rendezvous for a rank that never comes, with no word, until it was killed. Only contradictions are refused; a run
-with none of these variables is one process, as before.
+rendezvous for a rank that never comes, with no word, until it was killed. Only malformed values and contradictions
+are refused; a run with none of these variables is one process, as before.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
+from dataclasses import dataclass
+
+from data_prep.redaction import REVEAL_ENV
 
 BOTH_LAUNCHERS = "torchrun and the deepspeed launcher"
-SETTERS = {
-    "WORLD_SIZE": BOTH_LAUNCHERS,
-    "RANK": BOTH_LAUNCHERS,
-    "LOCAL_RANK": BOTH_LAUNCHERS,
-    "MASTER_PORT": BOTH_LAUNCHERS,
-    "LOCAL_WORLD_SIZE": "torchrun",
-    "GROUP_RANK": "torchrun",
-    "GROUP_WORLD_SIZE": "torchrun",
-    "LOCAL_SIZE": "the deepspeed launcher",
-    "CROSS_RANK": "the deepspeed launcher",
-    "CROSS_SIZE": "the deepspeed launcher",
-    "SLURM_PROCID": "srun",
-    "SLURM_STEP_NUM_TASKS": "srun",
-    "SLURM_RESTART_COUNT": "SLURM when it requeues a job",
+STARTUP_ENV = "PIPE_STARTUP_TIMEOUT_S"
+STEP_ENV = "PIPE_STEP_TIMEOUT_S"
+TIMEOUT_ENV = "PIPE_COLLECTIVE_TIMEOUT_S"
+"""The hang budgets (``pipeline.train.dist``); the last is the default of the other two."""
+MAX_BUDGET_S = 1e9
+"""About 30 years: any larger number of seconds overflows a ``timedelta``."""
+
+
+@dataclass(frozen=True)
+class Number:
+    """How a numeric variable must read: a whole number from `lowest` to `highest`, or (`seconds`) a finite number
+    of seconds above 0, at most `MAX_BUDGET_S`."""
+
+    lowest: int = 0
+    highest: int | None = None
+    seconds: bool = False
+    setter: str | None = None
+    """Who sets it, named in the error (None: the user)."""
+
+    def parse(self, raw: str) -> float | None:
+        """The value of ``raw``, or None when it is not one this variable takes."""
+        try:
+            value = float(raw) if self.seconds else int(raw)
+        except ValueError:
+            return None
+        if self.seconds:
+            return value if math.isfinite(value) and 0 < value <= MAX_BUDGET_S else None
+        return value if self.lowest <= value <= (self.highest or value) else None
+
+    def refusal(self, name: str, raw: str) -> str:
+        if self.seconds:
+            return f"{name}={raw!r} must be a positive number of seconds (at most {MAX_BUDGET_S:g})"
+        wanted = f"a port, {self.lowest}-{self.highest}" if name == "MASTER_PORT" else f"an integer >= {self.lowest}"
+        return f"{name}={raw!r} must be {wanted}; {self.setter} sets it, unset it elsewhere"
+
+
+NUMBERS = {
+    "WORLD_SIZE": Number(1, setter=BOTH_LAUNCHERS),
+    "RANK": Number(0, setter=BOTH_LAUNCHERS),
+    "LOCAL_RANK": Number(0, setter=BOTH_LAUNCHERS),
+    "MASTER_PORT": Number(1, 65535, setter=BOTH_LAUNCHERS),
+    "LOCAL_WORLD_SIZE": Number(1, setter="torchrun"),
+    "GROUP_RANK": Number(0, setter="torchrun"),
+    "GROUP_WORLD_SIZE": Number(1, setter="torchrun"),
+    "TORCHELASTIC_RESTART_COUNT": Number(0, setter="torchrun"),
+    "LOCAL_SIZE": Number(1, setter="the deepspeed launcher"),
+    "CROSS_RANK": Number(0, setter="the deepspeed launcher"),
+    "CROSS_SIZE": Number(1, setter="the deepspeed launcher"),
+    "SLURM_PROCID": Number(0, setter="srun"),
+    "SLURM_STEP_NUM_TASKS": Number(1, setter="srun"),
+    "SLURM_RESTART_COUNT": Number(0, setter="SLURM when it requeues a job"),
+    STARTUP_ENV: Number(seconds=True),
+    STEP_ENV: Number(seconds=True),
+    TIMEOUT_ENV: Number(seconds=True),
 }
-"""Every integer variable that is checked, and who sets it (named in the error)."""
+"""Every numeric variable the tools read, and how it must read; `check` refuses any other value before any work."""
+SETTERS = {name: number.setter for name, number in NUMBERS.items() if number.setter is not None}
+"""The launcher's integer variables, and who sets each (named in the errors)."""
+TEXTS = {
+    "MASTER_ADDR": "the rendezvous host, checked against MASTER_PORT here and resolved by torch",
+    "TORCHELASTIC_USE_AGENT_STORE": "torchrun's 'True' when its agent hosts the job's store; any other value: none",
+    "CUDA_VISIBLE_DEVICES": "read by CUDA; quoted in preflight's messages",
+    "OMP_NUM_THREADS": "read by OpenMP, which also takes lists ('4,2'); here only whether it is set",
+    "PIPE_FAULT": "the tests' fault injection, parsed with errors naming it (pipeline.train.faults)",
+    "SLURM_CLUSTER_NAME": "recorded in the run lock as text",
+    "SLURM_JOB_ID": "recorded in the run lock as text",
+    "SLURMD_NODENAME": "compared with GCA_RDZV_HOST_NODE (launch/slurm/node_torchrun.py)",
+    "GCA_RDZV_HOST_NODE": "the node that hosts the rendezvous store (launch/slurm/pretrain.sbatch)",
+    REVEAL_ENV: "'1' shows environment values in messages; checked with the config (data_prep.redaction)",
+    "TRITON_INTERPRET": "'1' runs Triton kernels on the CPU interpreter (tests); read by Triton too",
+    "PYTHONPATH": "extended for the GPU check's re-executed interpreter",
+    "GCA_GPU_CHECK_SITE": "set by the GPU check for the interpreter it re-executes (pipeline/gpucheck/cli.py)",
+    "TRITON_*_PATH": "a Triton tool's path (TRITON_PTXAS_PATH, ...), passed to Triton by the GPU check's compile",
+    "WANDB_MODE": "checked with the config's logging.wandb_mode (pipeline.train.wandb_online)",
+    "WANDB_API_KEY": "whether wandb has a credential (pipeline.train.wandb_online)",
+    "WANDB_IDENTITY_TOKEN_FILE": "whether wandb has a credential (pipeline.train.wandb_online)",
+    "WANDB_BASE_URL": "the wandb server named in messages (pipeline.train.wandb_online)",
+    "NETRC": "where wandb looks for a credential (pipeline.train.wandb_online)",
+    "PREP_SBATCH_ARGS": "shell words for sbatch, split with errors naming it (launch/slurm/shell_words.py)",
+    "PREFLIGHT_ARGS": "shell words for preflight, split with errors naming it (launch/slurm/shell_words.py)",
+}
+"""The variables the tools read as text, and what for: nothing numeric to check (see `NUMBERS` for the rest)."""
 COUNTS = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "GROUP_WORLD_SIZE", "CROSS_SIZE", "SLURM_STEP_NUM_TASKS")
 """Counts of processes or nodes: at least 1."""
 INDICES = (
@@ -47,25 +123,29 @@ INDICES = (
 
 
 class LaunchEnvError(ValueError):
-    """The launcher's variables contradict each other; the message is one line naming them and their values."""
+    """A variable of the environment is malformed, or the launcher's variables contradict each other; the message is
+    one line naming them and their values."""
 
 
-def _integers(env: Mapping[str, str]) -> dict[str, int]:
-    """The integer variables that are set, parsed; a value that is not a whole number in range is refused."""
-    values = {}
-    for name, setter in SETTERS.items():
-        if name not in env:
-            continue
-        lowest = 1 if name in COUNTS or name == "MASTER_PORT" else 0
-        try:
-            value = int(env[name])
-        except ValueError:
-            value = lowest - 1
-        if value < lowest or (name == "MASTER_PORT" and value > 65535):
-            wanted = "a port, 1-65535" if name == "MASTER_PORT" else f"an integer >= {lowest}"
-            raise LaunchEnvError(f"{name}={env[name]!r} must be {wanted}; {setter} sets it, unset it elsewhere")
-        values[name] = value
-    return values
+def number(env: Mapping[str, str], name: str) -> float | None:
+    """``env[name]`` read as `NUMBERS` says, None when unset.
+
+    Raises:
+        LaunchEnvError: the value is not one the variable takes (one line naming it and its value).
+    """
+    raw = env.get(name)
+    if raw is None:
+        return None
+    value = NUMBERS[name].parse(raw)
+    if value is None:
+        raise LaunchEnvError(NUMBERS[name].refusal(name, raw))
+    return value
+
+
+def integer(env: Mapping[str, str], name: str, default: int) -> int:
+    """The integer variable ``name`` of `NUMBERS` (``default`` when unset), refused as `number` refuses it."""
+    value = number(env, name)
+    return default if value is None else int(value)
 
 
 def _check_partners(env: Mapping[str, str], ints: Mapping[str, int]) -> None:
@@ -136,12 +216,14 @@ def _check_srun(ints: Mapping[str, int]) -> None:
 
 
 def check(env: Mapping[str, str]) -> None:
-    """Refuse launcher variables in ``env`` that contradict each other.
+    """Refuse, in ``env``, a numeric variable that is malformed (`NUMBERS`) and launcher variables that contradict
+    each other.
 
     Raises:
         LaunchEnvError: one line naming the variables, their values and which launcher sets them.
     """
-    ints = _integers(env)
+    values = {name: number(env, name) for name in NUMBERS}
+    ints = {name: int(value) for name, value in values.items() if value is not None and name in SETTERS}
     _check_partners(env, ints)
     _check_indices(ints)
     _check_srun(ints)

@@ -35,6 +35,7 @@ import torch
 
 from model import build_model, count_parameters
 from pipeline.data import host_memory
+from pipeline.train import launch_env
 from pipeline.train.config import ConfigError, TrainConfig
 from pipeline.train.dist import local_rank_from_env
 from pipeline.train.parallel import blocks
@@ -49,7 +50,7 @@ FP32_BYTES = 4
 
 def local_ranks() -> int:
     """Ranks the launcher starts on this node (read before any process group exists)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+    return launch_env.integer(os.environ, "LOCAL_WORLD_SIZE", 0) or launch_env.integer(os.environ, "LOCAL_SIZE", 1)
 
 
 def check_host_memory(cfg: TrainConfig, world_size: int) -> None:

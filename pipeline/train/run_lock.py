@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from data_prep.safe_write import UnsafeWriteError, open_lock
-from pipeline.train import dist
+from pipeline.train import dist, launch_env
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ def _record(environ: Mapping[str, str]) -> dict[str, Any]:
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "slurm_cluster": environ.get("SLURM_CLUSTER_NAME"),
         "slurm_job_id": environ.get("SLURM_JOB_ID"),
-        "slurm_restart_count": int(environ.get("SLURM_RESTART_COUNT") or 0),
+        "slurm_restart_count": launch_env.integer(environ, "SLURM_RESTART_COUNT", 0),
     }
 
 
