@@ -15,9 +15,11 @@ link to another user's file) would make a plain ``open(path, "a")`` append into 
   file, before anything is written, with one line naming the path (`UnsafeWriteError`).
 
 Only the last component is guarded: the folders themselves (``run_dir``, ``run_dir/checkpoints``, ``--out``) may
-be symbolic links, because the user names them (checkpoints on another file system are common). Files keep the
-modes of a plain ``open``: ``0o666`` less the umask. This lives in ``data_prep`` because prep writes with it and
-may not import the pipeline; ``model.io`` uses it too (the one import of ``data_prep`` from ``model``).
+be symbolic links, because the user names them (checkpoints on another file system are common). Files get the
+modes of a plain ``open``: ``0o666`` less the umask, also when a library wrote the file `replacing` handed it by
+a temporary file of its own (safetensors does, created owner-only) and renamed that over it. This lives in
+``data_prep`` because prep writes with it and may not import the pipeline; ``model.io`` uses it too (the one
+import of ``data_prep`` from ``model``).
 """
 
 from __future__ import annotations
@@ -151,20 +153,38 @@ def open_lock(path: str | os.PathLike[str]) -> int:
     return _open_checked(Path(path), os.O_RDWR | os.O_CREAT)
 
 
-def _fresh_temp(path: Path) -> Path:
-    """A new empty file next to ``path`` under a name nobody could have planted (``O_EXCL`` with a random part)."""
+def _fresh_temp(path: Path) -> tuple[Path, int]:
+    """A new empty file next to ``path`` under a name nobody could have planted (``O_EXCL`` with a random part),
+    and the mode it was created with: ``0o666`` less the umask, read from the file because asking for the umask
+    means setting it, which would race with other threads creating files."""
     for _ in range(100):
         tmp = path.with_name(f".{path.name}.{os.urandom(6).hex()}.tmp")
         try:
-            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, _FILE_MODE))
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, _FILE_MODE)
         except FileExistsError:
             continue
-        return tmp
+        try:
+            return tmp, stat.S_IMODE(os.fstat(fd).st_mode)
+        finally:
+            os.close(fd)
     raise FileExistsError(errno.EEXIST, "no free temporary name next to the file", str(path))
 
 
-def _fsync(path: Path, flags: int) -> None:
-    fd = os.open(path, flags | os.O_CLOEXEC)
+def _finish(tmp: Path, mode: int, fsync: bool) -> None:
+    """Give the written temporary file ``mode`` (a library may have replaced it by an owner-only file of its own)
+    and, with ``fsync``, bring its data to the disk."""
+    fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if stat.S_IMODE(os.fstat(fd).st_mode) != mode:
+            os.fchmod(fd, mode)
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_folder(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:
@@ -174,24 +194,23 @@ def _fsync(path: Path, flags: int) -> None:
 @contextlib.contextmanager
 def replacing(path: str | os.PathLike[str], fsync: bool = False) -> Iterator[Path]:
     """Yield a fresh temporary path next to ``path`` for the caller (or a library: ``torch.save``, safetensors,
-    matplotlib) to write; on success it is renamed over ``path`` (a reader sees the old file or the new one, never
-    half of one), on failure it is removed. ``fsync``: the file's data and then its folder's entry reach the disk
-    before this returns (what a checkpoint's commit needs).
+    matplotlib) to write; on success it gets the umask's mode and is renamed over ``path`` (a reader sees the old
+    file or the new one, never half of one), on failure it is removed. ``fsync``: the file's data and then its
+    folder's entry reach the disk before this returns (what a checkpoint's commit needs).
 
     Raises:
         UnsafeWriteError: ``path`` is a symbolic or hard link or not a regular file (checked before and after).
     """
     path = Path(path)
     check_name(path)
-    tmp = _fresh_temp(path)
+    tmp, mode = _fresh_temp(path)
     try:
         yield tmp
-        if fsync:
-            _fsync(tmp, os.O_RDONLY | os.O_NOFOLLOW)
+        _finish(tmp, mode, fsync)
         check_name(path)  # the caller may have run for long: something may have been planted meanwhile
         os.replace(tmp, path)
         if fsync:
-            _fsync(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+            _fsync_folder(path.parent)
     except BaseException as err:
         try:
             written = os.lstat(tmp).st_size
