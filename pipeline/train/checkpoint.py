@@ -14,14 +14,16 @@ is left alone: an uncommitted foreign ``step_*`` entry stops the run before any 
 foreign committed checkpoint may be resumed from but is never pruned, and symbolic links are never followed.
 
 Loading checks, in order and before any tensor reaches the model: the marker; the integrity manifest (every
-file present, no file added, sha256 equal: ``CheckpointCorruptError`` names the file); the trainer-state format
-and architecture; the parallel layout (engine, ZeRO stage, and whether the world size may change); and that no
+file present, no file added, sha256 equal: ``CheckpointCorruptError`` names the file); the trainer state, every
+field of it (type and range, and a ``step`` equal to the directory's: `read_trainer_state`), its format and
+architecture; the parallel layout (engine, ZeRO stage, and whether the world size may change); and that no
 pickle in the directory can run code (``UnsafeCheckpointError``). Torch files are only ever read with
 ``weights_only=True``; DeepSpeed and DCP unpickle with ``weights_only=False`` internally, so their files are
 scanned first with the restricted unpicklers below. A committed checkpoint that fails the integrity check or the
-scan is never loaded; by default (``checkpoint.fallback_to_previous``) it is renamed to ``step_N.rejected`` and
-the newest one that passes is resumed from. It is never deleted: the files that would prove it ours are among
-those that failed.
+scan, or whose manifest or trainer state does not have the shape a save writes (a file edited and the manifest
+resealed; every JSON file read back goes through ``data_prep.json_file``), is never loaded; by default
+(``checkpoint.fallback_to_previous``) it is renamed to ``step_N.rejected`` and the newest one that passes is
+resumed from. It is never deleted: the files that would prove it ours are among those that failed.
 
 Cost: each file is read once more at save and once at resume to hash it, the work split over the ranks; the
 pickle scan reads only pickles (tensor data is memory-mapped, not read). Like DeepSpeed and DCP, this assumes
@@ -30,6 +32,7 @@ the checkpoint directory is on a filesystem every rank sees.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -42,26 +45,43 @@ import time
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_type_hints
 
 import torch
 
+from data_prep.json_file import Fields, JsonFileError, read_json, summarize
 from data_prep.redaction import redact
 from data_prep.safe_write import move, replacing, write_text
 from model.config import BACKEND_FIELDS
+from pipeline.data.reader import Cursor
 from pipeline.train import dist, save_failure
+from pipeline.train.config import ParallelConfig
 
 log = logging.getLogger(__name__)
 
 COMMIT_MARKER = "COMMITTED"
 OWNER_FILE = "OWNER.json"
 _STEP_NAME = re.compile(r"step_\d+(\.tmp)?")
+_COMMITTED_NAME = re.compile(r"step_\d+")
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 OWNER_WRITER = "gca-pretrain trainer"
 """``OWNER.json``'s ``writer``: with a ``step`` equal to the directory's, proof that a save of this trainer made it."""
 TRAINER_STATE = "trainer_state.json"
 INTEGRITY_FILE = "integrity.json"
 STATE_FORMAT = 2
 """1: the first release (no integrity manifest, no parallel layout, no data fingerprint). 2: this one."""
+MAX_STEP = 10**12
+"""The largest ``step`` a trainer state may hold: far past any run (a million steps is a long pretraining run), and
+exact in the float arithmetic of the schedule."""
+MAX_WORLD_SIZE = 1 << 20
+"""The largest ``world_size`` a trainer state may record: a million ranks, past any cluster."""
+_INT64_MAX = (1 << 63) - 1
+"""Counters and data positions end up in int64 tensors and metrics; a larger one was not written by a save."""
+_MAX_NAME_CHARS = 1024
+"""Longer than any path a save writes inside its directory; a longer name in a manifest was not written by one."""
+_OWNER_MAX_BYTES = 1 << 16
+"""``OWNER.json`` holds three short fields; read at every prune, so a large one is refused unread."""
+ENGINES = get_args(get_type_hints(ParallelConfig)["engine"])
 SAVE_POINTS = ("engine", "rng", "export", "trainer_state", "manifest", "renamed")
 """Points inside ``CheckpointManager.save``, in order: after the engine state, the per-rank RNG files, the eval
 export, ``trainer_state.json``, the integrity manifest, and after the rename to ``step_N/`` (before the marker).
@@ -138,45 +158,85 @@ def write_integrity(root: Path, info: dist.DistInfo) -> None:
         write_text(root / INTEGRITY_FILE, json.dumps(record, indent=1, sort_keys=True), fsync=True)
 
 
+def _check_digest(fields: Fields, key: str, *, nullable: bool = False) -> None:
+    """``fields[key]`` is a sha256 hex digest (or null when ``nullable``); a message about one stays short."""
+    value = None if nullable and fields.obj.get(key, "") is None else fields.string(key)
+    if value is not None and not _SHA256_HEX.fullmatch(value):
+        raise JsonFileError(
+            f"{fields.where}: field '{fields.prefix}{key}' is {len(value)} characters, expected 64 hex digits"
+        )
+
+
+def read_manifest(root: Path) -> dict[str, dict[str, Any]]:
+    """``root``'s integrity manifest: file name -> ``{"sha256", "bytes"}``, in the shape `write_integrity` writes.
+
+    Raises:
+        FileNotFoundError: there is none.
+        JsonFileError: unreadable or of another shape; one line naming the field.
+    """
+    path = root / INTEGRITY_FILE
+    fields = Fields(read_json(path), str(path))
+    fields.integer("format", low=1, high=1)
+    fields.string("algorithm", choices=("sha256",))
+    files = fields.nested("files")
+    for name in files.obj:
+        if len(name) > _MAX_NAME_CHARS:
+            raise JsonFileError(f"{path}: field 'files' names a file of {len(name):,} characters")
+        entry = files.nested(name)
+        entry.integer("bytes", low=0, high=_INT64_MAX)
+        _check_digest(entry, "sha256")
+    return files.obj
+
+
+def _listing_problems(root: Path) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Rank 0: the manifest's entries, and what is wrong before any hashing: the manifest itself, files missing,
+    added, or symbolic links."""
+    try:
+        expected = read_manifest(root)
+    except FileNotFoundError:
+        return {}, [f"missing integrity manifest {root / INTEGRITY_FILE}; the checkpoint cannot be verified"]
+    except (OSError, JsonFileError) as err:
+        return {}, [f"unreadable integrity manifest ({err})"]
+    actual = set(_files(root))
+    problems = [f"{root / n}: listed in {INTEGRITY_FILE} but missing" for n in sorted(set(expected) - actual)]
+    problems += [
+        f"{root / n}: not listed in {INTEGRITY_FILE} (added after the save)" for n in sorted(actual - set(expected))
+    ]
+    problems += [f"{root / n}: is a symbolic link" for n in sorted(actual) if (root / n).is_symlink()]
+    return expected, problems
+
+
+def _content_problems(root: Path, expected: dict[str, dict[str, Any]], info: dist.DistInfo) -> list[str]:
+    """Each listed file whose size or sha256 differs from the manifest (collective: each rank hashes a share)."""
+    names = sorted(expected)
+    got = _hash_share(root, names, info, fsync=False)
+    problems = []
+    for name in names:
+        want, have = expected[name], got[name]
+        if have["bytes"] != want["bytes"]:
+            problems.append(
+                f"{root / name}: size {have['bytes']} bytes, expected {want['bytes']} (truncated or "
+                f"extended); sha256 {have['sha256']}, expected {want['sha256']}"
+            )
+        elif have["sha256"] != want["sha256"]:
+            problems.append(f"{root / name}: sha256 {have['sha256']}, expected {want['sha256']}")
+    return problems
+
+
 def verify_integrity(root: Path, info: dist.DistInfo) -> None:
     """Check ``root`` against its ``integrity.json`` (collective: each rank hashes a share).
 
+    Rank 0 reads the manifest and every rank takes its copy, so that all of them hash the same list or none.
+
     Raises:
-        CheckpointCorruptError: manifest missing or unreadable, a file missing, added, or with another size or
-            sha256; the message names the file and the expected vs actual values.
+        CheckpointCorruptError: manifest missing, unreadable or of another shape (`read_manifest`), a file missing,
+            added, or with another size or sha256; one line naming the first ten files and how many more.
     """
-    manifest_path = root / INTEGRITY_FILE
-    problems: list[str] = []
-    expected: dict[str, dict[str, Any]] = {}
-    if not manifest_path.is_file():
-        problems.append(f"missing integrity manifest {manifest_path}; the checkpoint cannot be verified")
-    else:
-        try:
-            expected = json.loads(manifest_path.read_text())["files"]
-        except (ValueError, KeyError, TypeError) as err:
-            problems.append(f"unreadable integrity manifest {manifest_path}: {err}")
+    expected, problems = dist.broadcast_object(_listing_problems(root) if info.is_main else None)
     if not problems:
-        actual = set(_files(root))
-        problems += [f"{root / n}: listed in {INTEGRITY_FILE} but missing" for n in sorted(set(expected) - actual)]
-        problems += [
-            f"{root / n}: not listed in {INTEGRITY_FILE} (added after the save)" for n in sorted(actual - set(expected))
-        ]
-        problems += [f"{root / n}: is a symbolic link" for n in sorted(actual) if (root / n).is_symlink()]
-    problems = dist.broadcast_object(problems if info.is_main else None)
-    if not problems:
-        names = sorted(expected)
-        got = _hash_share(root, names, info, fsync=False)
-        for name in names:
-            want, have = expected[name], got[name]
-            if have["bytes"] != want["bytes"]:
-                problems.append(
-                    f"{root / name}: size {have['bytes']} bytes, expected {want['bytes']} (truncated or "
-                    f"extended); sha256 {have['sha256']}, expected {want['sha256']}"
-                )
-            elif have["sha256"] != want["sha256"]:
-                problems.append(f"{root / name}: sha256 {have['sha256']}, expected {want['sha256']}")
+        problems = _content_problems(root, expected, info)
     if problems:
-        raise CheckpointCorruptError(f"checkpoint {root} failed verification: " + "; ".join(problems))
+        raise CheckpointCorruptError(f"checkpoint {root} failed verification: {summarize(problems)}")
 
 
 # -- refusing pickles that can run code ---------------------------------------------------------------------------
@@ -317,10 +377,75 @@ def _is_owned(path: Path) -> bool:
     if path.is_symlink() or not path.is_dir():
         return False
     try:
-        owner = json.loads((path / OWNER_FILE).read_text())
-        return owner.get("writer") == OWNER_WRITER and owner.get("step") == _step_of(path)
-    except (OSError, ValueError, AttributeError, IndexError):
+        owner = Fields(read_json(path / OWNER_FILE, max_bytes=_OWNER_MAX_BYTES), str(path / OWNER_FILE))
+        return owner.string("writer") == OWNER_WRITER and owner.integer("step") == _step_of(path)
+    except (OSError, JsonFileError):
         return False
+
+
+def _format_of(state_path: Path) -> int | None:
+    """The format a trainer state names, or None when it names none (verification then names the damage)."""
+    try:
+        return int(Fields(read_json(state_path), str(state_path)).integer("format"))
+    except (OSError, JsonFileError):
+        return None
+
+
+def _check_data_position(data: Fields) -> None:
+    """The data stream's position (``PackedSequences.state_dict``), which the reader takes without checks."""
+    cursor = data.nested("cursor")
+    names = [field.name for field in dataclasses.fields(Cursor)]
+    if sorted(cursor.obj) != sorted(names):
+        raise JsonFileError(f"{data.where}: field 'data.cursor' does not hold exactly the keys {', '.join(names)}")
+    for name in names:
+        cursor.integer(name, low=0, high=_INT64_MAX)
+    window = data.integer("window", low=1, high=_INT64_MAX)
+    data.integer("taken", low=0, high=window - 1)
+    data.integer("window_index", low=0, high=_INT64_MAX)
+    data.integer("seq_len", low=1, high=_INT64_MAX)
+    data.integer("seed")
+    data.boolean("shuffle")
+
+
+def _check_state(state: Fields, path: Path) -> None:
+    """Every field a resume reads back: what `CheckpointManager.save` and ``Trainer.save`` write."""
+    step = state.integer("step", low=0, high=MAX_STEP)
+    if _COMMITTED_NAME.fullmatch(path.name) and step != _step_of(path):
+        raise JsonFileError(f"{state.where}: field 'step' is {step}, but the checkpoint's directory is {path.name}")
+    state.integer("world_size", low=1, high=MAX_WORLD_SIZE)
+    state.integer("tokens_seen", low=0, high=_INT64_MAX)
+    state.mapping("model_config")
+    state.string("config_yaml")
+    parallel = state.nested("parallel")
+    parallel.string("engine", choices=ENGINES)
+    parallel.integer("zero_stage", low=0, high=3)
+    fingerprint = state.nested("data_fingerprint")
+    _check_digest(fingerprint, "index_sha256")
+    _check_digest(fingerprint, "tokenizer_sha256", nullable=True)
+    _check_data_position(state.nested("data"))
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    """The trainer state of the checkpoint ``path``, every field checked (`_check_state`) before any is used.
+
+    A state that fails was edited after the save (with the manifest resealed, or the check would have named it):
+    to the resume it is a damaged checkpoint, set aside like one.
+
+    Raises:
+        CheckpointCorruptError: unreadable, or a field of another type or out of range; one line naming the file
+            and the field.
+        CheckpointError: another format version.
+    """
+    where = path / TRAINER_STATE
+    try:
+        state = Fields(read_json(where), str(where))
+        fmt = state.integer("format")
+        if fmt != STATE_FORMAT:
+            raise CheckpointError(f"{path}: trainer state format {fmt} is not {STATE_FORMAT}")
+        _check_state(state, path)
+    except (OSError, JsonFileError) as err:
+        raise CheckpointCorruptError(f"unusable trainer state: {err}") from None
+    return state.obj
 
 
 def _is_empty_dir(path: Path) -> bool:
@@ -617,16 +742,13 @@ class CheckpointManager:
                 ``model.*`` or ``parallel.*`` key together with every other change.
 
         Raises:
-            CheckpointCorruptError: integrity check failed (see `verify_integrity`).
+            CheckpointCorruptError: integrity check failed (see `verify_integrity`), or the trainer state does not
+                have the shape a save writes (`read_trainer_state`; the check's `JsonFileError` too).
             CheckpointError: another format version, architecture, engine, or a world size the engine cannot
                 re-shard.
         """
-        state_path = path / TRAINER_STATE
-        try:
-            fmt = json.loads(state_path.read_text()).get("format") if state_path.is_file() else None
-        except ValueError:
-            fmt = None  # the integrity check below names the damaged file
-        if isinstance(fmt, int) and fmt < STATE_FORMAT:
+        fmt = _format_of(path / TRAINER_STATE)
+        if fmt is not None and fmt < STATE_FORMAT:
             raise CheckpointError(
                 f"{path}: trainer state format {fmt} was written by an older release (this one reads format "
                 f"{STATE_FORMAT}, which adds the integrity manifest, the parallel layout and the data fingerprint); "
@@ -634,12 +756,13 @@ class CheckpointManager:
                 "(checkpoint.resume=none) from its eval export"
             )
         verify_integrity(path, self.info)
-        state = json.loads(state_path.read_text())
-        if state.get("format") != STATE_FORMAT:
-            raise CheckpointError(f"{path}: trainer state format {state.get('format')} is not {STATE_FORMAT}")
-        if check is not None:
-            check(path, state)
-        saved = state.get("model_config", {})
+        state = read_trainer_state(path)
+        try:
+            if check is not None:
+                check(path, state)
+        except JsonFileError as err:  # a field the check parses further (the recorded config) is malformed
+            raise CheckpointCorruptError(f"unusable trainer state: {err}") from None
+        saved = state["model_config"]
         # Backends choose how the same model is computed (a GPU run may resume on CPU), not what it computes.
         compared = (set(saved) | set(model_config)) - set(BACKEND_FIELDS)
         diff = sorted(k for k in compared if saved.get(k) != model_config.get(k))

@@ -13,6 +13,10 @@ loaded) and logs one block with each changed key, its old and new value and its 
   new curve at once.
 - ``silent``: logging, evaluation cadence, checkpoint cadence, paths and backends: listed, nothing else.
 
+The recorded config comes from a file that may have been edited (and its checkpoint's manifest resealed): its
+text must parse to the shape `config_record` writes, or `check_resume` raises ``JsonFileError`` naming the field,
+which the checkpoint code takes as a damaged checkpoint.
+
 Both configs are compared as checkpoints record them (`config_record`: YAML with values from the environment kept
 as their ``${oc.env:...}`` text and secret shapes redacted), so the block shows no value a log may not show.
 A key the checkpoint does not record (added to the schema since) counts as its schema default. The table in
@@ -30,10 +34,13 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any, Literal, cast
 
+import yaml
 from omegaconf import OmegaConf
 
+from data_prep.json_file import JsonFileError
 from data_prep.redaction import redact
 from model.config import BACKEND_FIELDS
+from pipeline.train.checkpoint import TRAINER_STATE
 from pipeline.train.config import ConfigError, TrainConfig, to_yaml
 from pipeline.train.optim import lr_at
 
@@ -129,6 +136,29 @@ def _tree(config: Any) -> dict[str, Any]:
     return cast(dict[str, Any], OmegaConf.to_container(node, resolve=False))
 
 
+def _recorded_tree(saved: str, where: str) -> dict[str, Any]:
+    """The config text ``saved`` (``where`` names it) as plain data, refused unless it is what `config_record`
+    writes: YAML without aliases (OmegaConf copies an alias at each use, so nested ones grow exponentially; its
+    own YAML never has them) holding a mapping of plain values.
+
+    Raises:
+        JsonFileError: naming ``where`` and the reason.
+    """
+    try:
+        if any(isinstance(event, yaml.AliasEvent) for event in yaml.parse(saved, Loader=yaml.SafeLoader)):
+            raise ValueError("it uses YAML aliases")
+        tree = _tree(saved)
+        json.dumps(tree)  # plain values only: a YAML !!binary survives OmegaConf as bytes
+    # Hostile YAML fails in many ways (parser and constructor errors, OmegaConf's value-type and assertion
+    # errors, TypeError from the dump): each one means the same here.
+    except Exception as err:
+        reason = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+        raise JsonFileError(f"{where} is not a recorded config ({reason})") from None
+    if not isinstance(tree, dict):
+        raise JsonFileError(f"{where} is not a recorded config (not a mapping)")
+    return tree
+
+
 def _sections(node: Any, prefix: str = "") -> set[str]:
     """Dotted paths of the schema's sections (nested dataclasses): a change is reported per key inside them, while
     a dict-valued key (a mapping the user fills) is one value, so that removing an entry is a change too."""
@@ -154,13 +184,21 @@ def _show(value: Any) -> str:
     return json.dumps(value) if not isinstance(value, str) else value
 
 
-def config_changes(saved: str, current: str) -> list[Change]:
+def config_changes(saved: str, current: str, where: str = "the recorded config") -> list[Change]:
     """Every key whose value differs between two recorded configs, sorted by key. A key missing from ``saved``
-    compares as its schema default; a key the schema no longer has is ignored (nothing can set it)."""
+    compares as its schema default; a key the schema no longer has is ignored (nothing can set it).
+
+    Raises:
+        JsonFileError: ``saved`` (named by ``where``) is not a recorded config, or holds a section of the schema
+            that is not a mapping.
+    """
     schema = TrainConfig()
     sections = _sections(schema)
     defaults = dict(_flatten(_tree(schema), sections))
-    old = dict(_flatten(_tree(saved), sections))
+    old = dict(_flatten(_recorded_tree(saved, where), sections))
+    flat = sorted(set(old) & sections)  # _flatten descends into a section only when it is a mapping
+    if flat:
+        raise JsonFileError(f"{where} is not a recorded config (section {flat[0]} is not a mapping)")
     changes = []
     for key, new in sorted(_flatten(_tree(current), sections)):
         before = old.get(key, defaults.get(key))
@@ -175,7 +213,7 @@ _SCHEDULE_KEYS = ("train.max_steps", "optim.*", "schedule.*")
 
 def _lr_at_resume(step: int, saved: str, cfg: TrainConfig) -> float | None:
     """The learning rate of 0-based step ``step`` under the checkpoint's config; None when a value it needs came
-    from the environment (recorded as its ``${oc.env:...}`` text, so unknown here)."""
+    from the environment (recorded as its ``${oc.env:...}`` text, so unknown here) or is not a number."""
     tree = _tree(saved)
 
     def section(current: Any, name: str) -> Any:
@@ -185,9 +223,10 @@ def _lr_at_resume(step: int, saved: str, cfg: TrainConfig) -> float | None:
 
     try:
         max_steps = int(tree.get("train", {}).get("max_steps", cfg.train.max_steps))
-        return lr_at(step, max_steps, section(cfg.optim, "optim"), section(cfg.schedule, "schedule"))
-    except (TypeError, ValueError):
+        lr = lr_at(step, max_steps, section(cfg.optim, "optim"), section(cfg.schedule, "schedule"))
+    except (TypeError, ValueError, ArithmeticError):  # recorded values of other types, or out of range
         return None
+    return float(lr) if isinstance(lr, int | float) else None
 
 
 def _way_out(path: Path, refused: list[Change]) -> str:
@@ -210,8 +249,9 @@ def check_resume(path: Path, saved: str, cfg: TrainConfig, step: int) -> None:
 
     Raises:
         ResumeRefusedError: a refused key changed; one line naming each such key, its values and the way out.
+        JsonFileError: ``saved`` is not a recorded config (`config_changes`).
     """
-    changes = config_changes(saved, config_record(cfg))
+    changes = config_changes(saved, config_record(cfg), f"{path / TRAINER_STATE}: field 'config_yaml'")
     if not changes:
         log.info("resuming %s with the config it was saved with", path)
         return
@@ -226,7 +266,11 @@ def check_resume(path: Path, saved: str, cfg: TrainConfig, step: int) -> None:
         lines.append(f"  {change.describe()}  [{effect}]")
     if any(fnmatchcase(c.key, p) for c in changes for p in _SCHEDULE_KEYS):
         old_lr, new_lr = _lr_at_resume(step, saved, cfg), lr_at(step, cfg.train.max_steps, cfg.optim, cfg.schedule)
-        before = f"{old_lr:.2e}" if old_lr is not None else "unknown (a value came from the environment)"
+        before = (
+            f"{old_lr:.2e}"
+            if old_lr is not None
+            else "unknown (a value it needs came from the environment or is not a number)"
+        )
         lines.append(
             f"  learning rate at step {step + 1}: {before} under the checkpoint's config -> {new_lr:.2e} under this one"
         )
