@@ -41,7 +41,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException, Vali
 from data_prep.redaction import raw_env_paths, redact, reveal_env_problem, track_env_values
 from data_prep.safe_files import file_kind
 
-__all__ = ["INTERNAL", "ONE_OR_LIST", "ConfigError", "add_keys_argument", "describe_keys", "load_schema"]
+__all__ = ["INTERNAL", "ONE_OR_LIST", "ConfigError", "add_keys_argument", "describe_keys", "load_schema", "not_utf8"]
 
 T = TypeVar("T")
 
@@ -246,20 +246,27 @@ def _parse_override(item: str, schema: type) -> DictConfig:
         raise ConfigError(f"override {item!r}: {_first_line(err)}") from None
 
 
-def _check_utf8(item: str) -> None:
-    """Refuse an override holding bytes that are not UTF-8 (Python hands them over as lone surrogates): a config
-    value is text, and every file that records it (the written config, the manifest, the logs) is UTF-8. The
-    message names the key only, like any other override error."""
+def not_utf8(text: str) -> str | None:
+    """Where an argument stops being UTF-8 text ("byte 0xe9 at position 3"), None when it is all text: Python hands
+    a program's argument bytes that are not UTF-8 over as lone surrogates (``os.fsdecode``), which no UTF-8 file,
+    parser or tokenizer takes."""
     try:
-        item.encode("utf-8")
+        text.encode("utf-8")
     except UnicodeEncodeError as err:
-        bad = ord(item[err.start])
-        what = f"byte 0x{bad - 0xDC00:02x}" if 0xDC80 <= bad <= 0xDCFF else f"U+{bad:04X}"  # os.fsdecode's escape
+        bad = ord(text[err.start])
+        what = f"byte 0x{bad - 0xDC00:02x}" if 0xDC80 <= bad <= 0xDCFF else f"U+{bad:04X}"
+        return f"{what} at position {err.start}"
+    return None
+
+
+def _check_utf8(item: str) -> None:
+    """Refuse an override that is not UTF-8: a config value is text, and every file that records it (the written
+    config, the manifest, the logs) is UTF-8. The message names the key only, like any other override error."""
+    if (bad := not_utf8(item)) is not None:
         key = item.partition("=")[0].encode("utf-8", "backslashreplace").decode("ascii")
         raise ConfigError(
-            f"override '{key}=...': {what} at position {err.start} is not UTF-8 text; config values are UTF-8 (rename "
-            "a path whose name is not)"
-        ) from None
+            f"override '{key}=...': {bad} is not UTF-8 text; config values are UTF-8 (rename a path whose name is not)"
+        )
 
 
 def _yaml_problem(err: yaml.YAMLError) -> str:

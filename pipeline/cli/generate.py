@@ -10,6 +10,7 @@ from pathlib import Path
 
 from data_prep.entry import run
 from data_prep.redaction import redact
+from data_prep.schema import not_utf8
 from pipeline.evaluation.generate import Sampling, check_sampling, generate
 from pipeline.evaluation.runtime import StreamBudget, check_device, load_checkpoint
 
@@ -30,6 +31,8 @@ def check_args(args: argparse.Namespace) -> str:
     check_device(args.device, "--device")
     if args.prompt is not None:
         prompt = args.prompt
+        if (bad := not_utf8(prompt)) is not None:  # the tokenizer takes text only
+            raise ValueError(f"--prompt: {bad} is not UTF-8 text; give the prompt in UTF-8")
     elif not args.prompt_file.is_file():
         raise ValueError(f"--prompt-file {args.prompt_file}: not a file")
     else:

@@ -3,7 +3,7 @@
 - ``--config <(...)`` (a pipe at ``/dev/fd/63``) is read as YAML, up to a size bound; a directory, a FIFO nothing
   writes to and ``/dev/zero`` are named for what they are (they were all "config file not found");
 - an override holding bytes that are not UTF-8 (``run_dir=...\\xff``) names the override (it was a
-  ``UnicodeEncodeError`` traceback);
+  ``UnicodeEncodeError`` traceback), and so is such a ``generate --prompt`` (a pybind11 cast error);
 - a working directory removed before the command started is said (it was a bare ``FileNotFoundError``).
 
 The tools run as a user runs them, in a subprocess; the errors come before any training, so each takes seconds.
@@ -133,6 +133,13 @@ def test_an_override_that_is_not_utf8_is_named(tmp_path, tool):
         "a path whose name is not)"
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_a_prompt_that_is_not_utf8_is_named_before_the_model_loads(tmp_path):
+    """It reached the tokenizer, whose C++ binding failed to take it (a pybind11 cast error)."""
+    argv = [PYTHON, str(REPO / "launch/generate.py"), "--checkpoint", str(tmp_path / "no-export")]
+    proc = subprocess.run([*argv, b"--prompt", b"caf\xe9 au lait"], env=ENV, capture_output=True, text=True)
+    assert _error_line(proc) == "error: --prompt: byte 0xe9 at position 3 is not UTF-8 text; give the prompt in UTF-8"
 
 
 # -- finding 11: a removed working directory -----------------------------------------------------------------------
