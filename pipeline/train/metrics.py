@@ -147,8 +147,14 @@ def memory_gb() -> float:
 
 
 class MetricsWriteError(Exception):
-    """``metrics.jsonl`` could not be written (a full disk, a quota, ...); the message is one line naming the file,
-    the cause and what to do (``save_failure.describe``'s words)."""
+    """``metrics.jsonl`` (or the wandb run id beside it) could not be written: a full disk, a quota, ...; the
+    message is one line naming the file, the cause and what to do (``save_failure.describe``'s words)."""
+
+
+def _failed(err: OSError, path: Path) -> MetricsWriteError:
+    """The one-line report of ``err``, met writing ``path`` (an error of a write names no file)."""
+    named = OSError(err.errno, err.strerror, str(path))
+    return MetricsWriteError(describe(named, path.parent) or f"cannot write {path}: {err}")
 
 
 class MetricsLogger:
@@ -175,7 +181,7 @@ class MetricsLogger:
         try:
             self.file = open_append(self.path)
         except OSError as err:
-            raise self._failed(err) from None
+            raise _failed(err, self.path) from None
         self._write({"event": "start", "start_step": start_step, **header})
         self.wandb: Any = None
         if cfg.logging.wandb:
@@ -207,7 +213,10 @@ class MetricsLogger:
                 mode = "offline"
         run_id_file = run_dir / WANDB_ID_FILE
         run_id = run_id_file.read_text().strip() if resumed and run_id_file.is_file() else uuid.uuid4().hex[:8]
-        write_text(run_id_file, run_id)
+        try:
+            write_text(run_id_file, run_id)
+        except OSError as err:
+            raise _failed(err, run_id_file) from None
         log.info("wandb: mode=%s project=%s id=%s", mode, self.cfg.logging.wandb_project, run_id)
         return wandb.init(
             project=self.cfg.logging.wandb_project,
@@ -225,12 +234,7 @@ class MetricsLogger:
         except OSError as err:
             with contextlib.suppress(OSError):  # closing flushes the line that did not fit again, to fail again
                 self.file.close()
-            raise self._failed(err) from None
-
-    def _failed(self, err: OSError) -> MetricsWriteError:
-        """The one-line report of ``err``, met writing ``metrics.jsonl`` (an error of a write names no file)."""
-        named = OSError(err.errno, err.strerror, str(self.path))
-        return MetricsWriteError(describe(named, self.path.parent) or f"cannot write {self.path}: {err}")
+            raise _failed(err, self.path) from None
 
     def step(self, step: int, metrics: dict[str, Any], console: bool) -> None:
         self._write({"step": step, **metrics})
