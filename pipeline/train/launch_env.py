@@ -60,7 +60,8 @@ class Number:
         if self.seconds:
             return f"{name}={raw!r} must be a positive number of seconds (at most {MAX_BUDGET_S:g})"
         wanted = f"a port, {self.lowest}-{self.highest}" if name == "MASTER_PORT" else f"an integer >= {self.lowest}"
-        return f"{name}={raw!r} must be {wanted}; {self.setter} sets it, unset it elsewhere"
+        by = f"; {self.setter} sets it, unset it elsewhere" if self.setter else ""
+        return f"{name}={raw!r} must be {wanted}{by}"
 
 
 NUMBERS = {
