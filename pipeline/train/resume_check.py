@@ -243,6 +243,25 @@ def _way_out(path: Path, refused: list[Change]) -> str:
     )
 
 
+def check_data_settings(path: Path, data: dict[str, Any], cfg: TrainConfig) -> None:
+    """The settings the checkpoint's data position records (its ``data`` state, types checked by
+    ``pipeline.train.checkpoint``) equal this run's. Called after `check_resume`, which refuses a change of them
+    with the way out, so they can differ only in an edited trainer state, which the reader would refuse after the
+    weights are loaded.
+
+    Raises:
+        JsonFileError: naming the field and both values.
+    """
+    d = cfg.data
+    now = {"seq_len": cfg.train.seq_len, "window": d.shuffle_window, "seed": cfg.seed, "shuffle": d.shuffle}
+    for key, value in now.items():
+        if data[key] != value:
+            raise JsonFileError(
+                f"{path / TRAINER_STATE}: field 'data.{key}' is {json.dumps(data[key])}, but the config it was saved "
+                f"with gives {json.dumps(value)}"
+            )
+
+
 def check_resume(path: Path, saved: str, cfg: TrainConfig, step: int) -> None:
     """Compare ``cfg`` with the config ``saved`` that the checkpoint at ``path`` (of ``step``) recorded, and log
     the changes as one block (a warning when any key is refused or warned).

@@ -75,7 +75,7 @@ from pipeline.train.metrics import MetricsWriteError, memory_gb, peak_flops, set
 from pipeline.train.optim import freeze_for_stage, lr_at, set_lr
 from pipeline.train.parallel import build_engine
 from pipeline.train.preflight import version_mismatches
-from pipeline.train.resume_check import ResumeRefusedError, check_resume, config_record
+from pipeline.train.resume_check import ResumeRefusedError, check_data_settings, check_resume, config_record
 from pipeline.train.run_files import check_run_files
 from pipeline.train.save_failure import SaveFailedError
 
@@ -348,6 +348,7 @@ class Trainer:
 
         def may_continue(path: Path, state: dict[str, Any]) -> None:
             check_resume(path, state["config_yaml"], self.cfg, int(state["step"]))
+            check_data_settings(path, state["data"], self.cfg)
             check_fingerprint(state["data_fingerprint"], self.data_fingerprint, str(path))
 
         found = self.ckpt.restore(

@@ -125,6 +125,10 @@ CRAFTED: dict[str, tuple[Callable[[Path], None], str]] = {
         _edit_state(lambda s: s["data"]["cursor"].update(page=1)),
         _STATE + r"field 'data\.cursor' does not hold exactly the keys epoch, shard_pos, sample, offset",
     ),
+    "data_seq_len_of_another_run": (
+        _edit_state(lambda s: s["data"].update(seq_len=2 * s["data"]["seq_len"])),
+        _STATE + r"field 'data\.seq_len' is \d+, but the config it was saved with gives \d+",
+    ),
     "config_yaml_a_list": (
         _edit_state(lambda s: s.update(config_yaml="[1, 2]\n")),
         _STATE + r"field 'config_yaml' is not a recorded config \(not a mapping\)",
