@@ -825,9 +825,10 @@ class CheckpointManager:
         """Resume per ``checkpoint.resume``: verify, check, scan, then load; returns (path, trainer state) or None.
 
         ``check(path, state)`` runs after verification and before any tensor is loaded (see `read_state`; the
-        trainer's config comparison and data-fingerprint check). A checkpoint that fails verification or the
-        pickle scan is never loaded; with ``fallback_to_previous`` and ``resume=auto`` the next older committed
-        one is tried, and once one passes, every one that failed is set aside (`set_aside`) with a warning line.
+        trainer's config comparison and data-fingerprint check). A checkpoint that fails verification (its
+        manifest, its files, its trainer state's fields) or the pickle scan is never loaded; with
+        ``fallback_to_previous`` and ``resume=auto`` the next older committed one is tried, and once one passes,
+        every one that failed is set aside (`set_aside`) with a warning line.
 
         Raises:
             CheckpointCorruptError, UnsafeCheckpointError: the checkpoint (or, falling back, every one) failed;
