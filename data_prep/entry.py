@@ -51,12 +51,12 @@ class _StdoutFile(io.FileIO):
 
 
 def _guarded(stream: io.TextIOWrapper) -> tuple[io.TextIOWrapper, _StdoutFile]:
-    """A text stream like ``stream`` (encoding, error handler, buffering) over a `_StdoutFile` of its descriptor,
-    and that file."""
+    """A text stream like ``stream`` (encoding, error handler, buffering: none under ``python -u`` or
+    ``PYTHONUNBUFFERED``) over a `_StdoutFile` of its descriptor, and that file."""
     stream.flush()
     raw = _StdoutFile(stream.fileno(), "w", closefd=False)
     text = io.TextIOWrapper(
-        io.BufferedWriter(raw),
+        raw if isinstance(stream.buffer, io.FileIO) else io.BufferedWriter(raw),
         encoding=stream.encoding,
         errors=stream.errors,
         line_buffering=stream.line_buffering,
