@@ -9,7 +9,6 @@ one that `launch_env` does not list fails here before it can escape the check.""
 from __future__ import annotations
 
 import ast
-import logging
 import os
 import subprocess
 import sys
@@ -18,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cli.train import main as train_main
-from pipeline.train import launch_env
+from pipeline.train import dist, launch_env
 
 REPO = Path(__file__).resolve().parents[2]
 SCANNED = ("pipeline", "data_prep", "launch", "kernels", "model")
@@ -115,15 +113,14 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 
 
 @pytest.mark.parametrize(("name", "raw"), BAD)
-def test_a_malformed_number_stops_training_before_any_work(clean_env, tmp_path, caplog, name, raw):
+def test_a_malformed_number_is_refused_by_the_check_before_any_work(clean_env, name, raw):
+    """`dist.check_launch` is the first thing the trainer does (the subprocess runs below show it: exit 2, no
+    ``run_dir``); here every variable with every bad value, in-process."""
     clean_env.setenv(name, raw)
-    run = tmp_path / "run"
-    with caplog.at_level(logging.ERROR):
-        code = train_main(["--config", str(REPO / "configs/train/tiny.yaml"), f"run_dir={run}"])
-    assert code == 2
-    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    assert len(errors) == 1 and errors[0].startswith(f"{name}={raw!r} must be "), errors
-    assert not run.exists()
+    with pytest.raises(launch_env.LaunchEnvError) as refused:
+        dist.check_launch()
+    said = str(refused.value)
+    assert said.startswith(f"{name}={raw!r} must be ") and "\n" not in said, said
 
 
 @pytest.mark.parametrize(
