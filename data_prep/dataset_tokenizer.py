@@ -15,8 +15,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from data_prep.format import HF_TOKENIZER_CONFIG, HF_TOKENIZER_JSON, TOKENIZER_FILENAME
-from data_prep.safe_files import UnsafeDatasetError, read_regular, stat_regular
+from data_prep.format import (
+    HF_TOKENIZER_CONFIG,
+    HF_TOKENIZER_JSON,
+    MANIFEST_FILENAME,
+    TOKENIZER_FILENAME,
+    TokenizerInfo,
+)
+from data_prep.json_file import DEFAULT_MAX_BYTES
+from data_prep.safe_files import UnsafeDatasetError, read_followed, read_regular, stat_regular
 
 __all__ = [
     "HF",
@@ -24,6 +31,7 @@ __all__ = [
     "TextCodec",
     "TokenizerFiles",
     "folder_tokenizer",
+    "manifest_mismatch",
     "named_tokenizer_files",
     "read_tokenizer_files",
 ]
@@ -57,6 +65,8 @@ class TextCodec:
             except RuntimeError as err:  # sentencepiece's parse error is a bare RuntimeError
                 raise ValueError(f"{files.name} is not a SentencePiece model ({str(err).splitlines()[0]})") from None
             self.vocab_size = sp.get_piece_size()
+            if self.vocab_size == 0:  # empty bytes load as a model without pieces, which fails at the first encode
+                raise ValueError(f"{files.name} is not a SentencePiece model ({len(files.data)} bytes, no pieces)")
             eos, bos = sp.eos_id(), sp.bos_id()
             self.encode = lambda text: sp.encode(text)
             self.decode = lambda ids: sp.decode(list(ids))
@@ -110,10 +120,43 @@ def read_tokenizer_files(root: Path) -> TokenizerFiles | None:
             f"{root} holds both {TOKENIZER_FILENAME} and {HF_TOKENIZER_JSON}: data prep writes one; remove the other"
         )
     if has_sp:
-        return TokenizerFiles(SENTENCEPIECE, read_regular(root, TOKENIZER_FILENAME))
+        return TokenizerFiles(SENTENCEPIECE, _read(root, TOKENIZER_FILENAME))
     if has_hf:
-        config = read_regular(root, HF_TOKENIZER_CONFIG) if stat_regular(root, HF_TOKENIZER_CONFIG) else None
-        return TokenizerFiles(HF, read_regular(root, HF_TOKENIZER_JSON), config)
+        config = _read(root, HF_TOKENIZER_CONFIG) if stat_regular(root, HF_TOKENIZER_CONFIG) else None
+        return TokenizerFiles(HF, _read(root, HF_TOKENIZER_JSON), config)
+    return None
+
+
+def _read(directory: Path, name: str) -> bytes:
+    """A tokenizer file as a regular file of at most ``DEFAULT_MAX_BYTES`` (the largest ``tokenizer.json`` of a
+    released model is ~30 MB), never through a link."""
+    return read_regular(directory, name, max_size=DEFAULT_MAX_BYTES)
+
+
+def manifest_mismatch(root: Path, recorded: TokenizerInfo, found: TokenizerFiles | None) -> str | None:
+    """Why ``found``, the tokenizer beside ``root``'s splits (`read_tokenizer_files`), is not the one ``root``'s
+    manifest records (None when it is): of its kind, with its sha256 (and its config's, for `HF`). The token ids come
+    from the recorded tokenizer; another one in its place (same vocabulary size or not) would be trained on silently
+    and shipped with every export."""
+    manifest = root / MANIFEST_FILENAME
+    name = _FILENAMES.get(recorded.type, TOKENIZER_FILENAME)
+    if found is None:
+        return f"{root / name} is missing, but {manifest} records a {recorded.type} one (sha256 {recorded.sha256})"
+    if found.kind != recorded.type:
+        return (
+            f"{root / found.name} is a {found.kind} tokenizer, but {manifest} records a {recorded.type} one ({name}, "
+            f"sha256 {recorded.sha256})"
+        )
+    config = hashlib.sha256(found.config).hexdigest() if found.config is not None else ""
+    for file, actual, expected in (
+        (found.name, found.sha256, recorded.sha256),
+        (HF_TOKENIZER_CONFIG, config, recorded.config_sha256 if found.kind == HF else ""),
+    ):
+        if actual != expected:
+            return (
+                f"{root / file} has sha256 {actual or '(no file)'}, but {manifest} records {expected or '(no file)'}: "
+                "the tokenizer was replaced or changed after data prep (the token ids come from the recorded one)"
+            )
     return None
 
 
@@ -124,11 +167,11 @@ def named_tokenizer_files(directory: Path, name: str) -> TokenizerFiles:
     Raises:
         FileNotFoundError: no such file. UnsafeDatasetError: it is not a regular file.
     """
-    data = read_regular(directory, name)
+    data = _read(directory, name)
     if name != HF_TOKENIZER_JSON:
         return TokenizerFiles(SENTENCEPIECE, data)
     try:
-        config = read_regular(directory, HF_TOKENIZER_CONFIG)
+        config = _read(directory, HF_TOKENIZER_CONFIG)
     except FileNotFoundError:
         config = None
     return TokenizerFiles(HF, data, config)
@@ -137,12 +180,16 @@ def named_tokenizer_files(directory: Path, name: str) -> TokenizerFiles:
 def folder_tokenizer(directory: Path, kind: str | None = None) -> TokenizerFiles | None:
     """The tokenizer of a dense model folder (a ``transformers`` checkpoint, which the user names and the HF cache
     fills with links, so links are followed): of ``kind`` when given, else its ``tokenizer.model`` when it has one
-    (Llama-2, Mistral: both files, the same tokenizer), else its ``tokenizer.json``; None when it has none."""
+    (Llama-2, Mistral: both files, the same tokenizer), else its ``tokenizer.json``; None when it has none.
+
+    Raises:
+        UnsafeDatasetError: a tokenizer file there is not a regular file (a FIFO would block the read) or cannot be
+            read (one line naming it).
+    """
     kinds = [kind] if kind is not None else [SENTENCEPIECE, HF]
     for candidate in kinds:
-        path = directory / _FILENAMES[candidate]
-        if path.is_file():
-            config = directory / HF_TOKENIZER_CONFIG
-            extra = config.read_bytes() if candidate == HF and config.is_file() else None
-            return TokenizerFiles(candidate, path.read_bytes(), extra)
+        data = read_followed(directory / _FILENAMES[candidate])
+        if data is not None:
+            extra = read_followed(directory / HF_TOKENIZER_CONFIG) if candidate == HF else None
+            return TokenizerFiles(candidate, data, extra)
     return None

@@ -35,7 +35,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from data_prep.safe_files import read_regular
+from data_prep.json_file import DEFAULT_MAX_BYTES, Fields, JsonFileError, parse_json
+from data_prep.safe_files import CONFIG_KEYS, read_regular
 
 __all__ = [
     "COMPLETE_MARKER",
@@ -206,23 +207,78 @@ class Manifest:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
 
 
-def manifest_from_dict(obj: dict[str, Any]) -> Manifest:
-    """Build a `Manifest` from its JSON object, rejecting other format versions."""
+_MAX_COUNT = 2**63 - 1
+"""Counts and sizes of a manifest: any int64 (what numpy sums them into); a larger one is not data prep's."""
+_MAX_ID = 2**32
+"""Token ids and vocabulary sizes fit the uint32 token column."""
+
+
+def _optional_int(fields: Fields, key: str, low: int = 0) -> int | None:
+    return None if fields.obj.get(key) is None else fields.integer(key, low=low, high=_MAX_COUNT)
+
+
+def _optional_str(fields: Fields, key: str) -> str | None:
+    return None if fields.obj.get(key) is None else fields.string(key)
+
+
+def manifest_from_dict(obj: Any, where: str = MANIFEST_FILENAME) -> Manifest:
+    """Build a `Manifest` from its JSON object, each field taken with its type and range checked
+    (``data_prep.json_file.Fields``), rejecting other format versions.
+
+    Raises:
+        ValueError: another format version, or a field of another type or out of range (a ``JsonFileError``
+            naming ``where`` and the field).
+    """
+    fields = Fields(obj, where)
     version = obj.get("format_version")
     if version != FORMAT_VERSION:
         raise ValueError(
             f"manifest format_version={version!r} is not supported (this code reads {FORMAT_VERSION}); re-run make prep"
         )
+    tok = fields.nested("tokenizer")
+    tokenizer = TokenizerInfo(
+        sha256=tok.string("sha256"),
+        vocab_size=tok.integer("vocab_size", low=1, high=_MAX_ID),
+        model_type=tok.string("model_type"),
+        trained=tok.boolean("trained"),
+        **{key: tok.integer(key, low=-1, high=_MAX_ID) for key in ("unk_id", "bos_id", "eos_id", "pad_id")},
+        type=tok.string("type", default="sentencepiece", choices=("sentencepiece", "hf")),
+        config_sha256=tok.string("config_sha256", default=""),
+    )
+    splits = {}
+    for name in fields.mapping("splits"):
+        split = fields.nested("splits").nested(name)
+        counts = {key: split.integer(key, low=0, high=_MAX_COUNT) for key in ("documents", "pieces", "tokens")}
+        splits[name] = SplitStats(**counts, index_sha256=split.string("index_sha256"))
+    skipped = fields.nested("skipped")
+    inputs = []
+    for i in range(len(fields.sequence("inputs"))):
+        entry = Fields(obj["inputs"][i], where, f"inputs[{i}].")
+        inputs.append(
+            InputFingerprint(
+                path=entry.string("path"),
+                size=_optional_int(entry, "size"),
+                mtime_ns=_optional_int(entry, "mtime_ns", low=-_MAX_COUNT - 1),  # a file from before 1970
+                sha256=_optional_str(entry, "sha256"),
+            )
+        )
+    software = fields.nested("software") if "software" in obj else None
+    val_split = fields.nested("val_split") if "val_split" in obj else None
     return Manifest(
         format_version=version,
-        token_dtype=obj["token_dtype"],
-        tokenizer=TokenizerInfo(**obj["tokenizer"]),
-        splits={name: SplitStats(**stats) for name, stats in obj["splits"].items()},
-        skipped=dict(obj["skipped"]),
-        inputs=[InputFingerprint(**entry) for entry in obj["inputs"]],
-        config=dict(obj["config"]),
-        software=dict(obj.get("software", {})),
-        val_split=ValSplitInfo(**obj.get("val_split", {})),
+        token_dtype=fields.string("token_dtype", choices=tuple(_TOKEN_BYTES)),
+        tokenizer=tokenizer,
+        splits=splits,
+        skipped={key: skipped.integer(key, low=0, high=_MAX_COUNT) for key in skipped.obj},
+        inputs=inputs,
+        config=dict(fields.mapping("config")),
+        software={key: software.string(key) for key in software.obj} if software is not None else {},
+        val_split=ValSplitInfo(
+            unit=val_split.string("unit", default="documents"),
+            lowest_hash_fallback=val_split.boolean("lowest_hash_fallback", default=False),
+        )
+        if val_split is not None
+        else ValSplitInfo(),
     )
 
 
@@ -247,8 +303,8 @@ def read_manifest(path: str | Path) -> Manifest:
     """
     root = Path(path)
     try:
-        data = read_regular(root, MANIFEST_FILENAME)
-        expected = read_regular(root, COMPLETE_MARKER).decode("ascii", errors="replace").strip()
+        data = read_regular(root, MANIFEST_FILENAME, max_size=DEFAULT_MAX_BYTES)
+        expected = read_regular(root, COMPLETE_MARKER, max_size=4096).decode("ascii", errors="replace").strip()
     except (FileNotFoundError, NotADirectoryError):
         raise IncompleteDatasetError(
             f"{root} is not a completed prepared dataset (no {COMPLETE_MARKER} or {MANIFEST_FILENAME}); "
@@ -261,41 +317,41 @@ def read_manifest(path: str | Path) -> Manifest:
             f"{manifest_path} does not match {root / COMPLETE_MARKER} (sha256 {actual} != {expected[:64]}); "
             "the dataset was modified after it was written; re-run prep"
         )
-    try:
-        obj = json.loads(data)
-    except ValueError as err:  # also UnicodeDecodeError: one line, never a traceback from the JSON parser
-        raise ValueError(f"{manifest_path}: not valid JSON ({err}); re-run prep") from None
-    return manifest_from_dict(obj)
+    try:  # nesting bounded before the parse, each field checked: a resealed edit is one line naming the field
+        return manifest_from_dict(parse_json(data, str(manifest_path)), str(manifest_path))
+    except JsonFileError as err:
+        raise ValueError(f"{err}; re-run prep") from None
 
 
 # An MDS shard file (streaming's MDSWriter) is: the sample count (uint32), count + 1 offsets (uint32), the writer's
 # config as JSON, then the samples. A sample of prep's columns is: the byte size of its one variable column (uint32),
 # `DOC_ID` and `PIECE` (int64 each), and `TOKENS` as an NDArray of static dtype and dynamic shape: one byte of
 # rank and shape dtype, the length in 1, 2 or 4 bytes (the smallest unsigned type that holds it), then the ids.
-_SHARD_INDEX_ONLY = ("samples", "raw_data", "zip_data")
-"""The keys of an index entry that are not the writer's config (which the shard file repeats as JSON)."""
 _SAMPLE_FIXED_BYTES = 4 + 8 + 8 + 1
 _LENGTH_BYTES_MIN, _LENGTH_BYTES_MAX = 1, 4
 """Fewest and most bytes the length of one `TOKENS` array takes (a piece is shorter than 2**32 tokens)."""
 
 
-def _prep_token_dtype(shard: dict[str, Any]) -> str | None:
-    """The token dtype of an index entry laid out as prep writes its shards (`mds_columns`, a raw file size), else
-    None: the token count is derived from that layout only."""
-    columns = dict(zip(shard.get("column_names", []), shard.get("column_encodings", []), strict=False))
-    size = shard["raw_data"].get("bytes")
-    if not isinstance(size, int) or isinstance(size, bool):
-        return None
-    return next((dtype for dtype in _TOKEN_BYTES if columns == mds_columns(dtype)), None)
+def _layout(shard: dict[str, Any], known: dict[str, tuple[str | None, int]]) -> tuple[str | None, int]:
+    """The token dtype of a checked index entry laid out as prep writes its shards (`mds_columns`; None for another
+    layout: the token count is derived from prep's layout only), and the bytes of the writer's config, which the
+    shard file repeats as JSON. Remembered in ``known`` by the config's ``repr``: the shards of one dataset share
+    one config, and an index may list 100,000 of them."""
+    key = repr([shard[name] for name in CONFIG_KEYS])
+    if key not in known:
+        columns = dict(zip(shard["column_names"], shard["column_encodings"], strict=True))
+        dtype = next((dtype for dtype in _TOKEN_BYTES if columns == mds_columns(dtype)), None)
+        config = json.dumps({name: shard[name] for name in CONFIG_KEYS}, sort_keys=True)
+        known[key] = dtype, len(config.encode())
+    return known[key]
 
 
-def _token_range(shard: dict[str, Any], dtype: str) -> tuple[int, int]:
+def _token_range(shard: dict[str, Any], dtype: str, config_bytes: int) -> tuple[int, int]:
     """Fewest and most tokens a shard of prep's layout holds, from the sizes its index entry records: only the
     bytes each piece spends on its length are unknown (1, 2 or 4 of them, by the length), so the range spans
     3 / itemsize tokens per piece. Every piece holds at least one token (MDS refuses an empty array)."""
     samples = int(shard["samples"])
-    config = json.dumps({k: v for k, v in shard.items() if k not in _SHARD_INDEX_ONLY}, sort_keys=True)
-    payload = shard["raw_data"]["bytes"] - 4 * (samples + 2) - len(config.encode()) - samples * _SAMPLE_FIXED_BYTES
+    payload = shard["raw_data"]["bytes"] - 4 * (samples + 2) - config_bytes - samples * _SAMPLE_FIXED_BYTES
     item = _TOKEN_BYTES[dtype]
     low = -(-(payload - samples * _LENGTH_BYTES_MAX) // item)  # rounded up
     return max(low, samples), (payload - samples * _LENGTH_BYTES_MIN) // item
@@ -321,11 +377,12 @@ def split_count_mismatch(root: Path, split: str, manifest: Manifest, shards: lis
     samples = sum(int(shard["samples"]) for shard in shards)
     if stats.pieces != samples:
         return f"{recorded} splits.{split}.pieces={stats.pieces}, but {index} lists {samples} samples"
-    dtypes = [_prep_token_dtype(shard) for shard in shards]
-    if any(dtype != manifest.token_dtype for dtype in dtypes):
-        found = sorted({dtype or "another layout than data prep writes" for dtype in dtypes})
+    known: dict[str, tuple[str | None, int]] = {}
+    layouts = [_layout(shard, known) for shard in shards]
+    if any(dtype != manifest.token_dtype for dtype, _ in layouts):
+        found = sorted({dtype or "another layout than data prep writes" for dtype, _ in layouts})
         return f"{recorded} token_dtype={manifest.token_dtype}, but {index} lists shards of {', '.join(found)}"
-    ranges = [_token_range(shard, manifest.token_dtype) for shard in shards]
+    ranges = [_token_range(shard, manifest.token_dtype, size) for shard, (_, size) in zip(shards, layouts, strict=True)]
     low, high = sum(r[0] for r in ranges), sum(r[1] for r in ranges)
     if not low <= stats.tokens <= high:
         return (

@@ -19,7 +19,6 @@ segments are also never cut hard in a run without spaces (CJK text, base64), whi
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,8 @@ from tokenizers import Tokenizer
 from data_prep.errors import ConfigError
 from data_prep.format import HF_TOKENIZER_CONFIG as TOKENIZER_CONFIG
 from data_prep.format import HF_TOKENIZER_JSON as TOKENIZER_JSON
+from data_prep.json_file import Fields, parse_json
+from data_prep.safe_files import UnsafeDatasetError, read_followed
 
 logger = logging.getLogger(__name__)
 
@@ -99,10 +100,7 @@ def parse_tokenizer(data: bytes, where: str) -> Tokenizer:
 def _config(data: bytes | None, where: str) -> dict[str, Any]:
     if data is None:
         return {}
-    try:
-        config = json.loads(data)
-    except ValueError as err:
-        raise ValueError(f"{where} is not valid JSON ({err})") from None
+    config = parse_json(data, where)
     if not isinstance(config, dict):
         raise ValueError(f"{where} is not a JSON object")
     return config
@@ -116,11 +114,13 @@ def read_folder(path: str) -> tuple[HFTokenizerFiles, Tokenizer]:
         ConfigError: one line naming ``tokenizer.path`` and the file.
     """
     folder = Path(path)
-    try:
-        data = (folder / TOKENIZER_JSON).read_bytes()
-        config = (folder / TOKENIZER_CONFIG).read_bytes() if (folder / TOKENIZER_CONFIG).is_file() else None
-    except OSError as err:
-        raise ConfigError(f"bad value tokenizer.path={path!r}: cannot read {err.filename} ({err.strerror})") from None
+    try:  # regular files only (links followed: an HF cache folder is links); a FIFO would block the read
+        data = read_followed(folder / TOKENIZER_JSON)
+        config = read_followed(folder / TOKENIZER_CONFIG)
+    except UnsafeDatasetError as err:
+        raise ConfigError(f"bad value tokenizer.path={path!r}: {err}") from None
+    if data is None:
+        raise ConfigError(f"bad value tokenizer.path={path!r}: cannot read {folder / TOKENIZER_JSON} (no such file)")
     files = HFTokenizerFiles(data, config)
     try:
         tokenizer = parse_tokenizer(data, str(folder / TOKENIZER_JSON))
@@ -188,7 +188,7 @@ def _default_id(tokenizer: Tokenizer, kind: str) -> int:
 
 def describe(files: HFTokenizerFiles, tokenizer: Tokenizer) -> dict[str, Any]:
     """The manifest's ``tokenizer`` fields for an HF tokenizer (``data_prep.format.TokenizerInfo``)."""
-    model = json.loads(files.tokenizer_json)["model"]
+    model = Fields(parse_json(files.tokenizer_json, TOKENIZER_JSON), TOKENIZER_JSON).mapping("model")
     return {
         "type": "hf",
         "sha256": hashlib.sha256(files.tokenizer_json).hexdigest(),
@@ -242,7 +242,7 @@ class HFEncoder:
 
     def __init__(self, data: bytes) -> None:
         self.tokenizer = parse_tokenizer(data, TOKENIZER_JSON)
-        self.unsafe = segment_safe(json.loads(data))
+        self.unsafe = segment_safe(parse_json(data, TOKENIZER_JSON))
 
     def encode(self, texts: list[str]) -> list[np.ndarray]:
         return [

@@ -5,12 +5,16 @@ shard files, and nothing stops it from naming ``../../x``, an absolute path, a s
 user, a FIFO (a read that never returns) or ``/dev/zero`` (one that never ends). So every reader -- the trainer,
 the eval haystack, the slice merge and preflight -- goes through these functions:
 
-- `check_index`: the index is an MDS index whose file names are plain relative paths inside the split directory
-  (no ``..``, no leading ``/`` or ``.``), each used once, and whose columns never unpickle (pickle runs code);
-  run before any shard file is opened or created;
+- `parse_index` / `check_index`: the index is read through ``data_prep.json_file`` (size and nesting bounded
+  before the parse) and is an MDS index whose every field has the type and range data prep writes (a sample
+  count of ``1e30`` is one line naming the field, not an OverflowError later), whose file names are plain
+  relative paths inside the split directory (no ``..``, no leading ``/`` or ``.``), each used once, and whose
+  columns never unpickle (pickle runs code); run before any shard file is opened or created;
 - `stat_regular` / `open_regular` / `read_regular`: a file inside a directory is reached without following any
   symbolic link below that directory, and must be a regular file (checked on the open descriptor, so a file
-  swapped after the check is caught too).
+  swapped after the check is caught too);
+- `read_followed`: a file in a folder the user names (``tokenizer.path``, a dense checkpoint), links followed,
+  must be a regular file of bounded size.
 
 The directory itself (``data.path``, a split directory) may be a symbolic link: the user names it. Nothing here
 writes anything. This lives in ``data_prep`` because the merge reads slices with it and may not import the
@@ -20,12 +24,13 @@ pipeline.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import re
 import stat
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, NoReturn
+
+from data_prep.json_file import DEFAULT_MAX_BYTES, Fields, JsonFileError, parse_json
 
 __all__ = [
     "INDEX_FILENAME",
@@ -38,6 +43,8 @@ __all__ = [
     "open_regular",
     "parse_index",
     "read_index",
+    "read_followed",
+    "read_index_bytes",
     "read_regular",
     "is_within",
     "stat_regular",
@@ -47,7 +54,28 @@ INDEX_FILENAME = "index.json"
 
 _SAFE_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 _UNSAFE_ENCODINGS = ("pkl",)
-_FILE_KEYS = ("raw_data", "zip_data", "raw_meta", "zip_meta")
+_FILE_KEYS = ("raw_data", "zip_data")
+_SHARD_KEYS = {
+    "column_encodings",
+    "column_names",
+    "column_sizes",
+    "compression",
+    "format",
+    "hashes",
+    "raw_data",
+    "samples",
+    "size_limit",
+    "version",
+    "zip_data",
+}
+"""What streaming's ``MDSWriter`` writes for a shard, and all its ``MDSReader`` takes."""
+CONFIG_KEYS = tuple(sorted(_SHARD_KEYS - {"raw_data", "zip_data", "samples"}))
+"""The fields of a shard that are the writer's config, which the shard file repeats as JSON."""
+_FILE_INFO_KEYS = {"basename", "bytes", "hashes"}
+MAX_SHARD_SAMPLES = 2**32 - 1
+"""An MDS shard file stores its sample count as a uint32."""
+MAX_FILE_BYTES = 2**63 - 1
+"""A file size (``off_t``)."""
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | os.O_CLOEXEC
 """``O_DIRECTORY`` fails on a FIFO or device before it is opened; ``O_NONBLOCK`` is a second guard."""
 _KINDS = (
@@ -85,6 +113,8 @@ def check_shard_path(name: object, where: str) -> str:
     Raises:
         UnsafeShardPathError: naming ``where`` and the offending name.
     """
+    if isinstance(name, str) and _SAFE_PART.fullmatch(name):
+        return name  # one plain part (what data prep writes): the common case of 100,000-shard indexes, made cheap
     parts = PurePosixPath(name).parts if isinstance(name, str) else ()
     if not parts or name != "/".join(parts) or not all(_SAFE_PART.fullmatch(p) for p in parts):
         raise UnsafeShardPathError(
@@ -94,47 +124,85 @@ def check_shard_path(name: object, where: str) -> str:
     return str(name)
 
 
-def _check_shard(shard: Any, i: int, where: str, seen: set[str]) -> None:
-    if not isinstance(shard, dict):
-        raise UnsafeDatasetError(f"{where}: shard {i} is not an object")
-    if shard.get("format") != "mds" or not isinstance(shard.get("raw_data"), dict):
-        raise UnsafeDatasetError(
-            f"{where}: shard {i} is not an MDS shard (format {shard.get('format')!r}, "
-            "raw_data missing?); only data prep's MDS shards are read"
-        )
-    samples = shard.get("samples")
-    if not isinstance(samples, int) or isinstance(samples, bool) or samples < 0:
-        raise UnsafeDatasetError(f"{where}: shard {i} has samples={samples!r}, not a count")
-    for key in _FILE_KEYS:
-        info = shard.get(key)
-        if info is None:
-            continue
-        name = check_shard_path(info.get("basename") if isinstance(info, dict) else info, f"{where}: shard {i} {key}")
-        if name in seen:  # two entries on one file would let evicting one shard delete the other's cached copy
-            raise UnsafeDatasetError(f"{where}: shard {i} {key}: file {name!r} is listed twice in the index")
-        seen.add(name)
-    for name, encoding in zip(shard.get("column_names", []), shard.get("column_encodings", [])):
-        if str(encoding).split(":")[0] in _UNSAFE_ENCODINGS:
+def _refuse(where: str, field: str, problem: str) -> NoReturn:
+    raise UnsafeDatasetError(f"{where}: field '{field}' {problem}; only data prep's MDS indexes are read")
+
+
+def _check_file(shard: Fields, i: int, key: str, where: str, seen: set[str]) -> None:
+    """The ``raw_data`` / ``zip_data`` entry of a shard: a safe file name, used once, a byte count and hashes."""
+    info = shard.nested(key)
+    name = check_shard_path(info.obj.get("basename"), f"{where}: shard {i} {key}")
+    if name in seen:  # two entries on one file would let evicting one shard delete the other's cached copy
+        raise UnsafeDatasetError(f"{where}: shard {i} {key}: file {name!r} is listed twice in the index")
+    seen.add(name)
+    info.integer("bytes", low=0, high=MAX_FILE_BYTES)
+    if not set(map(type, info.mapping("hashes").values())) <= {str}:
+        _refuse(where, f"{info.prefix}hashes", "is not an object of hex strings")
+    if info.obj.keys() != _FILE_INFO_KEYS:
+        key = min(info.obj.keys() ^ _FILE_INFO_KEYS)
+        _refuse(where, f"{info.prefix}{key}", "is missing" if key in _FILE_INFO_KEYS else "is not one an MDS file has")
+
+
+def _check_config(shard: Fields, i: int, where: str) -> None:
+    """The fields of a shard that are the writer's config (`CONFIG_KEYS`): the same for every shard of a dataset."""
+    shard.integer("version", low=2, high=2)
+    shard.string("format", choices=("mds",))
+    if shard.obj.get("size_limit") is not None:
+        shard.integer("size_limit", low=1, high=MAX_FILE_BYTES)
+    if shard.obj.get("compression") is not None:
+        shard.string("compression")
+    names, encodings, sizes = (shard.sequence(key) for key in ("column_names", "column_encodings", "column_sizes"))
+    if not all(isinstance(item, str) for item in names + encodings) or not len(names) == len(encodings) == len(sizes):
+        _refuse(where, f"{shard.prefix}column_names", "does not give one name, encoding and size per column")
+    if not all(size is None or (isinstance(size, int) and not isinstance(size, bool) and size >= 0) for size in sizes):
+        _refuse(where, f"{shard.prefix}column_sizes", "is not a list of byte sizes or nulls")
+    hashes = shard.sequence("hashes")
+    if not all(isinstance(item, str) for item in hashes):
+        _refuse(where, f"{shard.prefix}hashes", "is not a list of hash names")
+    for name, encoding in zip(names, encodings, strict=True):
+        if encoding.split(":")[0] in _UNSAFE_ENCODINGS:
             raise UnsafeColumnError(
                 f"{where}: shard {i} column {name!r} has encoding {encoding!r}, which "
                 "unpickles (runs code) on read; the trainer never reads such columns"
             )
 
 
+def _check_shard(shard: Fields, i: int, where: str, seen: set[str], configs: set[str]) -> None:
+    """One entry of ``shards``: every field streaming's MDS reader takes (no other: it would refuse one with a
+    TypeError), each of the type and range data prep writes. ``configs`` holds the configs already checked, by
+    their ``repr`` (which tells ``2`` from ``2.0`` and ``true``), so an index of 100,000 shards checks one."""
+    if shard.obj.keys() != _SHARD_KEYS:
+        key = min(shard.obj.keys() ^ _SHARD_KEYS)
+        _refuse(where, f"{shard.prefix}{key}", "is missing" if key in _SHARD_KEYS else "is not one an MDS shard has")
+    config = repr([shard.obj[key] for key in CONFIG_KEYS])
+    if config not in configs:
+        _check_config(shard, i, where)
+        configs.add(config)
+    shard.integer("samples", low=0, high=MAX_SHARD_SAMPLES)
+    _check_file(shard, i, "raw_data", where, seen)
+    if shard.obj["zip_data"] is not None:
+        _check_file(shard, i, "zip_data", where, seen)
+
+
 def check_index(index: Any, where: str) -> None:
-    """Validate an MDS ``index.json`` object before any shard is touched: every shard is an MDS shard whose file
-    names are safe relative paths (`check_shard_path`), each used once, and no column uses pickle.
+    """Validate an MDS ``index.json`` object before any shard is touched: every shard is an MDS shard whose fields
+    have the types and ranges data prep writes (``data_prep.json_file.Fields``: a sample count of ``1e30`` or
+    ``null`` is named, never an OverflowError or TypeError later), whose file names are safe relative paths
+    (`check_shard_path`), each used once, and no column uses pickle.
 
     Raises:
-        UnsafeDatasetError (or its subclasses): naming ``where``, the shard and the problem.
+        UnsafeDatasetError (or its subclasses): one line naming ``where``, the shard or field and the problem.
     """
-    if not isinstance(index, dict) or not isinstance(index.get("shards"), list):
-        raise UnsafeDatasetError(f"{where}: not an MDS index (no 'shards' list)")
-    if index.get("version") != 2:
-        raise UnsafeDatasetError(f"{where}: MDS index version {index.get('version')!r}, expected 2")
-    seen: set[str] = set()
-    for i, shard in enumerate(index["shards"]):
-        _check_shard(shard, i, where, seen)
+    try:
+        fields = Fields(index, where)
+        fields.integer("version", low=2, high=2)
+        shards = fields.sequence("shards")
+        seen: set[str] = set()
+        configs: set[str] = set()
+        for i, shard in enumerate(shards):
+            _check_shard(Fields(shard, where, f"shards[{i}]."), i, where, seen, configs)
+    except JsonFileError as err:
+        raise UnsafeDatasetError(f"{err}; only data prep's MDS indexes are read") from None
 
 
 def index_file_names(shard: dict[str, Any]) -> list[str]:
@@ -225,12 +293,13 @@ def open_regular(directory: Path, name: str) -> int:
     return fd
 
 
-def read_regular(directory: Path, name: str, expected_size: int | None = None) -> bytes:
+def read_regular(directory: Path, name: str, expected_size: int | None = None, max_size: int | None = None) -> bytes:
     """The bytes of the regular file ``directory/name`` (see `open_regular`).
 
     Args:
         expected_size: when given, a file of another size is refused before it is read (a shard that grew to
             gigabytes is never loaded into memory).
+        max_size: when given, a larger file is refused before it is read, and no more than that is ever read.
 
     Raises:
         FileNotFoundError, UnsafeDatasetError: as `open_regular`; UnsafeDatasetError also for a size mismatch.
@@ -242,7 +311,12 @@ def read_regular(directory: Path, name: str, expected_size: int | None = None) -
                 f"{directory / name}: {size} bytes, but the index records {expected_size}; the "
                 "file changed since data prep wrote it (re-run data prep)"
             )
-        return f.read()
+        if max_size is not None and size > max_size:
+            raise UnsafeDatasetError(f"{directory / name}: {size:,} bytes, more than the {max_size:,} read of it")
+        data = f.read() if max_size is None else f.read(max_size + 1)
+        if max_size is not None and len(data) > max_size:
+            raise UnsafeDatasetError(f"{directory / name}: grew past the {max_size:,} bytes read of it while read")
+        return data
 
 
 def read_index(split_dir: Path) -> tuple[dict[str, Any], bytes]:
@@ -252,19 +326,60 @@ def read_index(split_dir: Path) -> tuple[dict[str, Any], bytes]:
         FileNotFoundError: there is no ``index.json``.
         UnsafeDatasetError: it is not a regular file, not JSON, or not a safe MDS index.
     """
-    raw = read_regular(split_dir, INDEX_FILENAME)
+    raw = read_index_bytes(split_dir)
     return parse_index(raw, str(split_dir / INDEX_FILENAME)), raw
 
 
+def read_index_bytes(split_dir: Path) -> bytes:
+    """The bytes of ``split_dir/index.json``, a regular file of at most ``DEFAULT_MAX_BYTES`` (an index of 100,000
+    shards is ~45 MB), unchecked: for a caller that hashes them before `parse_index`.
+
+    Raises:
+        FileNotFoundError: there is no ``index.json``. UnsafeDatasetError: not a regular file, or too large.
+    """
+    return read_regular(split_dir, INDEX_FILENAME, max_size=DEFAULT_MAX_BYTES)
+
+
 def parse_index(raw: bytes, where: str) -> dict[str, Any]:
-    """The checked (`check_index`) MDS index in ``raw``, the bytes of ``where``.
+    """The checked (`check_index`) MDS index in ``raw``, the bytes of ``where``, parsed by
+    ``data_prep.json_file.parse_json`` (nesting bounded before the parse, no NaN).
 
     Raises:
         UnsafeDatasetError: not JSON, or not a safe MDS index.
     """
     try:
-        index = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as err:
-        raise UnsafeDatasetError(f"{where}: not valid JSON ({err}); re-run data prep for this split") from None
+        index = parse_json(raw, where)
+    except JsonFileError as err:
+        raise UnsafeDatasetError(f"{err}; re-run data prep for this split") from None
     check_index(index, where)
     return index
+
+
+def read_followed(path: Path, max_size: int = DEFAULT_MAX_BYTES) -> bytes | None:
+    """The bytes of a file in a folder the user names (``tokenizer.path``, a dense checkpoint, which the HF cache
+    fills with links, so links are followed): a regular file of at most ``max_size`` bytes; None when there is
+    none. A FIFO or device is refused before it is opened (a read would block or never end) and again on the
+    descriptor.
+
+    Raises:
+        UnsafeDatasetError: not a regular file, unreadable, or larger than ``max_size`` (one line naming it).
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise UnsafeDatasetError(f"{path}: cannot be read ({err.strerror})") from None
+    if not stat.S_ISREG(mode):
+        raise UnsafeDatasetError(f"{path} is {file_kind(mode)}, not a regular file")
+    try:
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            data = f.read(max_size + 1) if stat.S_ISREG(mode) else b""
+    except OSError as err:
+        raise UnsafeDatasetError(f"{path}: cannot be read ({err.strerror})") from None
+    if not stat.S_ISREG(mode):
+        raise UnsafeDatasetError(f"{path} is {file_kind(mode)}, not a regular file")
+    if len(data) > max_size:
+        raise UnsafeDatasetError(f"{path}: more than the {max_size:,} bytes read of it")
+    return data

@@ -27,11 +27,15 @@ naming the ``config.json`` key (or the ``model.*`` key that does not fit).
 from __future__ import annotations
 
 import json
+import os
+import re
+import stat
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from data_prep.json_file import Fields, JsonFileError, read_json
 from model.config import GCAConfig
 from model.gca import GCAForCausalLM
 from model.io import ExportError, check_safetensors, read_export_config
@@ -75,12 +79,12 @@ class ConversionError(ValueError):
 def read_dense_config(directory: str | Path) -> dict[str, Any]:
     """``config.json`` of a ``transformers`` folder, checked for a layout the GCA model can reproduce."""
     path = Path(directory) / "config.json"
-    if not path.is_file():
-        raise ConversionError(f"{path}: no config.json; an hf: checkpoint is a transformers folder")
     try:
-        hf = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConversionError(f"{path}: not a JSON config ({exc})") from None
+        hf = read_json(path)
+    except FileNotFoundError:
+        raise ConversionError(f"{path}: no config.json; an hf: checkpoint is a transformers folder") from None
+    except JsonFileError as exc:
+        raise ConversionError(str(exc)) from None
     if not isinstance(hf, dict):
         raise ConversionError(f"{path}: expected a JSON object")
     kind = hf.get("model_type")
@@ -200,22 +204,68 @@ def check_fits(cfg: GCAConfig, directory: str | Path) -> dict[str, Any]:
     return hf
 
 
+INDEX_NAME = "model.safetensors.index.json"
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
+"""A shard file name in ``weight_map``: one plain name in the folder, as ``transformers`` writes them (no ``/``, no
+``..``, no leading ``.``); the rule dataset shard names follow (``data_prep.safe_files.check_shard_path``)."""
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of a dense checkpoint: those its ``model.safetensors.index.json`` maps tensors to,
+    else ``model.safetensors``. The whole index is checked before any file is opened: it is read with
+    ``data_prep.json_file.read_json`` (bounded size and nesting), every ``weight_map`` value must be a plain file
+    name inside ``directory`` (a value ``../outside/w.safetensors`` would read a file from anywhere), and each file
+    must exist as a regular file (links followed, as the HF cache fills a snapshot folder with links; a FIFO would
+    block the read). Only ``stat`` is used: nothing is opened but the index.
+
+    Raises:
+        ConversionError: one line naming the index and the entry (or the missing ``model.safetensors``).
+    """
+    index = directory / INDEX_NAME
+    try:
+        weight_map = Fields(read_json(index), str(index)).mapping("weight_map")
+    except FileNotFoundError:
+        single = directory / "model.safetensors"
+        return [_regular_file(single, str(single))]
+    except JsonFileError as exc:
+        raise ConversionError(str(exc)) from None
+    bad = [(tensor, name) for tensor, name in weight_map.items() if not _is_plain_name(name)]
+    if bad:
+        tensor, name = bad[0]
+        raise ConversionError(
+            f"{index}: weight_map entry {tensor!r} names {json.dumps(name)[:80]}, not a file name inside {directory} "
+            f"({len(bad)} such entr{'y' if len(bad) == 1 else 'ies'}); nothing was read"
+        )
+    first = {name: tensor for tensor, name in reversed(weight_map.items())}  # each file's first entry, for messages
+    return [
+        _regular_file(directory / name, f"{index}: weight_map entry {tensor!r} names {name}, which")
+        for name, tensor in sorted(first.items())
+    ]
+
+
+def _regular_file(path: Path, what: str) -> Path:
+    """``path`` if it is a regular file (links followed), else a `ConversionError` starting with ``what``."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise ConversionError(f"{what} is missing (an hf: checkpoint needs its safetensors weights)") from None
+    if not stat.S_ISREG(mode):
+        raise ConversionError(f"{what} is not a regular file (a FIFO, device or directory?); weights come from one")
+    return path
+
+
+def _is_plain_name(name: object) -> bool:
+    return isinstance(name, str) and _PLAIN_NAME.fullmatch(name) is not None
+
+
 def read_dense_weights(directory: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint's safetensors (one file or an index of shards), in fp32; each file's header
     is checked before it is read (nothing is unpickled)."""
     from safetensors import safe_open
 
     directory = Path(directory)
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
-        files = sorted({directory / name for name in weight_map.values()})
-    else:
-        files = [directory / "model.safetensors"]
     tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        if not file.is_file():
-            raise ConversionError(f"{file}: missing (an hf: checkpoint needs its safetensors weights)")
+    for file in weight_files(directory):
         try:
             check_safetensors(file)
         except ExportError as exc:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from data_prep.json_file import Fields, JsonFileError, read_json
 from data_prep.safe_write import replacing, write_text
 from model.archs import build_model
 from model.config import GCAConfig
@@ -56,21 +57,15 @@ def read_export_config(directory: str | os.PathLike) -> tuple[GCAConfig, dict]:
             ``export`` object), or its model config breaks a rule.
     """
     path = Path(directory) / CONFIG_NAME
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no {CONFIG_NAME} file; is {directory} a model export directory?")
+    try:  # bounded size and nesting, regular file only: an export may come from someone else
+        fields = Fields(read_json(path), str(path))
+        model, export = fields.mapping("model"), fields.mapping("export", default={})
+    except (FileNotFoundError, NotADirectoryError):
+        raise FileNotFoundError(f"{path}: no {CONFIG_NAME} file; is {directory} a model export directory?") from None
+    except JsonFileError as exc:
+        raise ExportError(f"{exc} (an export's {CONFIG_NAME} is written by save_pretrained)") from None
     try:
-        payload = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError:
-        raise ExportError(f"{path}: not UTF-8 text, so not an export's {CONFIG_NAME}") from None
-    except json.JSONDecodeError as exc:
-        raise ExportError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(payload, dict) or not isinstance(payload.get("model"), dict):
-        raise ExportError(f"{path}: expected a JSON object with a 'model' object (written by save_pretrained)")
-    export = payload.get("export", {})
-    if not isinstance(export, dict):
-        raise ExportError(f"{path}: 'export' must be an object; got {type(export).__name__}")
-    try:
-        return GCAConfig.from_dict(payload["model"]), export
+        return GCAConfig.from_dict(model), export
     except (ValueError, TypeError) as exc:  # ConfigError names the key
         raise ExportError(f"{path}: {exc}") from None
 

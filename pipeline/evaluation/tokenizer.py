@@ -76,11 +76,13 @@ def load_tokenizer(checkpoint: str | Path, export: dict, vocab_size: int) -> Mod
         raise ValueError(f"{checkpoint}/config.json: export.tokenizer={name!r} must be a file name")
     if name:
         path = Path(checkpoint) / name if not Path(name).is_absolute() else Path(name)
-        if not path.is_file():
-            raise FileNotFoundError(f"{checkpoint}/config.json: export.tokenizer={name!r} but {path} does not exist")
         try:
             tok: ModelTokenizer | ByteTokenizer = ModelTokenizer(path)
-        except (ValueError, OSError) as err:
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"{checkpoint}/config.json: export.tokenizer={name!r} but {path} does not exist"
+            ) from None
+        except (ValueError, OSError) as err:  # a FIFO or link in its place, an empty or foreign file: named
             raise ValueError(
                 f"{path}: {str(err).splitlines()[0]}; copy the dataset's tokenizer files into the export again"
             ) from None

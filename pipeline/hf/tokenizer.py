@@ -32,6 +32,7 @@ from sentencepiece import sentencepiece_model_pb2
 from tokenizers import Tokenizer
 
 from data_prep.dataset_tokenizer import TokenizerFiles
+from data_prep.json_file import Fields, parse_json
 from data_prep.safe_write import write_bytes, write_text
 
 SPACE = "\u2581"
@@ -158,7 +159,7 @@ def write_hf_tokenizer_config(directory: Path, tokenizer: TokenizerFiles) -> dic
     ``add_bos_token``); ``clean_up_tokenization_spaces`` off keeps decoding the library's own.
 
     Raises:
-        ValueError: the ``tokenizer.json`` or its config does not parse (named).
+        ValueError: the ``tokenizer.json`` or its config does not parse, or the config is not an object (named).
     """
     from data_prep import hf_tokenizer
 
@@ -169,7 +170,8 @@ def write_hf_tokenizer_config(directory: Path, tokenizer: TokenizerFiles) -> dic
         for kind in ("unk", "bos", "eos", "pad")
         if ids[f"{kind}_id"] >= 0
     }
-    source = json.loads(tokenizer.config) if tokenizer.config is not None else {}
+    where = str(directory / "tokenizer_config.json")
+    source = Fields(parse_json(tokenizer.config, where), where).obj if tokenizer.config is not None else {}
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         **{key: source[key] for key in _CARRIED_CONFIG_KEYS if key in source},

@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from data_prep import format as fmt
-from data_prep.dataset_tokenizer import HF, SENTENCEPIECE, TokenizerFiles, folder_tokenizer
+from data_prep.dataset_tokenizer import HF, SENTENCEPIECE, TokenizerFiles, folder_tokenizer, manifest_mismatch
+from data_prep.json_file import summarize
 from data_prep.redaction import find_secret, is_secret_name
-from data_prep.safe_files import parse_index, read_index, read_regular
+from data_prep.safe_files import index_file_names, parse_index, read_index, read_index_bytes, stat_regular
 from model import CausalLM, GCAForCausalLM, read_export_config
-from model.convert import ConversionError, convert_dense_into
+from model.convert import ConversionError, convert_dense_into, weight_files
 from model.io import ExportError, check_finite_weights, check_safetensors
 from pipeline.data.mix import RetrievalMix, tokenizer_codec
 from pipeline.data.reader import UnsafeDatasetError, eos_id_of, is_remote, read_tokenizer, refuse_prep_work_dir
@@ -69,12 +70,17 @@ def check_no_secrets(cfg: TrainConfig) -> None:
     walk(OmegaConf.to_container(OmegaConf.structured(cfg)), "")
 
 
-def _check_tokenizer(cfg: TrainConfig) -> None:
-    """The tokenizer next to data.path must fit ``model.vocab_size`` (else an IndexError deep in the embedding)."""
+def _check_tokenizer(cfg: TrainConfig, manifest: fmt.Manifest | None) -> None:
+    """The tokenizer next to data.path must be the one the manifest records (`manifest_mismatch`: by kind and
+    sha256, before it is parsed), and fit ``model.vocab_size`` (else an IndexError deep in the embedding)."""
     try:
         tokenizer = read_tokenizer(cfg.data.path)
     except UnsafeDatasetError as err:
         raise ConfigError(str(err)) from None
+    if manifest is not None:
+        problem = manifest_mismatch(Path(cfg.data.path), manifest.tokenizer, tokenizer)
+        if problem is not None:
+            raise ConfigError(f"{problem}; re-run data prep, or restore the tokenizer it wrote")
     _check_dense_tokenizer(cfg, tokenizer)
     if tokenizer is None:
         fraction = mix_settings(cfg.data).fraction
@@ -144,7 +150,7 @@ def split_mismatch(root: Path, split: str, manifest: fmt.Manifest) -> str | None
             return f"{index} exists, but manifest.json records '{split}' as empty (data prep wrote no such split)"
         return fmt.split_count_mismatch(root, split, manifest, [])
     try:
-        raw = read_regular(root / split, "index.json")
+        raw = read_index_bytes(root / split)
     except FileNotFoundError:
         return f"{index} is missing, though manifest.json records {stats.pieces} samples in '{split}'"
     except (OSError, UnsafeDatasetError) as err:
@@ -160,7 +166,31 @@ def split_mismatch(root: Path, split: str, manifest: fmt.Manifest) -> str | None
         shards = parse_index(raw, str(index))["shards"]  # the bytes just hashed, never a second read
     except UnsafeDatasetError as err:
         return str(err)
-    return fmt.split_count_mismatch(root, split, manifest, shards)
+    return fmt.split_count_mismatch(root, split, manifest, shards) or missing_shards(root / split, shards)
+
+
+def missing_shards(split_dir: Path, shards: list[dict[str, Any]]) -> str | None:
+    """Which shards of a checked index have none of their files in ``split_dir`` as a regular file (None when
+    every one has one): the directory is listed once (and a name with a folder in it stat'ed), nothing is opened.
+    A resealed index may list 100,000 shards that are not there; found here, in about a second, the run never
+    builds readers for them (seconds and hundreds of MiB) to fail at the first one it opens."""
+    index = split_dir / "index.json"
+    try:
+        with os.scandir(split_dir) as entries:
+            regular = {entry.name for entry in entries if entry.is_file(follow_symlinks=False)}
+        missing = [
+            names[0]
+            for names in map(index_file_names, shards)
+            if not any(name in regular if "/" not in name else stat_regular(split_dir, name) for name in names)
+        ]
+    except (OSError, UnsafeDatasetError) as err:
+        return f"a shard {index} lists cannot be used: {str(err).splitlines()[0]}"
+    if not missing:
+        return None
+    return (
+        f"{index} lists {len(missing):,} shard(s) whose files are missing (or not regular files): "
+        f"{summarize(missing, 3)}"
+    )
 
 
 def _index_samples(root: Path, split: str) -> int | None:
@@ -177,7 +207,18 @@ def _index_samples(root: Path, split: str) -> int | None:
     return sum(int(shard["samples"]) for shard in index["shards"])
 
 
-def _check_splits(cfg: TrainConfig) -> None:
+def _read_manifest(root: Path) -> fmt.Manifest | None:
+    """The manifest of the local dataset ``root`` (each field checked, `data_prep.format.read_manifest`); None for
+    a dataset without one (a hand-written MDS dataset)."""
+    if not (root / fmt.MANIFEST_FILENAME).is_file() and not (root / fmt.COMPLETE_MARKER).is_file():
+        return None
+    try:
+        return fmt.read_manifest(root)
+    except (fmt.IncompleteDatasetError, ValueError) as err:
+        raise ConfigError(f"data.path={root}: {str(err).splitlines()[0]}") from None
+
+
+def _check_splits(cfg: TrainConfig, manifest: fmt.Manifest | None) -> None:
     """The training split, and the validation split when ``train.eval_every > 0``, are the ones data prep wrote
     (`split_mismatch`, when there is a manifest), and the validation split holds samples: the split on disk
     decides, never a count in the manifest (else a missing ``val/`` fails at the first validation, mid-run)."""
@@ -185,11 +226,7 @@ def _check_splits(cfg: TrainConfig) -> None:
     splits = [("data.train_split", cfg.data.train_split)]
     if cfg.train.eval_every:
         splits.append(("data.val_split", cfg.data.val_split))
-    if (root / fmt.MANIFEST_FILENAME).is_file() or (root / fmt.COMPLETE_MARKER).is_file():
-        try:
-            manifest = fmt.read_manifest(root)
-        except (fmt.IncompleteDatasetError, ValueError, KeyError, TypeError) as err:
-            raise ConfigError(f"data.path={root}: {str(err).splitlines()[0]}") from None
+    if manifest is not None:
         for key, split in splits:
             problem = split_mismatch(root, split, manifest)
             if problem is not None:
@@ -254,9 +291,11 @@ def check_inputs(cfg: TrainConfig) -> None:
             refuse_prep_work_dir(cfg.data.path)
         except fmt.IncompleteDatasetError as err:
             raise ConfigError(str(err)) from None
-        _check_tokenizer(cfg)
-        _check_splits(cfg)
+        manifest = _read_manifest(Path(cfg.data.path))
+        _check_tokenizer(cfg, manifest)
+        _check_splits(cfg, manifest)
         resolve_document_eos(cfg)
+    _check_dense_weights(cfg)
     if cfg.logging.wandb:
         try:
             resolve_wandb_mode(cfg.logging.wandb_mode, os.environ)
@@ -284,7 +323,10 @@ def _check_dense_tokenizer(cfg: TrainConfig, dataset: TokenizerFiles | None) -> 
     if init_from is None or not init_from.startswith(HF_INIT_PREFIX):
         return
     dense = Path(init_from[len(HF_INIT_PREFIX) :])
-    theirs = folder_tokenizer(dense, dataset.kind if dataset is not None else None) or folder_tokenizer(dense)
+    try:
+        theirs = folder_tokenizer(dense, dataset.kind if dataset is not None else None) or folder_tokenizer(dense)
+    except UnsafeDatasetError as err:  # not a regular file, or unreadable: named
+        raise ConfigError(f"checkpoint.init_from={init_from}: {err}") from None
     if theirs is None:
         log.warning("%s holds no tokenizer: cannot check that data.path was tokenized with the dense model's", dense)
         return
@@ -297,6 +339,19 @@ def _check_dense_tokenizer(cfg: TrainConfig, dataset: TokenizerFiles | None) -> 
             f"{dataset.sha256[:12]}) than the dense model of checkpoint.init_from={init_from} ({theirs.name}, sha256 "
             f"{theirs.sha256[:12]}); prepare the data with {_prep_keys(dense, theirs)}"
         )
+
+
+def _check_dense_weights(cfg: TrainConfig) -> None:
+    """``checkpoint.init_from=hf:<dir>``: the folder's weight files, and its ``model.safetensors.index.json`` when it
+    has one, are checked (`model.convert.weight_files`: names inside the folder, regular files) before any work,
+    not when the model is built."""
+    init_from = cfg.checkpoint.init_from
+    if init_from is None or not init_from.startswith(HF_INIT_PREFIX):
+        return
+    try:
+        weight_files(Path(init_from[len(HF_INIT_PREFIX) :]))
+    except ConversionError as err:
+        raise ConfigError(f"checkpoint.init_from={init_from}: {err}") from None
 
 
 def _prep_keys(dense: Path, tokenizer: TokenizerFiles) -> str:

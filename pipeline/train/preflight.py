@@ -14,7 +14,8 @@ Checks, each failure one ``preflight: <host> rank <r>: <what>: <why and the fix>
 - data: ``data.path`` is a complete prepared dataset (``manifest.json`` + ``_COMPLETE``), its train split (and
   the val split when ``train.eval_every`` > 0) has a safe index, every listed shard present as a regular file and
   at least one sample, the index is the one the manifest records and holds the counts it records
-  (`data_prep.format.split_count_mismatch`), and its tokenizer fits ``model.vocab_size``;
+  (`data_prep.format.split_count_mismatch`), and its tokenizer is the one the manifest records (kind and sha256)
+  and fits ``model.vocab_size``;
 - checkpoint dir: ``run_dir`` is writable on every node and shared (a file written by rank 0 is seen by every node);
 - free disk: ``run_dir`` has room for ``checkpoint.keep_last + 1`` checkpoints (estimated from the parameter
   count) and at least ``--min-free-gb``;
@@ -43,6 +44,7 @@ import torch
 import torch.distributed as tdist
 
 from data_prep import format as fmt
+from data_prep.dataset_tokenizer import manifest_mismatch, read_tokenizer_files
 from data_prep.safe_files import INDEX_FILENAME, UnsafeDatasetError, index_file_names, read_index, stat_regular
 from data_prep.safe_write import write_bytes, write_text
 from model import build_model, count_parameters
@@ -132,8 +134,8 @@ def check_split(path: str, split: str) -> list[str]:
 
 
 def check_data(path: str, train_split: str, vocab_size: int, val_split: str | None = None) -> list[str]:
-    """``path`` is a complete prepared dataset whose train split (and ``val_split`` when given) pass
-    `check_split` and whose tokens fit the model's vocabulary."""
+    """``path`` is a complete prepared dataset whose tokenizer is the one its manifest records, whose train split
+    (and ``val_split`` when given) pass `check_split` and whose tokens fit the model's vocabulary."""
     if is_remote(path):
         log.info("data.path %s is remote: not checked here (the trainer validates shards as it reads them)", path)
         return []
@@ -142,6 +144,13 @@ def check_data(path: str, train_split: str, vocab_size: int, val_split: str | No
     except (fmt.IncompleteDatasetError, ValueError, KeyError, OSError) as err:
         return [f"data: {err}" if path in str(err) else f"data: {path}: {err}"]
     failures = []
+    try:
+        tokenizer = read_tokenizer_files(Path(path))
+    except UnsafeDatasetError as err:
+        failures.append(f"data: {err}")
+    else:
+        if (problem := manifest_mismatch(Path(path), manifest.tokenizer, tokenizer)) is not None:
+            failures.append(f"data: {problem}; re-run data prep, or restore the tokenizer it wrote")
     for split in (train_split, val_split):
         if split is None:
             continue

@@ -81,7 +81,14 @@ def prepared_copy(tmp_path: Path, tiny_data: Path, vocab: int = 64) -> Path:
         format_version=fmt.FORMAT_VERSION,
         token_dtype="uint16",
         tokenizer=fmt.TokenizerInfo(
-            sha256="0" * 64, vocab_size=vocab, model_type="bpe", trained=True, unk_id=0, bos_id=-1, eos_id=1, pad_id=-1
+            sha256=hashlib.sha256((root / fmt.TOKENIZER_FILENAME).read_bytes()).hexdigest(),
+            vocab_size=vocab,
+            model_type="bpe",
+            trained=True,
+            unk_id=0,
+            bos_id=-1,
+            eos_id=1,
+            pad_id=-1,
         ),
         splits={s: split_stats(root, s) for s in fmt.SPLITS},
         skipped={},

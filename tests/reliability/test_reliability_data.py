@@ -206,14 +206,23 @@ def _other_tokenizer() -> bytes:
 
 @pytest.mark.parametrize("change", ["tokenizer", "more_documents"])
 def test_t10_dataset_fingerprint_mismatch_on_resume(change, data_copy, tmp_path, caplog):
-    from reliability_harness import rewrite_split
+    import dataclasses
+    import hashlib
+
+    from reliability_harness import rewrite_split, write_manifest
+
+    from data_prep import format as fmt
 
     run = tmp_path / "run"
     assert main(None, overrides(run, data_copy, **{"train.max_steps": 4})) == 0
     state = json.loads((run / "checkpoints/step_00000004/trainer_state.json").read_text())
     old = state["data_fingerprint"]
     if change == "tokenizer":
-        (data_copy / "tokenizer.model").write_bytes(_other_tokenizer())  # a valid model, other pieces
+        (data_copy / "tokenizer.model").write_bytes(other := _other_tokenizer())  # a valid model, other pieces
+        # Resealed (manifest and _COMPLETE name the new model), else the start check refuses it before the resume.
+        manifest = fmt.read_manifest(data_copy)
+        tokenizer = dataclasses.replace(manifest.tokenizer, sha256=hashlib.sha256(other).hexdigest())
+        write_manifest(data_copy, dataclasses.replace(manifest, tokenizer=tokenizer))
         key = "tokenizer_sha256"
     else:
         rewrite_split(data_copy, "train", 210, seed=1)  # prepared again with more documents, manifest included
