@@ -113,18 +113,26 @@ def test_sigkill_between_checkpoints_then_relaunch_is_exact_and_saving_often_cha
 
 
 def test_failed_evaluation_saves_the_step_first_and_does_not_touch_the_trajectory(
-    reference, data_copy, data, tmp_path, caplog
+    reference, data_copy, data, tmp_path, caplog, monkeypatch
 ):
     """The validation shards vanish after the start checks: the eval at step 3 fails, step 3 is saved before the
     run stops (exit 1, one error line), and the relaunch with the shards back resumes at 3 and ends exactly like the
     run that never evaluated."""
+    import pipeline.train.trainer
+
     run = tmp_path / "run"
     shards = sorted((data_copy / "val").glob("shard.*"))
     assert shards
-    for shard in shards:
-        shard.unlink()
+    checked = pipeline.train.trainer.check_inputs
+
+    def check_then_remove(cfg):  # the start check confirms the shards exist; they go right after it
+        checked(cfg)
+        for shard in shards:
+            shard.unlink()
+
     command = args(run, data_copy, **{"train.eval_every": 3})
-    with caplog.at_level(logging.ERROR):
+    with caplog.at_level(logging.ERROR), monkeypatch.context() as patch:
+        patch.setattr(pipeline.train.trainer, "check_inputs", check_then_remove)
         assert main(None, command) == 1
     assert committed(run) == ["step_00000003"] and max(read_metrics(run)) == 3
     [message] = errors(caplog)
