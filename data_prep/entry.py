@@ -8,6 +8,10 @@ standard output that does not take what the command prints.
 - Any other failed write (``> /dev/full``, a full disk, a quota) is one line on stderr naming standard output,
   where it points and the error, status 1: never 0 with output lost.
 
+A working directory that was removed after the shell entered it is refused in one line, status 2, when this
+module is imported: every launch script imports it first, because importing torch in a removed directory ends the
+process inside oneMKL before any of the command's own code runs.
+
 Python would show either as a traceback, or, when the write fails in the final flush at exit, as an "Exception
 ignored" message and status 120. `run` flushes standard output itself before it exits, and only failed writes to
 standard output are handled: it replaces ``sys.stdout`` by a stream whose failed writes raise `StdoutError`, so
@@ -24,10 +28,27 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-__all__ = ["CLOSED_PIPE_EXIT", "StdoutError", "run"]
+__all__ = ["CLOSED_PIPE_EXIT", "StdoutError", "run", "working_directory_problem"]
 
 CLOSED_PIPE_EXIT = 128 + 13
 """The exit status after standard output turned out to be a closed pipe (128 + SIGPIPE, as a shell reports it)."""
+
+
+def working_directory_problem() -> str | None:
+    """Why the command cannot start where it stands (its working directory was removed), or None."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        return (
+            "the working directory no longer exists (it was removed after the shell entered it); cd to a directory "
+            "that exists and run the command again"
+        )
+    return None
+
+
+if (_GONE := working_directory_problem()) is not None:
+    print(f"{os.path.basename(sys.argv[0]) or 'python'}: error: {_GONE}", file=sys.stderr)
+    sys.exit(2)
 
 
 class StdoutError(OSError):

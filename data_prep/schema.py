@@ -38,6 +38,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException, ValidationError
 
+from data_prep.entry import working_directory_problem
 from data_prep.redaction import raw_env_paths, redact, reveal_env_problem, track_env_values
 from data_prep.safe_files import file_kind
 
@@ -140,16 +141,10 @@ def load_schema(
 
 
 def _check_working_directory() -> None:
-    """Refuse to start in a working directory that was removed (the shell that started the command was inside it):
-    every relative path of the config would name nothing, and the first look at one would be a bare
-    ``FileNotFoundError`` naming no path."""
-    try:
-        os.getcwd()
-    except FileNotFoundError:
-        raise ConfigError(
-            "the working directory no longer exists (it was removed after the shell entered it); cd to a directory "
-            "that exists and run the command again"
-        ) from None
+    """Refuse to start in a working directory that was removed: every relative path of the config would name
+    nothing, and the first look at one would be a bare ``FileNotFoundError`` naming no path."""
+    if (problem := working_directory_problem()) is not None:
+        raise ConfigError(problem)
 
 
 def _read_yaml(path: Path, what: str) -> DictConfig:

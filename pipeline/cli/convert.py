@@ -20,6 +20,7 @@ import yaml
 
 from data_prep.dataset_tokenizer import folder_tokenizer
 from data_prep.entry import run
+from data_prep.safe_files import UnsafeDatasetError
 from data_prep.safe_write import UnsafeWriteError
 from model.config import ConfigError, GCAConfig
 from model.convert import DENSE_KEYS, ConversionError, convert_dense
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         model, source = convert_dense(args.dense, parse_layout(args.overrides))
         tokenizer = folder_tokenizer(args.dense)
         out = write_export(model, args.out, step=None, seq_len=None, tokenizer=tokenizer)
-    except (ConfigError, ConversionError, FileExistsError, TypeError, UnsafeWriteError) as err:
+    except (ConfigError, ConversionError, FileExistsError, TypeError, UnsafeDatasetError, UnsafeWriteError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     new = sum(origin.startswith("new") for origin in source.values())

@@ -329,6 +329,12 @@ def main(
     Rank 0 logs every rank's failures at the end. A rank that gets stuck (a collective never completes) logs
     its own failures and a timeout line after ``timeout_s`` and exits 1.
     """
+    try:
+        dist.check_launch()  # before rank_from_env reads RANK: a malformed one is one line, not a traceback
+    except ValueError as err:
+        setup_logging(0)
+        log.error("preflight: %s", err)
+        return 2
     setup_logging(dist.rank_from_env())
     try:
         cfg = load_config(config_path, overrides, dist.world_size_from_env())

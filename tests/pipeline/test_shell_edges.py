@@ -145,20 +145,9 @@ def test_a_prompt_that_is_not_utf8_is_named_before_the_model_loads(tmp_path):
 # -- finding 11: a removed working directory -----------------------------------------------------------------------
 
 
-TORCH_NEEDS_A_WORKING_DIRECTORY = pytest.mark.xfail(
-    strict=True,
-    reason="importing torch ends the process first (oneMKL: 'Cannot load libtorch_cpu.so', exit 2): the check must "
-    "run before the command's imports, in what every launch script imports first (data_prep.entry)",
-)
-
-
 @pytest.mark.parametrize(
     "tool",
-    [
-        pytest.param("pretrain", marks=TORCH_NEEDS_A_WORKING_DIRECTORY),
-        "prep",
-        pytest.param("eval", marks=TORCH_NEEDS_A_WORKING_DIRECTORY),
-    ],
+    ["pretrain", "prep", "eval"],
 )
 def test_a_removed_working_directory_is_said(tmp_path, tool):
     gone = tmp_path / "gone"
