@@ -61,7 +61,7 @@ def _wrong_modes(root: Path, umask: int) -> tuple[list[str], int]:
     return wrong, count
 
 
-@pytest.mark.parametrize("umask", [0o022, 0o077], ids=["umask022", "umask077"])
+@pytest.mark.parametrize("umask", [0o022, pytest.param(0o077, marks=pytest.mark.slow)], ids=["umask022", "umask077"])
 def test_every_file_prep_training_export_and_eval_write_gets_the_umask_mode(umask, corpus, tmp_path):
     data, run, exported, evaluated = (tmp_path / name for name in ("data", "run", "exported", "eval"))
     prep = [f"input={corpus}", f"output={data}", "tokenizer.vocab_size=300", "val_fraction=0.2", "progress=false"]
