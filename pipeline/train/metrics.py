@@ -151,7 +151,7 @@ class MetricsWriteError(Exception):
     message is one line naming the file, the cause and what to do (``save_failure.describe``'s words)."""
 
 
-def _failed(err: OSError, path: Path) -> MetricsWriteError:
+def write_failed(err: OSError, path: Path) -> MetricsWriteError:
     """The one-line report of ``err``, met writing ``path`` (an error of a write names no file)."""
     named = OSError(err.errno, err.strerror, str(path))
     return MetricsWriteError(describe(named, path.parent) or f"cannot write {path}: {err}")
@@ -181,7 +181,7 @@ class MetricsLogger:
         try:
             self.file = open_append(self.path)
         except OSError as err:
-            raise _failed(err, self.path) from None
+            raise write_failed(err, self.path) from None
         self._write({"event": "start", "start_step": start_step, **header})
         self.wandb: Any = None
         if cfg.logging.wandb:
@@ -216,7 +216,7 @@ class MetricsLogger:
         try:
             write_text(run_id_file, run_id)
         except OSError as err:
-            raise _failed(err, run_id_file) from None
+            raise write_failed(err, run_id_file) from None
         log.info("wandb: mode=%s project=%s id=%s", mode, self.cfg.logging.wandb_project, run_id)
         return wandb.init(
             project=self.cfg.logging.wandb_project,
@@ -234,7 +234,7 @@ class MetricsLogger:
         except OSError as err:
             with contextlib.suppress(OSError):  # closing flushes the line that did not fit again, to fail again
                 self.file.close()
-            raise _failed(err, self.path) from None
+            raise write_failed(err, self.path) from None
 
     def step(self, step: int, metrics: dict[str, Any], console: bool) -> None:
         self._write({"step": step, **metrics})

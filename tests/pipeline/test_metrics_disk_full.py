@@ -72,3 +72,39 @@ def test_a_disk_that_fills_while_metrics_are_written_is_one_line_naming_the_file
     assert f"No space left on device (errno 28) writing {run / 'metrics.jsonl'}; free space on that file system" in line
     assert f"the last committed checkpoint is {run / 'checkpoints' / 'step_00000004'}" in line, line
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 5  # start + steps 1-4, each line whole
+
+
+# The training command with the disk already full when the run's config.yaml is written at the start.
+_RUN_WITH_A_FULL_DISK_AT_THE_START = """
+import errno, os, runpy, sys
+import pipeline.train.callbacks.metrics as callbacks
+
+def write_text(path, text, **options):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+callbacks.write_text = write_text
+sys.argv = ["launch/pretrain.py", *sys.argv[1:]]
+runpy.run_path("launch/pretrain.py", run_name="__main__")
+"""
+
+
+def test_a_full_disk_when_config_yaml_is_written_is_the_same_one_line(tmp_path, tiny_data, overrides):
+    run = tmp_path / "run"
+    settings = {"train.max_steps": 4, "train.eval_every": 0, "checkpoint.export": False}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PIPE_FAULT", None)
+    command = [sys.executable, "-c", _RUN_WITH_A_FULL_DISK_AT_THE_START, "--config", "configs/train/debug.yaml"]
+    proc = subprocess.run(
+        [*command, *overrides(run, tiny_data, **settings)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    errors = [line for line in proc.stderr.splitlines() if "[ERROR]" in line]
+    assert len(errors) == 1, proc.stderr[-4000:]
+    assert f"No space left on device (errno 28) writing {run / 'config.yaml'}" in errors[0], errors[0]
+    assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())

@@ -9,7 +9,7 @@ from data_prep.redaction import redact
 from data_prep.safe_write import write_text
 from pipeline.train.callbacks.base import Callback
 from pipeline.train.config import to_plain, to_yaml
-from pipeline.train.metrics import MetricsLogger, log_run_header
+from pipeline.train.metrics import MetricsLogger, log_run_header, write_failed
 from pipeline.train.run_files import CONFIG_FILE
 
 if TYPE_CHECKING:
@@ -54,7 +54,11 @@ class MetricsLogging(Callback):
 
 def _write_resolved_config(trainer: Trainer) -> None:
     trainer.run_dir.mkdir(parents=True, exist_ok=True)
-    write_text(trainer.run_dir / CONFIG_FILE, redact(to_yaml(trainer.cfg)))
+    path = trainer.run_dir / CONFIG_FILE
+    try:
+        write_text(path, redact(to_yaml(trainer.cfg)))
+    except OSError as err:  # a full disk or a quota at the start: the metrics' one line, naming config.yaml
+        raise write_failed(err, path) from None
 
 
 def _derived(trainer: Trainer) -> dict[str, Any]:
