@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -146,6 +146,14 @@ def summarize(items: Iterable[Any], limit: int = 10) -> str:
 _MISSING: Any = object()
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _within(value: Any, low: float | None, high: float | None) -> bool:
+    return (low is None or value >= low) and (high is None or value <= high)
+
+
 class Fields:
     """The values of one JSON object, each taken with its type and range checked.
 
@@ -164,74 +172,49 @@ class Fields:
     def _fail(self, message: str) -> NoReturn:
         raise JsonFileError(f"{self.where}: {message}")
 
-    def _get(self, key: str, default: Any) -> Any:
-        if key in self.obj:
-            return self.obj[key]
-        if default is _MISSING:
-            self._fail(f"field '{self.prefix}{key}' is missing")
-        return default
-
-    def _wrong(self, key: str, value: Any, expected: str) -> NoReturn:
-        self._fail(f"field '{self.prefix}{key}' is {_shown(value)}, expected {expected}")
+    def _take(self, key: str, default: Any, fits: Callable[[Any], bool], expected: str) -> Any:
+        """The value under ``key`` if ``fits`` accepts it; ``default`` when the key is absent and one was given."""
+        if key not in self.obj:
+            if default is _MISSING:
+                self._fail(f"field '{self.prefix}{key}' is missing")
+            return default
+        value = self.obj[key]
+        if not fits(value):
+            self._fail(f"field '{self.prefix}{key}' is {_shown(value)}, expected {expected}")
+        return value
 
     def integer(self, key: str, *, low: int | None = None, high: int | None = None, default: Any = _MISSING) -> Any:
         """An integer (not a boolean, not a float) in ``[low, high]``."""
-        value = self._get(key, default)
-        if value is default and key not in self.obj:
-            return value
-        in_range = isinstance(value, int) and not isinstance(value, bool)
-        in_range = in_range and (low is None or value >= low) and (high is None or value <= high)
-        if not in_range:
-            bounds = f" in [{'-inf' if low is None else low}, {'inf' if high is None else high}]"
-            self._wrong(key, value, "an integer" + (bounds if low is not None or high is not None else ""))
-        return value
+        bounded = low is not None or high is not None
+        bounds = f" in [{'-inf' if low is None else low}, {'inf' if high is None else high}]" if bounded else ""
+        return self._take(key, default, lambda v: _is_int(v) and _within(v, low, high), "an integer" + bounds)
 
     def number(self, key: str, *, low: float | None = None, high: float | None = None, default: Any = _MISSING) -> Any:
         """A finite number (an integer or a float, not a boolean) in ``[low, high]``."""
-        value = self._get(key, default)
-        if value is default and key not in self.obj:
-            return value
-        ok = isinstance(value, int | float) and not isinstance(value, bool) and abs(value) < float("inf")
-        ok = ok and (low is None or value >= low) and (high is None or value <= high)
-        if not ok:
-            self._wrong(key, value, f"a number in [{low}, {high}]")
-        return value
+
+        def fits(value: Any) -> bool:
+            finite = isinstance(value, int | float) and not isinstance(value, bool) and abs(value) < float("inf")
+            return finite and _within(value, low, high)
+
+        return self._take(key, default, fits, f"a number in [{low}, {high}]")
 
     def string(self, key: str, *, default: Any = _MISSING, choices: Iterable[str] | None = None) -> Any:
         """A string; one of ``choices`` when given."""
-        value = self._get(key, default)
-        if value is default and key not in self.obj:
-            return value
-        allowed = None if choices is None else sorted(choices)
-        if not isinstance(value, str) or (allowed is not None and value not in allowed):
-            self._wrong(key, value, "a string" if allowed is None else f"one of {', '.join(allowed)}")
-        return value
+        if choices is None:
+            return self._take(key, default, lambda v: isinstance(v, str), "a string")
+        allowed = sorted(choices)
+        return self._take(key, default, lambda v: isinstance(v, str) and v in allowed, f"one of {', '.join(allowed)}")
 
     def boolean(self, key: str, *, default: Any = _MISSING) -> Any:
-        value = self._get(key, default)
-        if value is default and key not in self.obj:
-            return value
-        if not isinstance(value, bool):
-            self._wrong(key, value, "true or false")
-        return value
+        return self._take(key, default, lambda v: isinstance(v, bool), "true or false")
 
     def mapping(self, key: str, *, default: Any = _MISSING) -> Any:
         """A JSON object (returned as the dict)."""
-        value = self._get(key, default)
-        if value is default and key not in self.obj:
-            return value
-        if not isinstance(value, dict):
-            self._wrong(key, value, "an object")
-        return value
+        return self._take(key, default, lambda v: isinstance(v, dict), "an object")
 
     def sequence(self, key: str, *, default: Any = _MISSING) -> Any:
         """A JSON list."""
-        value = self._get(key, default)
-        if value is default and key not in self.obj:
-            return value
-        if not isinstance(value, list):
-            self._wrong(key, value, "a list")
-        return value
+        return self._take(key, default, lambda v: isinstance(v, list), "a list")
 
     def nested(self, key: str) -> Fields:
         """The fields of the object under ``key``, with messages naming ``key.field``."""

@@ -41,34 +41,27 @@ runpy.run_path("launch/pretrain.py", run_name="__main__")
 """
 
 
+def _the_one_error_line(script: str, args: list[str], **env_vars: str) -> str:
+    """Train with ``script`` standing in front of launch/pretrain.py; it must end with exit 1 and one error line,
+    no traceback, which is returned."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env_vars}
+    env.pop("PIPE_FAULT", None)
+    command = [sys.executable, "-c", script, "--config", "configs/train/debug.yaml", *args]
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr[-4000:]
+    errors = [line for line in proc.stderr.splitlines() if "[ERROR]" in line]
+    assert len(errors) == 1, proc.stderr[-4000:]
+    return errors[0]
+
+
 def test_a_disk_that_fills_while_metrics_are_written_is_one_line_naming_the_file_and_the_checkpoint(
     tmp_path, tiny_data, overrides
 ):
     run = tmp_path / "run"
     settings = {"train.max_steps": 8, "train.eval_every": 0, "checkpoint.every": 2, "checkpoint.export": False}
     # Writes: the start record, then one line per step; the 6th is step 5's, after the checkpoint of step 4.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FULL_AT": "6"}
-    env.pop("PIPE_FAULT", None)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            _RUN_WITH_A_DISK_THAT_FILLS,
-            "--config",
-            "configs/train/debug.yaml",
-            *overrides(run, tiny_data, **settings),
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 1, proc.stderr[-4000:]
-    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr[-4000:]
-    errors = [line for line in proc.stderr.splitlines() if "[ERROR]" in line]
-    assert len(errors) == 1, proc.stderr[-4000:]
-    (line,) = errors
+    line = _the_one_error_line(_RUN_WITH_A_DISK_THAT_FILLS, overrides(run, tiny_data, **settings), FULL_AT="6")
     assert f"No space left on device (errno 28) writing {run / 'metrics.jsonl'}; free space on that file system" in line
     assert f"the last committed checkpoint is {run / 'checkpoints' / 'step_00000004'}" in line, line
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 5  # start + steps 1-4, each line whole
@@ -91,20 +84,6 @@ runpy.run_path("launch/pretrain.py", run_name="__main__")
 def test_a_full_disk_when_config_yaml_is_written_is_the_same_one_line(tmp_path, tiny_data, overrides):
     run = tmp_path / "run"
     settings = {"train.max_steps": 4, "train.eval_every": 0, "checkpoint.export": False}
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("PIPE_FAULT", None)
-    command = [sys.executable, "-c", _RUN_WITH_A_FULL_DISK_AT_THE_START, "--config", "configs/train/debug.yaml"]
-    proc = subprocess.run(
-        [*command, *overrides(run, tiny_data, **settings)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 1, proc.stderr[-4000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
-    errors = [line for line in proc.stderr.splitlines() if "[ERROR]" in line]
-    assert len(errors) == 1, proc.stderr[-4000:]
-    assert f"No space left on device (errno 28) writing {run / 'config.yaml'}" in errors[0], errors[0]
+    line = _the_one_error_line(_RUN_WITH_A_FULL_DISK_AT_THE_START, overrides(run, tiny_data, **settings))
+    assert f"No space left on device (errno 28) writing {run / 'config.yaml'}" in line, line
     assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
