@@ -17,7 +17,7 @@ from data_prep import schema
 from data_prep.errors import ConfigError
 from data_prep.format import HF_TOKENIZER_JSON
 from data_prep.redaction import redact, restore_env_interpolations
-from data_prep.schema import INTERNAL, ONE_OR_LIST, load_schema
+from data_prep.schema import INTERNAL, load_schema
 
 __all__ = ["HFConfig", "PrepConfig", "TokenizerConfig", "load_config", "to_container"]
 
@@ -58,7 +58,7 @@ class HFConfig:
     """Which upstream split to read; our own train/val split is made by `PrepConfig.val_fraction`."""
     revision: str | None = None
     """A git revision of the dataset repository, for reproducibility."""
-    data_files: list[str] = field(default_factory=list, metadata=ONE_OR_LIST)
+    data_files: list[str] = field(default_factory=list)
     """Files (globs) the dataset is built from (``load_dataset(..., data_files=...)``); empty: the dataset's own."""
     data_dir: str | None = None
     """A sub-directory of the dataset repository or local directory to read (``load_dataset(..., data_dir=...)``)."""
@@ -73,11 +73,11 @@ class PrepConfig:
 
     output: str = MISSING
     """Directory to create; it is written as a temporary sibling and renamed when complete."""
-    input: list[str] = field(default_factory=list, metadata=ONE_OR_LIST)
+    input: list[str] = field(default_factory=list)
     """Files, globs or directories (``.txt``, ``.jsonl``, ``.parquet``, optionally ``.gz``/``.zst``),
     ``hf:<name>`` for a Hugging Face dataset, or ``builtin:python_stdlib`` for the offline default corpus.
     A single string is accepted too."""
-    exclude: list[str] = field(default_factory=list, metadata=ONE_OR_LIST)
+    exclude: list[str] = field(default_factory=list)
     """Shell-style patterns of input files to leave out (held-out evaluation text), matched against each file's
     path relative to its input directory or built-in corpus root (a glob's matches and named files as written);
     ``*`` matches across ``/``: ``["email/*", "json/*"]`` leaves out two stdlib packages. A pattern that matches

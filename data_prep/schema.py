@@ -42,15 +42,12 @@ from data_prep.entry import working_directory_problem
 from data_prep.redaction import raw_env_paths, redact, reveal_env_problem, track_env_values
 from data_prep.safe_files import file_kind
 
-__all__ = ["INTERNAL", "ONE_OR_LIST", "ConfigError", "add_keys_argument", "describe_keys", "load_schema", "not_utf8"]
+__all__ = ["INTERNAL", "ConfigError", "add_keys_argument", "describe_keys", "load_schema", "not_utf8"]
 
 T = TypeVar("T")
 
 INTERNAL = {"internal": True}
 """Field metadata: set by the program, never by a user (a config naming it is rejected as an unknown key)."""
-
-ONE_OR_LIST = {"one_or_list": True}
-"""Field metadata of a list field: a single value stands for a list of that one value (``input: corpus.txt``)."""
 
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
 """The tools' configs are a few KB; a larger one is not a config, and a pipe that never ends must not fill memory."""
@@ -329,11 +326,12 @@ def _check_dotted_key(dotted: str, schema: type, source: str) -> None:
 def _check_keys(node: DictConfig, cls: type, prefix: str, source: str) -> None:
     """Every key of ``node`` is a field of ``cls``, at every depth; a section holds a mapping.
 
-    A single value for a `ONE_OR_LIST` field becomes a one-item list here, keeping its raw text (an
-    ``${oc.env:...}`` value stays an interpolation).
+    A single value for a list of values stands for the list of that one value (``lengths=1024`` is
+    ``lengths=[1024]``, ``input: corpus.txt`` is ``input: [corpus.txt]``), as a user writing one value means; it
+    becomes a one-item list here, keeping its raw text (an ``${oc.env:...}`` value stays an interpolation). A
+    list of sections (``parts: [{name: a}]``) takes no single value: its items are mappings.
     """
     known = _user_fields(cls)
-    one_or_list = {f.name for f in dataclasses.fields(cls) if f.metadata.get("one_or_list")}
     for raw_key in list(node.keys()):
         key = str(raw_key)
         if key not in known:
@@ -351,7 +349,14 @@ def _check_keys(node: DictConfig, cls: type, prefix: str, source: str) -> None:
             for i, item in enumerate(child):
                 if isinstance(item, DictConfig):
                     _check_keys(item, item_section, f"{full}[{i}].", source)
-        elif key in one_or_list and not isinstance(child, (ListConfig, DictConfig)):
+        elif child is None or isinstance(child, ListConfig) or child._is_none():
+            pass
+        elif item_section is not None:
+            raise ConfigError(
+                f"config key '{full}' has a wrong value (in {source}): a list of mappings is expected, like "
+                f"{full}=[{{key: value}}]"
+            )
+        elif get_origin(_without_none(known[key])) is list:
             raw = OmegaConf.to_container(node, resolve=False)
             assert isinstance(raw, dict)
             node[key] = [raw[key]]

@@ -9,7 +9,7 @@ import pytest
 from omegaconf import MISSING, OmegaConf
 from omegaconf.resolvers import oc
 
-from data_prep.schema import INTERNAL, ONE_OR_LIST, ConfigError, load_schema
+from data_prep.schema import INTERNAL, ConfigError, load_schema
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Inner:
 class Outer:
     out: str = MISSING
     inner: Inner = field(default_factory=Inner)
-    inputs: list[str] = field(default_factory=list, metadata=ONE_OR_LIST)
+    inputs: list[str] = field(default_factory=list)
     parts: list[Part] = field(default_factory=list)
     text: str = "hello"
     stamp: dict[str, str] = field(default_factory=dict, metadata=INTERNAL)
@@ -75,11 +75,46 @@ def test_an_empty_file_is_the_defaults(tmp_path):
     assert load(path) == Outer(out="o")
 
 
-def test_a_single_value_of_a_one_or_list_field_is_a_list(monkeypatch):
+def test_a_single_value_of_a_list_field_is_a_one_item_list(monkeypatch):
     monkeypatch.setenv("SCHEMA_TEST_INPUT", "/data/corpus.txt")
     cfg, env_paths = load_schema(Outer, None, ["out=o", "inputs=${oc.env:SCHEMA_TEST_INPUT}"], what="test")
     assert cfg.inputs == ["/data/corpus.txt"]
     assert env_paths == {"inputs.0": "${oc.env:SCHEMA_TEST_INPUT}"}
+
+
+@pytest.mark.parametrize(
+    ("tool", "override", "key", "expected"),
+    [
+        ("eval", "lengths=1024", "lengths", [1024]),
+        ("eval", "ruler_tasks=niah_single_1", "ruler_tasks", ["niah_single_1"]),
+        ("train", "model.groups=1", "model.groups", [1]),
+        ("train", "eval.extrapolation_lengths=64", "eval.extrapolation_lengths", [64]),
+        ("prep", "exclude=a/*", "exclude", ["a/*"]),
+    ],
+)
+def test_every_tools_list_key_takes_one_value_on_the_command_line(tool, override, key, expected):
+    """``lengths=1024`` means ``lengths=[1024]`` in every tool's config (it was OmegaConf's "AnyNode is not a
+    ListConfig"), checked through each tool's own loader; the override's value is read back from the built config."""
+    from data_prep.config import load_config as load_prep
+    from pipeline.evaluation.config import load_eval_config
+    from pipeline.train.config import load_config as load_train
+
+    if tool == "eval":
+        cfg: object = load_eval_config(None, [override])[0]
+    elif tool == "train":
+        cfg = load_train(None, ["run_dir=r", "data.path=d", override])
+    else:
+        cfg = load_prep(None, ["output=o", "input=i", "tokenizer.vocab_size=300", override])
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    assert cfg == expected
+
+
+def test_a_list_of_sections_takes_no_single_value():
+    assert error(None, "parts=3") == (
+        "config key 'parts' has a wrong value (in override 'parts=...'): a list of mappings is expected, like "
+        "parts=[{key: value}]"
+    )
 
 
 @pytest.mark.parametrize(
