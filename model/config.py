@@ -29,7 +29,9 @@ class GCAConfig:
     ``full``: a full-attention transformer with RoPE, as many layers as ``swa`` (``window``, ``chunk_size``,
     ``top_k`` and the retrieval and backend keys do not apply to it)."""
     vocab_size: int = 4096
-    """Tokenizer vocabulary size (the landmark is a learned vector, not a vocabulary id)."""
+    """Tokenizer vocabulary size (the landmark is a learned vector, not a vocabulary id). The trainer takes it from
+    the dataset's tokenizer when the config leaves it out (the size data prep recorded; this default only for a
+    dataset without a manifest); a value the config sets must hold every token id of that tokenizer."""
     d_model: int = 128
     """Hidden size."""
     n_heads: int = 4

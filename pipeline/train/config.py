@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from data_prep import format as fmt
 from data_prep import schema
 from data_prep.redaction import restore_env_interpolations
 from data_prep.safe_files import is_within
@@ -25,6 +26,7 @@ from model.config import GCAConfig
 from model.context_parallel import check_cp_spans
 from model.convert import PARAMETER_ROLES, ConversionError, check_fits, checkpoint_model_keys
 from model.io import ExportError
+from pipeline.data.reader import is_remote
 from pipeline.data.retrieval_tasks import FAMILIES, TaskShape
 from pipeline.evaluation.ppl import default_score_len
 from pipeline.train.dist import TIMEOUT_ENV, collective_timeout_s
@@ -339,10 +341,36 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), world_si
         ConfigError: unknown key, wrong type, missing value or a broken cross-field rule; the message names the
             full key.
     """
-    cfg, env_paths = load_schema(TrainConfig, path, overrides, what="train", derive=_init_from_model_keys)
+    cfg, env_paths = load_schema(TrainConfig, path, overrides, what="train", derive=_derived_model_keys)
     setattr(cfg, _ENV_PATHS, env_paths)
     validate(cfg, world_size)
     return cfg
+
+
+def _derived_model_keys(merged: DictConfig, origins: Mapping[str, str]) -> dict[str, Any]:
+    """The ``model.*`` values a config may leave out: ``checkpoint.init_from``'s shapes, and ``model.vocab_size``
+    from the dataset's tokenizer when neither the config nor init_from sets it (a value the config sets is kept, and
+    `pipeline.train.inputs.check_inputs` checks it against the tokenizer)."""
+    derived = _init_from_model_keys(merged, origins)
+    if "model.vocab_size" not in origins and "model.vocab_size" not in derived:
+        path = OmegaConf.select(merged, "data.path", throw_on_missing=False, throw_on_resolution_failure=False)
+        size = _dataset_vocab_size(path)
+        if size is not None:
+            derived["model.vocab_size"] = size
+    return derived
+
+
+def _dataset_vocab_size(path: object) -> int | None:
+    """The tokenizer size data prep recorded in ``path``'s manifest (the one ``check_inputs`` then matches the
+    tokenizer file against by sha256, so the file itself is never parsed here). None when there is none to read: a
+    remote or hand-written dataset, or a path that is not a prepared dataset, where the schema default stays and
+    ``check_inputs`` says what is wrong."""
+    if not isinstance(path, str) or is_remote(path):
+        return None
+    try:
+        return fmt.read_manifest(path).tokenizer.vocab_size
+    except (OSError, ValueError, fmt.IncompleteDatasetError):
+        return None
 
 
 def _init_from_model_keys(merged: DictConfig, origins: Mapping[str, str]) -> dict[str, Any]:
