@@ -17,7 +17,14 @@ from data_prep import format as fmt
 from data_prep.dataset_tokenizer import HF, SENTENCEPIECE, TokenizerFiles, folder_tokenizer, manifest_mismatch
 from data_prep.json_file import summarize
 from data_prep.redaction import find_secret, is_secret_name
-from data_prep.safe_files import index_file_names, parse_index, read_index, read_index_bytes, stat_regular
+from data_prep.safe_files import (
+    INDEX_FILENAME,
+    index_file_names,
+    parse_index,
+    read_index,
+    read_index_bytes,
+    stat_regular,
+)
 from model import CausalLM, GCAForCausalLM, read_export_config
 from model.convert import ConversionError, convert_dense_into, weight_files
 from model.io import ExportError, check_finite_weights, check_safetensors
@@ -218,6 +225,30 @@ def _read_manifest(root: Path) -> fmt.Manifest | None:
         raise ConfigError(f"data.path={root}: {str(err).splitlines()[0]}") from None
 
 
+def _check_is_dataset(cfg: TrainConfig) -> None:
+    """A local ``data.path`` without a manifest must at least hold the training split's MDS index (a dataset
+    written by hand). A folder of raw text, or one split of a prepared dataset, is named for what it is before any
+    other check, whose advice (a missing validation split, a tokenizer) would send the user the wrong way.
+
+    Raises:
+        ConfigError: naming data.path and the command that prepares it (or its parent dataset).
+    """
+    root = Path(cfg.data.path)
+    if (root / cfg.data.train_split / INDEX_FILENAME).exists():
+        return
+    if (root / INDEX_FILENAME).exists():
+        raise ConfigError(
+            f"data.path={root} is one split of a dataset (it holds {INDEX_FILENAME} itself); set data.path to the "
+            f"prepared dataset that holds it (data.path={root.resolve().parent})"
+        )
+    prepared = f"{root.resolve()}_prepared"
+    raise ConfigError(
+        f"data.path={root} is not a prepared dataset (no {fmt.MANIFEST_FILENAME}, no "
+        f"{cfg.data.train_split}/{INDEX_FILENAME}): prepare it with python launch/prep.py input={root} "
+        f"output={prepared} tokenizer.vocab_size={cfg.model.vocab_size}, then set data.path={prepared}"
+    )
+
+
 def _check_splits(cfg: TrainConfig, manifest: fmt.Manifest | None) -> None:
     """The training split, and the validation split when ``train.eval_every > 0``, are the ones data prep wrote
     (`split_mismatch`, when there is a manifest), and the validation split holds samples: the split on disk
@@ -292,6 +323,8 @@ def check_inputs(cfg: TrainConfig) -> None:
         except fmt.IncompleteDatasetError as err:
             raise ConfigError(str(err)) from None
         manifest = _read_manifest(Path(cfg.data.path))
+        if manifest is None:
+            _check_is_dataset(cfg)
         _check_tokenizer(cfg, manifest)
         _check_splits(cfg, manifest)
         resolve_document_eos(cfg)

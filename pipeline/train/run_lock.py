@@ -8,6 +8,11 @@ job), read only to say who holds the lock.
 
 One run takes one lock: only global rank 0 locks, and every rank learns the outcome from one broadcast, so the
 ranks of one run (on any number of nodes) are never refused and all ranks of a refused run stop together.
+
+A start that stopped before writing anything but the lock (a configuration refused after the lock was taken)
+leaves ``run_dir`` as it found it: it removes the ``run.lock`` it created, and ``run_dir`` when it created that. The
+file is unlinked while the lock is held, and `acquire` checks that the file it locked is still the one at the path,
+so a start that opened the old file in that moment takes a fresh one instead of a lock nobody else sees.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from pipeline.train import dist, launch_env
 log = logging.getLogger(__name__)
 
 LOCK_FILE = "run.lock"
+LOCK_TRIES = 10
+"""Locks of a lock file that failed starts removed meanwhile, before `acquire` gives up (one is already rare)."""
 
 
 class RunDirLockError(RuntimeError):
@@ -36,13 +43,31 @@ class RunDirLockError(RuntimeError):
 
 
 class RunLock:
-    """The held lock; ``release`` (closing the file) drops it."""
+    """The held lock of ``run_dir``; ``release`` (closing the file) drops it.
 
-    def __init__(self, fd: int) -> None:
+    Args:
+        fd: the locked ``run.lock``.
+        found: the names ``run_dir`` held before this start, or None when this start created ``run_dir``.
+    """
+
+    def __init__(self, fd: int, run_dir: Path, found: set[str] | None) -> None:
         self._fd: int | None = fd
+        self.run_dir, self.found = run_dir, found
 
     def release(self) -> None:
-        if self._fd is not None:
+        """Drop the lock; when the run added nothing to ``run_dir`` but a new ``run.lock``, remove that file (and
+        ``run_dir`` when this start created it)."""
+        if self._fd is None:
+            return
+        found = self.found if self.found is not None else set()
+        try:
+            if LOCK_FILE not in found and set(os.listdir(self.run_dir)) == found | {LOCK_FILE}:
+                (self.run_dir / LOCK_FILE).unlink()  # while held: see `acquire`
+                if self.found is None:
+                    self.run_dir.rmdir()
+        except OSError as err:  # something appeared meanwhile, or the folder went away: nothing of ours to remove
+            log.debug("run_dir=%s: the failed start's lock file stays: %s", self.run_dir, err)
+        finally:
             os.close(self._fd)
             self._fd = None
 
@@ -76,46 +101,66 @@ def acquire(run_dir: Path, environ: Mapping[str, str]) -> RunLock:
             cannot be created or is not a regular file.
     """
     path = run_dir / LOCK_FILE
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        fd = open_lock(path)  # a planted link must never make the trainer write into the file it points at
-    except UnsafeWriteError as err:
-        raise RunDirLockError(f"run_dir={run_dir}: {err}") from None
-    except OSError as err:
-        raise RunDirLockError(f"run_dir={run_dir}: cannot create the lock file {path}: {err}") from None
-    try:
-        mine = _record(environ)
+    for _ in range(LOCK_TRIES):
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read_record(fd)
-            if not _earlier_incarnation(holder, mine):
-                raise RunDirLockError(
-                    f"run_dir={run_dir} is in use by another training ({_describe(holder)}; lock {path})"
-                    f"{_leftover_hint(holder, path)}; wait for it to end, or set another run_dir"
-                ) from None
-            log.warning(
-                "run_dir=%s: the lock %s is still held by an earlier run of this SLURM job (%s), which SLURM ended "
-                "before this requeue (a lost node's lock lasts until the file server's lease ends); continuing",
-                run_dir,
-                path,
-                _describe(holder),
-            )
+            found = set(os.listdir(run_dir)) if run_dir.exists() else None
+            run_dir.mkdir(parents=True, exist_ok=True)
+            fd = open_lock(path)  # a planted link must never make the trainer write into the file it points at
+        except UnsafeWriteError as err:
+            raise RunDirLockError(f"run_dir={run_dir}: {err}") from None
         except OSError as err:
-            if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                raise RunDirLockError(f"run_dir={run_dir}: cannot lock {path}: {err}") from None
-            log.warning(
-                "run_dir=%s: this file system does not support flock (%s), so a second training into the same "
-                "run_dir would not be refused; make sure only one runs",
-                run_dir,
-                err,
-            )
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(mine).encode(), 0)
-    except BaseException:
-        os.close(fd)
-        raise
-    return RunLock(fd)
+            raise RunDirLockError(f"run_dir={run_dir}: cannot create the lock file {path}: {err}") from None
+        try:
+            _lock(fd, run_dir, path, environ)
+        except BaseException:
+            os.close(fd)
+            raise
+        if _still_at(fd, path):
+            return RunLock(fd, run_dir, found)
+        os.close(fd)  # locked a file a failed start removed in the meantime (`RunLock.release`): lock the new one
+    raise RunDirLockError(f"run_dir={run_dir}: {path} keeps being replaced while this run locks it")
+
+
+def _still_at(fd: int, path: Path) -> bool:
+    """Whether the locked file ``fd`` is still the file at ``path``."""
+    try:
+        found = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (found.st_dev, found.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _lock(fd: int, run_dir: Path, path: Path, environ: Mapping[str, str]) -> None:
+    """Take the lock on the open lock file ``fd`` and write this process's record into it (see `acquire`)."""
+    mine = _record(environ)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _read_record(fd)
+        if not _earlier_incarnation(holder, mine):
+            raise RunDirLockError(
+                f"run_dir={run_dir} is in use by another training ({_describe(holder)}; lock {path})"
+                f"{_leftover_hint(holder, path)}; wait for it to end, or set another run_dir"
+            ) from None
+        log.warning(
+            "run_dir=%s: the lock %s is still held by an earlier run of this SLURM job (%s), which SLURM ended "
+            "before this requeue (a lost node's lock lasts until the file server's lease ends); continuing",
+            run_dir,
+            path,
+            _describe(holder),
+        )
+    except OSError as err:
+        if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise RunDirLockError(f"run_dir={run_dir}: cannot lock {path}: {err}") from None
+        log.warning(
+            "run_dir=%s: this file system does not support flock (%s), so a second training into the same "
+            "run_dir would not be refused; make sure only one runs",
+            run_dir,
+            err,
+        )
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(mine).encode(), 0)
 
 
 def _record(environ: Mapping[str, str]) -> dict[str, Any]:

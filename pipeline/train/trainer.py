@@ -60,7 +60,7 @@ from pipeline.train.callbacks import (
     SignalStop,
     fault_injection,
 )
-from pipeline.train.checkpoint import CheckpointCorruptError, CheckpointManager, UnsafeCheckpointError
+from pipeline.train.checkpoint import CheckpointError, CheckpointManager
 from pipeline.train.config import ConfigError, TrainConfig, check_context_parallel, load_config, mix_settings
 from pipeline.train.export import EXPORT_DIR, write_export
 from pipeline.train.inputs import (
@@ -439,7 +439,9 @@ def main(config_path: str | None, overrides: list[str]) -> int:
     except ResumeRefusedError as err:  # found on resume, before any step
         _say_once(f"configuration error: {err}")
         return 2
-    except (CheckpointCorruptError, UnsafeCheckpointError) as err:  # found on resume, before any tensor loads
+    # Found on resume before any tensor loads (a corrupt or unsafe file; a checkpoint of another layout, e.g. ZeRO
+    # state of 2 ranks resumed without the launcher), or at a save (a foreign folder where it goes): one line.
+    except CheckpointError as err:
         _say_once(f"checkpoint error: {err}")
         return 2
     except DataFingerprintError as err:  # found on resume, before any step
