@@ -255,6 +255,7 @@ def _run_sample(
     if on_tokens is not None:  # the haystack after the answer is never streamed: the progress counts length
         on_tokens(at.length - streamed)
     answer = sample.ids[sample.answer_start : sample.answer_start + sample.answer_len].tolist()
+    predicted_text = tokenizer.decode(predicted)
     seconds = time.perf_counter() - t0
     log.info(
         "passkey length=%d depth=%.2f sample %d: %s (key %s, predicted %r) in %.1f s, %.0f tokens/s",
@@ -263,7 +264,7 @@ def _run_sample(
         at.sample,
         "right" if predicted == answer else "wrong",
         sample.key,
-        tokenizer.decode(predicted),
+        predicted_text,
         seconds,
         at.length / seconds,
     )
@@ -275,6 +276,9 @@ def _run_sample(
         "key": sample.key,
         "answer": answer,
         "predicted": predicted,
+        # The ids decoded by the export's tokenizer, so the file says what the model wrote without a tokenizer.
+        "answer_text": tokenizer.decode(answer),
+        "predicted_text": predicted_text,
         "seconds": round(seconds, 3),
         "tokens_per_s_at": speed.rows(),
         **({"retrieval": retrieval} if (retrieval := retrieval_checks(sample, picks, model.cfg.chunk_size)) else {}),

@@ -45,7 +45,17 @@ class ModelTokenizer:
         return self._codec.encode(text)
 
     def decode(self, ids: list[int]) -> str:
-        return self._codec.decode(ids)
+        """The text of ``ids``; an id outside the tokenizer's vocabulary (a model's vocabulary may be larger, and an
+        untrained one predicts any id) becomes U+FFFD, as in ``ByteTokenizer``, where SentencePiece would raise."""
+        if all(0 <= i < self.vocab_size for i in ids):
+            return self._codec.decode(ids)
+        runs: list[list[int]] = [[]]  # the in-vocabulary runs, decoded whole so multi-piece characters survive
+        for i in ids:
+            if 0 <= i < self.vocab_size:
+                runs[-1].append(i)
+            else:
+                runs.append([])
+        return "\ufffd".join(self._codec.decode(run) for run in runs)
 
 
 class ByteTokenizer:
