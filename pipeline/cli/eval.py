@@ -16,6 +16,7 @@ from data_prep.entry import run
 from data_prep.redaction import install_log_redaction, redact
 from data_prep.schema import add_keys_argument
 from pipeline.evaluation.config import TASKS, EvalConfig
+from pipeline.evaluation.far_recall import shown_with_counts
 from pipeline.evaluation.run import EvalInterrupted, EvalOutputError, run_eval
 
 
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(err.result, indent=2))
         return 1
     for row in result["results"]:
-        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+        print(shown_with_counts(row))
     print(f"peak RSS {result['peak_rss_mib']} MiB, {result['seconds']} s -> {args.out}/{args.task}.json")
     return 0
 

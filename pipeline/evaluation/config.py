@@ -76,6 +76,26 @@ class EvalConfig(NeedleSpec):
 MAX_KEY_DIGITS = 18
 """Keys are drawn as int64: 10**19 no longer fits."""
 
+RUN_KEYS = ("lengths", "data", "samples", "seed", "segment", "device", "attn_backend", "offload_mb", "offload_dir")
+"""The keys every task reads: what it scores, on what, and how it streams (the last four decide the time and the
+memory a result records)."""
+TASK_KEYS = {
+    "ppl": ("score_len", "ppl_documents", "document_ppl"),
+    "passkey": ("depths", *(f.name for f in dataclasses.fields(NeedleSpec))),
+    "ruler": ("ruler_tasks", "key_digits", "qa_squad", "qa_hotpot"),
+}
+"""Each task's own keys."""
+UNRECORDED_KEYS = ("progress", "restart")
+"""Keys that change nothing a result holds: the progress bars, and whether finished samples are reused (a sample's
+record does not depend on it)."""
+
+
+def result_config(cfg: EvalConfig, task: str) -> dict:
+    """The keys of ``cfg`` that decide ``task``'s result, as ``<task>.json`` records them: ``RUN_KEYS`` and the
+    task's own ``TASK_KEYS`` (another task's keys decide nothing here)."""
+    values = dataclasses.asdict(cfg)
+    return {key: values[key] for key in (*RUN_KEYS, *TASK_KEYS[task])}
+
 
 def load_eval_config(
     path: str | None, overrides: Sequence[str], task: str | None = None

@@ -27,8 +27,9 @@ context costs milliseconds.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -252,3 +253,18 @@ class FarRecall:
             for g, h in enumerate(self.hits):
                 out[f"{prefix}far_recall_g{g}"] = h / self.tokens if self.tokens else None
         return out
+
+
+def shown_with_counts(values: Mapping[str, Any]) -> str:
+    """``key=value`` pairs as the logs print them (floats to 4 significant digits), every far-recall rate followed by
+    the count it is a fraction of, ``far_recall=0.5 (n=2)``: a rate of 2 tokens is no rate of 2,000. The count is
+    ``far_recall_tokens`` under the rate's prefix (``retrieval/``)."""
+    parts = []
+    for key, value in values.items():
+        text = f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
+        prefix, found, rest = key.rpartition("far_recall")
+        count = f"{prefix}far_recall_tokens"
+        if found and rest != "_tokens" and count in values:
+            text += f" (n={values[count]})"
+        parts.append(text)
+    return " ".join(parts)

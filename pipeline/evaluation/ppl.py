@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 Progress = Callable[[int, int], Callable[[int], None]]
 """``progress(length, total_tokens)`` returns a per-segment callback (e.g. a tqdm update)."""
+LabelledProgress = Callable[[str, int], Callable[[int], None]]
+"""``progress(label, total_tokens)``, for a pass that is no one context length (``whole documents``)."""
 
 
 MAX_DEFAULT_SCORE_LEN = 1024
@@ -217,10 +219,13 @@ def document_ppl(
     documents: Sequence[np.ndarray],
     *,
     budget: StreamBudget = IN_RAM,
-    progress: Progress | None = None,
+    progress: LabelledProgress | None = None,
+    unit: str = "documents",
 ) -> dict:
     """Every predicted position of each whole document, streamed from its start: ``{"kind": "document", "ppl",
-    "nll", "tokens", "documents", "seconds", "tokens_per_s"}``.
+    "nll", "tokens", "documents", "seconds", "tokens_per_s"}``. ``progress`` is called with the label ``whole
+    <unit>``, ``unit`` saying what the documents are (``windows`` when they are windows of the token stream): the
+    pass streams each at its own length.
 
     Raises:
         ValueError: no document holds two tokens (nothing to predict).
@@ -229,7 +234,7 @@ def document_ppl(
     if not chosen:
         raise ValueError("document ppl: no document holds two tokens (nothing to predict)")
     streamed = sum(len(d) for d in chosen)
-    on_tokens = progress(max(len(d) for d in chosen), streamed) if progress else None
+    on_tokens = progress(f"whole {unit}", streamed) if progress else None
     t0 = time.perf_counter()
     total, count = 0.0, 0
     for d in chosen:
@@ -237,7 +242,7 @@ def document_ppl(
         nll, m = window_nll(model, ids, budget=budget, on_tokens=on_tokens)
         total, count = total + nll, count + m
     seconds = time.perf_counter() - t0
-    log.info("document ppl: %.3f (%d documents, %.1fs)", math.exp(total / count), len(chosen), seconds)
+    log.info("ppl of whole %s: %.3f (%d %s, %.1fs)", unit, math.exp(total / count), len(chosen), unit, seconds)
     return {
         "kind": "document",
         "ppl": math.exp(total / count),

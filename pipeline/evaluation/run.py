@@ -12,7 +12,6 @@ import resource
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +29,7 @@ from pipeline.evaluation.config import (
     EvalConfig,
     load_eval_config,
     passkey_grid,
+    result_config,
     ruler_grid,
     stream_budget,
     validate,
@@ -46,16 +46,18 @@ log = logging.getLogger(__name__)
 
 
 class _Progress:
-    """One tqdm bar (tokens, with tokens/s and the time left) per evaluation length; called as
-    ``progress(length, total)``."""
+    """One tqdm bar (tokens, with tokens/s and the time left) per part of the evaluation; called as
+    ``progress(length, total)`` for one evaluation length, ``progress(label, total)`` for a pass that is none
+    (``whole documents``)."""
 
     def __init__(self, task: str) -> None:
         self.task = task
         self.bar: tqdm | None = None
 
-    def __call__(self, length: int, total: int) -> Callable[[int], None]:
+    def __call__(self, part: int | str, total: int) -> Callable[[int], None]:
         self.close()
-        bar = tqdm(total=total, desc=f"{self.task} L={length}", unit="tok", unit_scale=True, dynamic_ncols=True)
+        label = f"L={part}" if isinstance(part, int) else part
+        bar = tqdm(total=total, desc=f"{self.task} {label}", unit="tok", unit_scale=True, dynamic_ncols=True)
         self.bar = bar
 
         def advance(tokens: int) -> None:
@@ -173,7 +175,7 @@ def _evaluate(checkpoint: str, task: str, cfg: EvalConfig, out: Path) -> dict:
         "checkpoint": str(checkpoint),
         "train_seq_len": ckpt.train_seq_len,
         "results": rows,
-        "config": asdict(cfg),
+        "config": result_config(cfg, task),
         "seconds": round(time.perf_counter() - t0, 3),
         # ru_maxrss is KiB on Linux: the whole process's peak, model and Python included.
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
@@ -197,7 +199,8 @@ def _run_task(
         assert cfg.score_len is not None, "load_eval_config sets the default score_len"
         rows = context_ppl(*run, lengths=cfg.lengths, score_len=cfg.score_len, budget=budget, progress=progress)
         if cfg.document_ppl:
-            rows.append(document_ppl(*run, budget=budget, progress=progress))
+            unit = "windows" if cfg.ppl_documents == "windows" else "documents"
+            rows.append(document_ppl(*run, budget=budget, progress=progress, unit=unit))
     elif task == "ruler":
         rows = ruler.evaluate_ruler(
             ckpt.model,
