@@ -12,51 +12,32 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from data_prep.safe_write import replacing, write_text
+from data_prep.json_file import read_json  # noqa: E402
+from data_prep.safe_write import replacing, write_text  # noqa: E402
 from pipeline.evaluation.plots import plot_ppl_models, short_length  # noqa: E402
-from pipeline.evaluation.ruler import markdown_table  # noqa: E402
+from pipeline.evaluation.report import (  # noqa: E402
+    needle_fetched_table,
+    passkey_table,
+    passkey_time_table,
+    pool_passkey,
+    ppl_table,
+    read_result,
+    ruler_section,
+)
 
 log = logging.getLogger(__name__)
-
-
-def _read(path: Path) -> dict:
-    return json.loads(path.read_text())
 
 
 def collect_passkey(run_dir: Path, models: list[str]) -> tuple[list[dict], int | None]:
     """One row per (model, length): accuracy and exact match pooled over depths, weighted by samples."""
     rows, train_len = [], None
     for model in models:
-        pooled: dict[int, dict[str, float]] = {}
+        results = []
         for path in sorted((run_dir / "eval" / model).glob("passkey_*/passkey.json")):
-            data = _read(path)
-            train_len = data.get("train_seq_len") or train_len
-            for r in data["results"]:
-                acc = pooled.setdefault(
-                    r["length"], {"hits": 0.0, "exact": 0.0, "n": 0, "seconds": 0.0, "fetched": 0, "asked": 0}
-                )
-                acc["hits"] += r["accuracy"] * r["n"]
-                acc["exact"] += r["exact_match"] * r["n"]
-                acc["n"] += r["n"]
-                acc["seconds"] += r.get("seconds", 0.0)
-                for checks in r.get("retrieval", {}).values():
-                    if "asked_needle" in checks:
-                        acc["fetched"] += checks["asked_needle"]["hits"]
-                        acc["asked"] += checks["asked_needle"]["n"]
-        for length in sorted(pooled):
-            p = pooled[length]
-            rows.append(
-                {
-                    "model": model,
-                    "length": length,
-                    "accuracy": p["hits"] / p["n"],
-                    "exact_match": p["exact"] / p["n"],
-                    "n": int(p["n"]),
-                    "seconds": round(p["seconds"], 1),
-                    # Share of (sample, group) pairs whose question retrieval held the asked needle.
-                    **({"needle_fetched": p["fetched"] / p["asked"]} if p["asked"] else {}),
-                }
-            )
+            data = read_result(path, "passkey")
+            train_len = data["train_seq_len"] or train_len
+            results += data["results"]
+        rows += [{"model": model, **r} for r in pool_passkey(results)]
     return rows, train_len
 
 
@@ -68,11 +49,11 @@ def collect_ppl(run_dir: Path, models: list[str]) -> list[dict]:
         path = run_dir / "eval" / model / "ppl" / "ppl.json"
         if not path.is_file():
             continue
-        results = _read(path)["results"]
-        if any("kind" not in r for r in results):
+        raw = read_json(path)
+        if isinstance(raw, dict) and any(isinstance(r, dict) and "kind" not in r for r in raw.get("results", [])):
             log.warning("%s is of an older format (different text per length); delete it to evaluate again", path)
             continue
-        rows += [{"model": model, **r} for r in results]
+        rows += [{"model": model, **r} for r in read_result(path, "ppl")["results"]]
     return rows
 
 
@@ -94,32 +75,6 @@ def _plot(rows: list[dict], metric: str, ylabel: str, train_len: int | None, pat
     plt.close(fig)
 
 
-def _table(rows: list[dict], models: list[str]) -> str:
-    lengths = sorted({r["length"] for r in rows})
-    cell = {(r["model"], r["length"]): r for r in rows}
-    head = "| model | " + " | ".join(short_length(n) for n in lengths) + " |"
-    lines = [head, "|---" * (len(lengths) + 1) + "|"]
-    for model in models:
-        cells = []
-        for n in lengths:
-            r = cell.get((model, n))
-            cells.append(
-                "–" if r is None else f"{100 * r['accuracy']:.0f}% ({100 * r['exact_match']:.0f}%, n={r['n']})"
-            )
-        lines.append(f"| {model} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def _time_table(rows: list[dict], models: list[str]) -> str:
-    """Seconds per passkey sample (building, streaming and decoding), by model and length."""
-    lengths = sorted({r["length"] for r in rows})
-    cell = {(r["model"], r["length"]): f"{r['seconds'] / r['n']:.1f} s" for r in rows if r.get("seconds")}
-    lines = ["| model | " + " | ".join(short_length(n) for n in lengths) + " |", "|---" * (len(lengths) + 1) + "|"]
-    for model in models:
-        lines.append(f"| {model} | " + " | ".join(cell.get((model, n), "–") for n in lengths) + " |")
-    return "\n".join(lines)
-
-
 def _passkey_tables(rows: list[dict], models: list[str], train_len: int | None) -> list[str]:
     """Accuracy and seconds per sample of the main demo's passkey rows (none when only the two-hop part ran)."""
     if not rows:
@@ -128,55 +83,14 @@ def _passkey_tables(rows: list[dict], models: list[str], train_len: int | None) 
         f"Passkey retrieval, accuracy of the first answer token (all answer tokens in brackets); "
         f"models trained on {train_len}-token sequences.",
         "",
-        _table(rows, models),
+        passkey_table(rows, models),
         "",
         "Seconds per passkey sample (building it, streaming the prefix, decoding the answer).",
         "",
-        _time_table(rows, models),
+        passkey_time_table(rows, models),
         "",
-        *_fetched_table(rows, models),
+        *needle_fetched_table(rows, models),
     ]
-
-
-def _fetched_table(rows: list[dict], models: list[str]) -> list[str]:
-    """How often the question's retrieval held the asked needle (``retrieval.g<i>.asked_needle``), by model and
-    length: a wrong answer with the needle fetched is a copy error, without it a retrieval error."""
-    cell = {(r["model"], r["length"]): f"{100 * r['needle_fetched']:.0f}%" for r in rows if "needle_fetched" in r}
-    if not cell:
-        return []
-    lengths = sorted({r["length"] for r in rows})
-    lines = [
-        "How often the question's retrieval held the asked needle (every retrieval group counted): a miss is a "
-        "retrieval error; an answer wrong although the needle was fetched, a copy error.",
-        "",
-        "| model | " + " | ".join(short_length(n) for n in lengths) + " |",
-        "|---" * (len(lengths) + 1) + "|",
-    ]
-    for model in models:
-        if any((model, n) in cell for n in lengths):
-            lines.append(f"| {model} | " + " | ".join(cell.get((model, n), "–") for n in lengths) + " |")
-    return [*lines, ""]
-
-
-def _ppl_table(rows: list[dict], models: list[str]) -> list[str]:
-    """The caption and table of the perplexity rows: one column per context length, one of whole windows."""
-    context = [r for r in rows if r["kind"] == "context"]
-    if not context:
-        return []
-    lengths = sorted({r["length"] for r in context})
-    cell = {(r["model"], r.get("length")): f"{r['ppl']:.2f}" for r in rows}
-    first = context[0]
-    lines = [
-        f"Perplexity of the same final {first['tokens'] // first['documents']} tokens of {first['documents']} "
-        "windows of the validation split, with each length of context; the last column streams each whole window.",
-        "",
-        "| model | " + " | ".join(short_length(n) for n in lengths) + " | whole windows |",
-        "|---" * (len(lengths) + 2) + "|",
-    ]
-    for model in models:
-        cells = [cell.get((model, n), "–") for n in [*lengths, None]]
-        lines.append(f"| {model} | " + " | ".join(cells) + " |")
-    return [*lines, ""]
 
 
 _HOP_CHECKS = {
@@ -194,7 +108,7 @@ def collect_hop_retrieval(run_dir: Path, models: list[str]) -> list[dict]:
     for model in models:
         counts: dict[str, dict[str, list[int]]] = {}
         for path in sorted((run_dir / "eval" / model).glob("passkey_*/passkey.json")):
-            for r in _read(path)["results"]:
+            for r in read_result(path, "passkey")["results"]:
                 for group, checks in r.get("retrieval", {}).items():
                     for check, c in checks.items():
                         total = counts.setdefault(group, {}).setdefault(check, [0, 0])
@@ -238,7 +152,7 @@ def _multihop_section(run_dir: Path, models: list[str]) -> list[str]:
         f"answer tokens in brackets); models trained on {train_len}-token sequences with the two-hop needle mix. "
         "gca_2groups has two retrieval groups, gca one (the control).",
         "",
-        _table(rows, models),
+        passkey_table(rows, models),
         "",
         *_hop_retrieval_table(collect_hop_retrieval(run_dir / "multihop", models)),
     ]
@@ -250,25 +164,8 @@ def collect_ruler(run_dir: Path, models: list[str]) -> list[dict]:
     for model in models:
         path = run_dir / "eval" / model / "ruler" / "ruler.json"
         if path.is_file():
-            rows += [{"model": model, **r} for r in _read(path)["results"]]
+            rows += [{"model": model, **r} for r in read_result(path, "ruler")["results"]]
     return rows
-
-
-def _ruler_section(rows: list[dict], models: list[str]) -> list[str]:
-    """Per model, the RULER table (each task's RULER score x 100 per task and length, held-out families marked)."""
-    if not rows:
-        return []
-    n = sorted({r["n"] for r in rows})
-    lines = [
-        "RULER-style tasks (`--task ruler`, docs/evaluation.md): string_match_all x 100 (QA: string_match_part), "
-        f"{'/'.join(map(str, n))} sample(s) per cell; held out = a family the training mix never draws.",
-        "",
-    ]
-    for model in models:
-        mine = [r for r in rows if r["model"] == model]
-        if mine:
-            lines += [f"**{model}**", "", markdown_table(mine)]
-    return lines
 
 
 def collect_seeds(seed_runs: dict[int, tuple[Path, Path]]) -> list[dict]:
@@ -357,8 +254,8 @@ def write_report(
             "",
             *_passkey_tables(passkey, models, train_len),
             *_seeds_section(seeds),
-            *_ruler_section(ruler, models),
-            *_ppl_table(ppl, models),
+            *ruler_section(ruler, models),
+            *ppl_table(ppl, models, "windows of the validation split", "whole windows"),
             *_multihop_section(run_dir, multihop_models or []),
             "Stage timings.",
             "",
