@@ -38,7 +38,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -316,6 +316,14 @@ class MDSReader:
         if shard in self._loaded:
             self._loaded.move_to_end(shard)
             return self._loaded[shard]
+        data = self._load(shard)
+        self._loaded[shard] = data
+        while len(self._loaded) > _KEEP_SHARDS:
+            self._loaded.popitem(last=False)
+        return data
+
+    def _load(self, shard: int) -> bytes:
+        """Shard ``shard``'s checked bytes, read now (kept nowhere)."""
         reader = self.shards[shard]
         [(raw, packed)] = reader.file_pairs  # an MDS shard is one data file (raw, and its compressed form)
         data = self._raw_bytes(raw, packed, reader.compression)
@@ -335,10 +343,28 @@ class MDSReader:
                 f"{where}: not an MDS shard of {reader.samples} samples (bad header); the shard changed since "
                 "data prep wrote it (re-run data prep)"
             )
-        self._loaded[shard] = data
-        while len(self._loaded) > _KEEP_SHARDS:
-            self._loaded.popitem(last=False)
         return data
+
+    @property
+    def shard_sizes(self) -> np.ndarray:
+        """Each shard's decoded size in bytes, as ``index.json`` records it (what holding the shard costs)."""
+        return np.asarray([s.file_pairs[0][0].bytes for s in self.shards], dtype=np.int64)
+
+    def shard_tokens(self, shard: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every sample of shard ``shard`` at once: its token ids concatenated (the column's own dtype), each
+        sample's token count and each sample's document id. The shard's bytes are read, checked and dropped (not
+        kept in the cache of `shard_bytes`): only the tokens stay, one copy."""
+        reader = self.shards[shard]
+        data = memoryview(self._load(shard))
+        offsets = np.frombuffer(data, np.uint32, count=reader.samples + 1, offset=4)
+        pieces, docs = [], np.empty(reader.samples, dtype=np.int64)
+        for index in range(reader.samples):
+            sample = reader.decode_sample(data[offsets[index] : offsets[index + 1]])  # type: ignore[arg-type]  # any buffer
+            pieces.append(np.asarray(sample[fmt.TOKENS]))
+            docs[index] = int(sample[fmt.DOC_ID])
+        lengths = np.asarray([len(piece) for piece in pieces], dtype=np.int64)
+        tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+        return tokens, lengths, docs
 
     def sample(self, shard: int, index: int) -> tuple[np.ndarray, int]:
         """Token ids and document id of sample ``index`` of shard ``shard``."""
@@ -501,6 +527,11 @@ class PackedSequences:
                 self._taken, self._buffer, self._buffer_ids = 0, None, None
         return np.concatenate(seqs), np.concatenate(ids)
 
+    @property
+    def epoch(self) -> int:
+        """The epoch the current window starts in."""
+        return self._window_start.epoch
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "cursor": asdict(self._window_start),
@@ -513,6 +544,11 @@ class PackedSequences:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "order" in state:
+            raise ValueError(
+                f"cannot resume the data stream: the checkpoint was written with data.shuffle_scope={state['order']} "
+                "and data.shuffle=true; set them back to resume it"
+            )
         for key in ("seq_len", "window", "seed", "shuffle"):
             if state[key] != getattr(self, key):
                 raise ValueError(
@@ -524,11 +560,24 @@ class PackedSequences:
         self._buffer = self._buffer_ids = None
 
 
+class SequenceStream(Protocol):
+    """A global sequence stream: `PackedSequences` or ``pipeline.data.order.BlockShuffledSequences``."""
+
+    @property
+    def epoch(self) -> int: ...
+
+    def next(self, n: int) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 class RankBatches:
     """This rank's micro-batches of each global batch.
 
     Args:
-        stream: the global ``PackedSequences``.
+        stream: the global sequence stream.
         global_batch, micro_batch: sequences per optimizer step (all ranks) and per forward pass (one rank).
         rank, world_size: this rank's contiguous slice of each global batch.
         mix: optional ``pipeline.data.mix.RetrievalMix``; whether a sequence gets a task, and which, is decided
@@ -539,7 +588,7 @@ class RankBatches:
 
     def __init__(
         self,
-        stream: PackedSequences,
+        stream: SequenceStream,
         *,
         global_batch: int,
         micro_batch: int,

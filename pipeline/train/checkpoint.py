@@ -53,6 +53,7 @@ from data_prep.json_file import Fields, JsonFileError, read_json, summarize
 from data_prep.redaction import redact
 from data_prep.safe_write import move, replacing, write_text
 from model.config import BACKEND_FIELDS
+from pipeline.data.order import ORDER as BLOCK_ORDER
 from pipeline.data.reader import Cursor
 from pipeline.train import dist, save_failure
 from pipeline.train.config import ParallelConfig
@@ -392,7 +393,17 @@ def _format_of(state_path: Path) -> int | None:
 
 
 def _check_data_position(data: Fields) -> None:
-    """The data stream's position (``PackedSequences.state_dict``), which the reader takes without checks."""
+    """The data stream's position (``BlockShuffledSequences.state_dict``, or ``PackedSequences.state_dict`` with
+    no ``order``), which the reader takes without checks."""
+    if "order" in data.obj:
+        data.string("order", choices=(BLOCK_ORDER,))
+        for name in ("epoch", "block", "taken", "consumed", "emitted_this_epoch"):
+            data.integer(name, low=0, high=_INT64_MAX)
+        data.integer("seq_len", low=1, high=_INT64_MAX)
+        data.integer("block_mib", low=1, high=_INT64_MAX)
+        data.integer("seed")
+        data.boolean("shuffle")
+        return
     cursor = data.nested("cursor")
     names = [field.name for field in dataclasses.fields(Cursor)]
     if sorted(cursor.obj) != sorted(names):

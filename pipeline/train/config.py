@@ -143,9 +143,16 @@ class DataConfig:
     """Where a remote ``data.path``'s shards are downloaded once, shared by the node's readers and kept (default:
     ``<run_dir>/data_cache``); a local dataset is decoded in memory and writes nothing; never inside ``data.path``."""
     shuffle: bool = True
-    """Shuffle the shard order each epoch and the sequence order within a window."""
+    """Shuffle the training data (false: every epoch reads the split in file order)."""
+    shuffle_scope: Literal["blocks", "window"] = "blocks"
+    """``blocks``: every epoch a new order of the shards, and of the documents and sequences within each block of
+    ``shuffle_block_mib`` (``pipeline/data/order.py``). ``window``: the order before that existed (shards per
+    epoch, then sequences within windows of ``shuffle_window`` consecutive ones), kept to resume and reproduce runs
+    made with it."""
+    shuffle_block_mib: int = 128
+    """``blocks``: decoded shard bytes one block may span, which every rank holds in memory while it reads it."""
     shuffle_window: int = 64
-    """Packed sequences shuffled together; larger mixes more, costs memory on every rank."""
+    """``window``: packed sequences shuffled together; larger mixes more, costs memory on every rank."""
     retrieval_mix: RetrievalMixConfig = field(default_factory=RetrievalMixConfig)
     """Synthetic retrieval tasks written over a share of the training sequences (``pipeline/data/mix.py``)."""
     needle_mix: float = 0.0
@@ -570,6 +577,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         ("checkpoint.keep_last", c.keep_last),
         ("logging.every", cfg.logging.every),
         ("data.shuffle_window", cfg.data.shuffle_window),
+        ("data.shuffle_block_mib", cfg.data.shuffle_block_mib),
     )
     for key, value in positive:
         if value < 1:

@@ -2,8 +2,11 @@
 
 Per rank, arrays it must hold at once:
 
-* the reader's shuffle window: ``data.shuffle_window x train.seq_len`` int64 token ids, which
-  ``pipeline.data.reader.PackedSequences`` materializes whole;
+* what the reader cuts sequences into: with ``data.shuffle_scope=window`` (or ``data.shuffle=false``) its window,
+  ``data.shuffle_window x train.seq_len`` int64 token ids, which ``pipeline.data.reader.PackedSequences``
+  materializes whole; with ``blocks`` the whole global batch, ``train.global_batch x train.seq_len`` int64 ids,
+  which every rank cuts before it takes its share (the block's own tokens, up to ``data.shuffle_block_mib`` but
+  no more than the split holds, are left out: the split's size is not read here);
 * one optimizer step's micro-batches: ``train.global_batch / data-parallel ranks`` sequences of ``train.seq_len``
   int64 ids (``RankBatches.next_step`` makes them all before the first forward);
 * on CPU (no CUDA device) the model state in host memory: fp32 weights, gradients and the two AdamW moments,
@@ -62,8 +65,13 @@ def check_host_memory(cfg: TrainConfig, world_size: int) -> None:
     memory = host_memory.available_memory()
     if memory is None:
         return
-    t, window = cfg.train, cfg.data.shuffle_window
-    window_bytes = window * t.seq_len * TOKEN_BYTES
+    t, d = cfg.train, cfg.data
+    if d.shuffle and d.shuffle_scope == "blocks":
+        window_bytes, source = t.global_batch * t.seq_len * TOKEN_BYTES, "the global batch the reader cuts"
+        window_key = f"train.global_batch={t.global_batch}"
+    else:
+        window_bytes, source = d.shuffle_window * t.seq_len * TOKEN_BYTES, "the shuffle window"
+        window_key = f"data.shuffle_window={d.shuffle_window}"
     step_bytes = t.global_batch // cfg.data_parallel(world_size) * t.seq_len * TOKEN_BYTES
     state_bytes = 0
     if not torch.cuda.is_available():
@@ -77,10 +85,10 @@ def check_host_memory(cfg: TrainConfig, world_size: int) -> None:
     gib = host_memory.gib
     state = f", the model state {gib(state_bytes)} (16 bytes per parameter on CPU)" if state_bytes else ""
     raise ConfigError(
-        f"train.seq_len={t.seq_len} with data.shuffle_window={window} needs at least {gib(need)} of host memory on "
-        f"this node: {ranks} rank(s) x (the shuffle window {gib(window_bytes)}, the step's micro-batches "
+        f"train.seq_len={t.seq_len} with {window_key} needs at least {gib(need)} of host memory on "
+        f"this node: {ranks} rank(s) x ({source} {gib(window_bytes)}, the step's micro-batches "
         f"{gib(step_bytes)} (train.global_batch={t.global_batch}, train.micro_batch={t.micro_batch}){state}), "
-        f"but it has {gib(memory.bytes)} ({memory.limit}); lower data.shuffle_window or train.seq_len"
+        f"but it has {gib(memory.bytes)} ({memory.limit}); lower {window_key.split('=')[0]} or train.seq_len"
     )
 
 

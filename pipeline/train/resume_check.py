@@ -68,7 +68,11 @@ RULES: tuple[Rule, ...] = (
     Rule(("seed",), "refused", "the data order, the needles and the Gumbel noise"),
     Rule(("train.seq_len",), "refused", "the data order (documents are packed into sequences of this length)"),
     Rule(("train.global_batch",), "refused", "which sequences make up each step"),
-    Rule(("data.shuffle", "data.shuffle_window"), "refused", "the data order"),
+    Rule(
+        ("data.shuffle", "data.shuffle_scope", "data.shuffle_block_mib", "data.shuffle_window"),
+        "refused",
+        "the data order",
+    ),
     Rule(("train.max_steps", "schedule.*"), "warned", "the learning-rate schedule"),
     Rule(
         ("optim.trainable", "optim.lr_scale"),
@@ -253,7 +257,18 @@ def check_data_settings(path: Path, data: dict[str, Any], cfg: TrainConfig) -> N
         JsonFileError: naming the field and both values.
     """
     d = cfg.data
-    now = {"seq_len": cfg.train.seq_len, "window": d.shuffle_window, "seed": cfg.seed, "shuffle": d.shuffle}
+    if "order" in data or d.shuffle and d.shuffle_scope == "blocks":
+        order = {"order": d.shuffle_scope if d.shuffle else "window", "block_mib": d.shuffle_block_mib}
+        now = {**order, "seq_len": cfg.train.seq_len, "seed": cfg.seed, "shuffle": d.shuffle}
+        if data.get("order", "window") != now["order"]:
+            saved = f"data.shuffle_scope={data.get('order', 'window')} data.shuffle={json.dumps(data['shuffle'])}"
+            raise ResumeRefusedError(
+                f"{path} was written in the data order {saved} (before each epoch was reshuffled, when it names "
+                f"window), and its data position means nothing in another order: add {saved} to resume it, or start "
+                "a new run in another run_dir"
+            )
+    else:
+        now = {"seq_len": cfg.train.seq_len, "window": d.shuffle_window, "seed": cfg.seed, "shuffle": d.shuffle}
     for key, value in now.items():
         if data[key] != value:
             raise JsonFileError(

@@ -31,6 +31,7 @@ from data_prep.safe_write import UnsafeWriteError
 from kernels.cpu_math import flush_denormals, retain_freed_memory
 from model import build_model, count_parameters
 from model.flops import flops_per_token, matmul_params
+from pipeline.data.order import BlockShuffledSequences, epochs_needed
 from pipeline.data.reader import (
     DataFingerprintError,
     EmptySplitError,
@@ -42,6 +43,7 @@ from pipeline.data.reader import (
     check_fingerprint,
     dataset_fingerprint,
     eos_id_of,
+    is_remote,
     read_tokenizer,
 )
 from pipeline.train import dist, run_lock
@@ -154,14 +156,22 @@ class Trainer:
         cfg, info = self.cfg, self.info
         cache = cfg.data.cache_dir or str(self.run_dir / "data_cache")
         reader = MDSReader(cfg.data.path, cfg.data.train_split, cache, cfg.data.validate_hash)
-        stream = PackedSequences(
-            reader,
-            seq_len=cfg.train.seq_len,
-            seed=cfg.seed,
-            shuffle=cfg.data.shuffle,
-            window=cfg.data.shuffle_window,
-            eos_id=self.eos_id,
-        )
+        d = cfg.data
+        stream: PackedSequences | BlockShuffledSequences
+        if d.shuffle and d.shuffle_scope == "blocks":
+            stream = BlockShuffledSequences(
+                reader, seq_len=cfg.train.seq_len, seed=cfg.seed, block_mib=d.shuffle_block_mib, eos_id=self.eos_id
+            )
+        else:
+            stream = PackedSequences(
+                reader,
+                seq_len=cfg.train.seq_len,
+                seed=cfg.seed,
+                shuffle=d.shuffle,
+                window=d.shuffle_window,
+                eos_id=self.eos_id,
+            )
+        warn_if_data_repeats(cfg, reader, self.eos_id is not None)
         mix = build_mix(cfg, self.tokenizer)
         batches = RankBatches(
             stream,
@@ -301,6 +311,7 @@ class Trainer:
             "mfu": self.flops_per_token * tps / (peak * self.info.world_size) if peak else None,
             "mem_gb": memory_gb(),
             "tokens": self.tokens_seen,
+            "epoch": self.batches.stream.epoch,
         }
 
     # -- checkpoints and export ---------------------------------------------------------------------------
@@ -364,6 +375,36 @@ class Trainer:
 
 DATASET_ERRORS = (UnsafeDatasetError, ShardCorruptError, EmptySplitError, DataFingerprintError)
 """What a reader raises for a dataset it refuses: one line to the user, never a traceback."""
+
+
+def warn_if_data_repeats(cfg: TrainConfig, reader: MDSReader, eos: bool) -> None:
+    """Say at the start when ``train.max_steps`` draws more tokens than the training split holds (from data prep's
+    manifest; a dataset without one, or a remote one, is not counted)."""
+    if is_remote(cfg.data.path) or not (Path(cfg.data.path) / fmt.MANIFEST_FILENAME).is_file():
+        return
+    split = fmt.read_manifest(cfg.data.path).splits.get(cfg.data.train_split)
+    if split is None:
+        return
+    needed = cfg.tokens_per_step * cfg.train.max_steps
+    epochs = epochs_needed(split.tokens, split.documents, eos, needed)
+    if epochs > 1:
+        d = cfg.data
+        order = {
+            (True, "blocks"): "each in a new order",
+            (True, "window"): "in windows of data.shuffle_window sequences (a split of few shards is read in the same "
+            "document order every epoch: data.shuffle_scope=blocks reshuffles it)",
+        }.get((d.shuffle, d.shuffle_scope), "each in file order (data.shuffle=false)")
+        log.warning(
+            "the run repeats its data: train.max_steps=%d x %d tokens per step = %d tokens, the training split %s "
+            "holds %d, so about %.1f epochs, %s",
+            cfg.train.max_steps,
+            cfg.tokens_per_step,
+            needed,
+            reader.split_dir if reader.remote is None else reader.remote,
+            split.tokens,
+            epochs,
+            order,
+        )
 
 
 def _say_once(message: str) -> None:

@@ -17,8 +17,14 @@ from model import GCAConfig, GCAForCausalLM
 from pipeline.data import host_memory
 from pipeline.train import trainer
 
-LONG = {"train.seq_len": 16777216, "train.micro_batch": 1, "train.global_batch": 1, "data.shuffle_window": 64}
-"""The issue's probe: one 16M-token sequence per step, the reader's default window of 64 sequences."""
+LONG = {
+    "train.seq_len": 16777216,
+    "train.micro_batch": 1,
+    "train.global_batch": 1,
+    "data.shuffle_scope": "window",
+    "data.shuffle_window": 64,
+}
+"""The issue's probe: one 16M-token sequence per step, the window order's default window of 64 sequences."""
 
 
 class Started(Exception):
@@ -61,6 +67,26 @@ def test_a_run_the_host_cannot_hold_is_one_line_before_any_work(
     # The estimate is what the docs say: a host with exactly that much passes the check, one byte less does not.
     monkeypatch.setattr(host_memory, "available_memory", lambda: host_memory.Memory(need - 1, "test"))
     assert trainer.main(None, args) == 2
+    monkeypatch.setattr(host_memory, "available_memory", lambda: host_memory.Memory(need, "test"))
+    with pytest.raises(Started):
+        trainer.main(None, args)
+
+
+def test_the_block_order_counts_the_global_batch_every_rank_cuts(
+    tmp_path, tiny_data, overrides, monkeypatch, caplog, started
+):
+    """With the default data order the reader holds no window; every rank cuts the whole global batch (int64 ids)
+    before it takes its share: that, plus the rank's micro-batches and the model state, is the bound."""
+    keys = {**LONG, "data.shuffle_scope": "blocks", "train.global_batch": 64}
+    model_keys = {k.removeprefix("model."): v for k, v in TINY_TRAIN_OVERRIDES.items() if k.startswith("model.")}
+    params = sum(p.numel() for p in GCAForCausalLM(GCAConfig(**{**model_keys, "groups": [1]})).parameters())
+    need = 8 * 16777216 * (64 + 64) + (0 if torch.cuda.is_available() else 16 * params)
+    args = overrides(tmp_path / "run", tiny_data, **keys)
+    monkeypatch.setattr(host_memory, "available_memory", lambda: host_memory.Memory(need - 1, "test"))
+    with caplog.at_level(logging.ERROR):
+        assert trainer.main(None, args) == 2
+    [line] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert "train.seq_len=16777216 with train.global_batch=64" in line and "the global batch the reader cuts" in line
     monkeypatch.setattr(host_memory, "available_memory", lambda: host_memory.Memory(need, "test"))
     with pytest.raises(Started):
         trainer.main(None, args)

@@ -121,9 +121,13 @@ CRAFTED: dict[str, tuple[Callable[[Path], None], str]] = {
         _STATE + r"field 'parallel' is null, expected an object",
     ),
     "state_a_list": (_edit_state(lambda s: [s]), _STATE + r"the file is a list, expected an object"),
-    "cursor_unknown_key": (
-        _edit_state(lambda s: s["data"]["cursor"].update(page=1)),
-        _STATE + r"field 'data\.cursor' does not hold exactly the keys epoch, shard_pos, sample, offset",
+    "data_order_unknown": (
+        _edit_state(lambda s: s["data"].update(order="random")),
+        _STATE + r"field 'data\.order' is \"random\", expected one of blocks",
+    ),
+    "data_taken_negative": (
+        _edit_state(lambda s: s["data"].update(taken=-1)),
+        _STATE + r"field 'data\.taken' is -1, expected an integer in \[0, ",
     ),
     "data_seq_len_of_another_run": (
         _edit_state(lambda s: s["data"].update(seq_len=2 * s["data"]["seq_len"])),

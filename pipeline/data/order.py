@@ -1,0 +1,226 @@
+"""The training data order: a fresh shuffle of the whole split every epoch, in blocks that fit in memory.
+
+Each epoch ``e`` of the split:
+
+1. the shards are permuted (generator seeded with ``(seed, e)``) and cut, in that order, into *blocks*: runs of
+   consecutive shards whose decoded size stays within ``data.shuffle_block_mib`` (a shard larger than that is a
+   block alone). A block's tokens are what a rank holds in memory, so the budget bounds the reader's memory;
+2. within a block, the *segments* (the consecutive pieces of one document inside one shard; a document spread over
+   shards is one segment per shard) are permuted, joined with the tokenizer's EOS after each, and cut into sequences
+   of ``seq_len`` tokens; the last partial sequence of a block is left out this epoch (another tail the next);
+3. the block's sequences are permuted and emitted; then the next block, then epoch ``e + 1``.
+
+So every epoch draws another order of documents and of sequences over the whole split (for a corpus that fits one
+block: a uniform permutation of all of it), the sequence boundaries move between epochs, and a global batch holds
+sequences from as many documents as uniform sampling would, unlike a short window of consecutive text. Which
+sequence comes at global index ``i`` is a pure function of the seed, the split and ``i``: the state is four
+integers that resume exactly, on any number of ranks. The retrieval mix keys its draws on ``i``.
+
+Designs this follows: Megatron's sample index (documents shuffled, then packed, then samples shuffled), streaming's
+block shuffles (``py1b``/``py1br``: a permutation within blocks of shards, which bounds what a reader holds).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+MIB = 1 << 20
+ORDER = "blocks"
+"""The ``order`` a state of this stream records (`PackedSequences` states record none: ``window``)."""
+
+
+@dataclass
+class _Block:
+    """One block of one epoch, laid out: its tokens and the permutations that order them."""
+
+    tokens: list[np.ndarray]
+    """Per shard of the block, all its token ids (the dataset's dtype)."""
+    segment_array: np.ndarray
+    """Per segment, in the block's permuted order: which entry of `tokens` holds it."""
+    segment_start: np.ndarray
+    """Per segment: its first token within that entry."""
+    segment_length: np.ndarray
+    """Per segment: its tokens, the EOS not counted."""
+    segment_end: np.ndarray
+    """Per segment: where it ends (EOS included) in the block's joined stream."""
+    sequence_order: np.ndarray
+    """The block's sequences in the order they are emitted (their positions in the joined stream)."""
+
+
+class BlockShuffledSequences:
+    """The global training sequence stream in the order of the module docstring: ``next(n)`` returns the next
+    ``n`` sequences and their global indices.
+
+    Args:
+        reader: an ``MDSReader`` (``num_shards``, ``shard_sizes``, ``shard_tokens``).
+        seq_len: tokens per sequence.
+        seed: data-order seed.
+        block_mib: the decoded shard bytes one block may span.
+        eos_id: token joined after every segment (``None``/negative: none).
+    """
+
+    def __init__(self, reader: Any, *, seq_len: int, seed: int, block_mib: int, eos_id: int | None) -> None:
+        self.reader, self.seq_len, self.seed, self.block_mib = reader, seq_len, seed, block_mib
+        self.eos_id = eos_id if eos_id is not None and eos_id >= 0 else None
+        self.epoch = 0
+        """The epoch of the last sequence emitted (0 before the first)."""
+        self._block_index = 0
+        self._taken = 0
+        """Sequences of the current block already emitted."""
+        self._consumed = 0
+        """Sequences emitted since the start of the run: the global index of the next one."""
+        self._emitted_this_epoch = 0
+        self._block: _Block | None = None
+        self._blocks_of = (-1, [np.zeros(0, dtype=np.int64)])
+
+    def blocks(self, epoch: int) -> list[np.ndarray]:
+        """The shards of each block of ``epoch``, in the order they are read."""
+        if self._blocks_of[0] != epoch:
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.reader.num_shards)
+            sizes, budget = self.reader.shard_sizes, self.block_mib * MIB
+            blocks: list[np.ndarray] = []
+            current: list[int] = []
+            size = 0
+            for shard in order:
+                if current and size + sizes[shard] > budget:
+                    blocks.append(np.asarray(current, dtype=np.int64))
+                    current, size = [], 0
+                current.append(int(shard))
+                size += int(sizes[shard])
+            blocks.append(np.asarray(current, dtype=np.int64))
+            self._blocks_of = (epoch, blocks)
+        return self._blocks_of[1]
+
+    def _layout(self, epoch: int, block: int) -> _Block:
+        """Read the shards of block ``block`` of ``epoch`` and lay out its segments and sequences."""
+        tokens, arrays, starts, lengths = [], [], [], []
+        for slot, shard in enumerate(self.blocks(epoch)[block]):
+            shard_tokens, sample_lengths, docs = self.reader.shard_tokens(int(shard))
+            tokens.append(shard_tokens)
+            if not len(docs):
+                continue
+            first = np.flatnonzero(np.r_[True, docs[1:] != docs[:-1]])  # a segment starts where the doc id changes
+            sample_starts = np.r_[0, np.cumsum(sample_lengths)[:-1]]
+            arrays.append(np.full(len(first), slot, dtype=np.int64))
+            starts.append(sample_starts[first])
+            lengths.append(np.add.reduceat(sample_lengths, first))
+        rng = np.random.default_rng([self.seed, epoch, block])
+        segment_array = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+        perm = rng.permutation(len(segment_array))
+        segment_length = (np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64))[perm]
+        joined = segment_length + (1 if self.eos_id is not None else 0)
+        segment_end = np.cumsum(joined)
+        sequences = int(segment_end[-1]) // self.seq_len if len(segment_end) else 0
+        return _Block(
+            tokens=tokens,
+            segment_array=segment_array[perm],
+            segment_start=(np.concatenate(starts) if starts else np.zeros(0, dtype=np.int64))[perm],
+            segment_length=segment_length,
+            segment_end=segment_end,
+            sequence_order=rng.permutation(sequences),
+        )
+
+    def _sequence(self, block: _Block, position: int) -> np.ndarray:
+        """Tokens ``[position * seq_len, (position + 1) * seq_len)`` of the block's joined stream."""
+        begin, end = position * self.seq_len, (position + 1) * self.seq_len
+        out = np.empty(self.seq_len, dtype=np.int64)
+        segment = int(np.searchsorted(block.segment_end, begin, side="right"))
+        filled = 0
+        while filled < self.seq_len:
+            seg_begin = int(block.segment_end[segment - 1]) if segment else 0
+            length = int(block.segment_length[segment])
+            lo, hi = begin + filled - seg_begin, min(end - seg_begin, length)
+            if lo < hi:
+                start = int(block.segment_start[segment])
+                out[filled : filled + hi - lo] = block.tokens[int(block.segment_array[segment])][
+                    start + lo : start + hi
+                ]
+                filled += hi - lo
+            if filled < self.seq_len and self.eos_id is not None and begin + filled - seg_begin == length:
+                out[filled] = self.eos_id
+                filled += 1
+            segment += 1
+        return out
+
+    def _current_block(self) -> _Block:
+        """The block the next sequence comes from, moving on past exhausted blocks and epochs."""
+        while True:
+            if self._block is None:
+                if self._block_index >= len(self.blocks(self.epoch)):
+                    self._next_epoch()
+                    continue
+                self._block = self._layout(self.epoch, self._block_index)
+            if self._taken < len(self._block.sequence_order):
+                return self._block
+            self._block, self._block_index, self._taken = None, self._block_index + 1, 0
+
+    def _next_epoch(self) -> None:
+        if self._emitted_this_epoch == 0:
+            raise ValueError(
+                f"no block of the training split holds train.seq_len={self.seq_len} tokens (blocks of at most "
+                f"data.shuffle_block_mib={self.block_mib} MiB of shards): raise data.shuffle_block_mib, lower "
+                "train.seq_len, or prepare more data"
+            )
+        log.info(
+            "data: epoch %d of the training split ends after %d sequences (%d in all); epoch %d starts in a new order",
+            self.epoch,
+            self._emitted_this_epoch,
+            self._consumed,
+            self.epoch + 1,
+        )
+        self.epoch, self._block_index, self._taken, self._emitted_this_epoch = self.epoch + 1, 0, 0, 0
+
+    def next(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The next ``n`` sequences ``[n, seq_len]`` (int64) and their global indices ``[n]``."""
+        out = np.empty((n, self.seq_len), dtype=np.int64)
+        for row in range(n):
+            block = self._current_block()
+            out[row] = self._sequence(block, int(block.sequence_order[self._taken]))
+            self._taken += 1
+            self._emitted_this_epoch += 1
+        ids = np.arange(self._consumed, self._consumed + n, dtype=np.int64)
+        self._consumed += n
+        return out, ids
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "order": ORDER,
+            "epoch": self.epoch,
+            "block": self._block_index,
+            "taken": self._taken,
+            "consumed": self._consumed,
+            "emitted_this_epoch": self._emitted_this_epoch,
+            "seq_len": self.seq_len,
+            "block_mib": self.block_mib,
+            "seed": self.seed,
+            "shuffle": True,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("order", "window") != ORDER:
+            raise ValueError(
+                "cannot resume the data stream: the checkpoint was written with data.shuffle_scope=window (the "
+                "order before each epoch was reshuffled); set data.shuffle_scope=window to resume it"
+            )
+        for key, mine in (("seq_len", self.seq_len), ("block_mib", self.block_mib), ("seed", self.seed)):
+            if state[key] != mine:
+                raise ValueError(
+                    f"cannot resume the data stream: checkpoint has {key}={state[key]!r}, the config gives {mine!r} "
+                    "(the sequence order would change)"
+                )
+        self.epoch, self._block_index = int(state["epoch"]), int(state["block"])
+        self._taken, self._consumed = int(state["taken"]), int(state["consumed"])
+        self._emitted_this_epoch = int(state["emitted_this_epoch"])
+        self._block = None
+
+
+def epochs_needed(split_tokens: int, documents: int, eos: bool, tokens_needed: int) -> float:
+    """How many passes over a split of ``split_tokens`` tokens in ``documents`` documents (plus one EOS each when
+    ``eos``) a run drawing ``tokens_needed`` tokens makes, at least (the block tails each epoch leaves out only add)."""
+    return tokens_needed / max(1, split_tokens + (documents if eos else 0))
