@@ -318,10 +318,10 @@ def ruler_section(rows: list[dict], models: list[str]) -> list[str]:
 # ---------------------------------------------------------------- the report of eval directories
 
 
-def _cell(text: str) -> str:
-    """``text`` safe in a markdown table cell: cut to ``MAX_TEXT`` characters, ``|`` and markup escaped."""
-    if len(text) > MAX_TEXT:
-        text = text[: MAX_TEXT - 1] + "…"
+def _cell(text: str, limit: int | None = MAX_TEXT) -> str:
+    """``text`` safe in a markdown table cell: cut to ``limit`` characters, ``|`` and markup escaped."""
+    if limit is not None and len(text) > limit:
+        text = text[: limit - 1] + "…"
     text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
     for char in "\\`*_[]|#":
         text = text.replace(char, "\\" + char)
@@ -349,7 +349,7 @@ def _examples(directory: Path, task: str) -> list[str]:
         shown = _first_of_each(samples, lambda s: s["length"])
         head = ["| length | depth | key | answer | predicted | right |", "|---:|---:|---|---|---|---|"]
         body = [
-            f"| {short_length(s['length'])} | {s['depth']:.2f} | {s['key']} | {_cell(s['answer'])} | "
+            f"| {short_length(s['length'])} | {s['depth']:.2f} | {_cell(s['key'])} | {_cell(s['answer'])} | "
             f"{_cell(s['predicted'])} | {'yes' if s['right'] else 'no'} |"
             for s in shown
         ]
@@ -382,7 +382,8 @@ def _plot(directory: Path, task: str, report: Path) -> list[str]:
 def _ppl_source(config: dict) -> tuple[str, str]:
     """What ``--task ppl`` scored, from its recorded config: (``documents of data=...``, ``whole documents``)."""
     unit = "windows" if config.get("ppl_documents") == "windows" else "documents"
-    return f"{unit} of data={config.get('data', '?')}", f"whole {unit}"
+    data = config.get("data")
+    return f"{unit} of data={_cell(data, limit=None) if isinstance(data, str) else '?'}", f"whole {unit}"
 
 
 def write_report(directories: list[Path], out: Path) -> str:
@@ -414,12 +415,10 @@ def write_report(directories: list[Path], out: Path) -> str:
     for label in labels.values():
         mine = {task: by[label] for task, by in found.items() if label in by}
         first = next(iter(mine.values()))
-        trained = first["train_seq_len"]
-        absent = [f"{t}.json" for t in TASKS if t not in mine]
-        lines.append(
-            f"| {label} | {first['checkpoint']} | {trained or '–'} | {', '.join(f'{t}.json' for t in mine)} | "
-            f"{', '.join(absent) or '–'} |"
-        )
+        checkpoint, trained = _cell(first["checkpoint"] or "–", limit=None), first["train_seq_len"] or "–"
+        held = ", ".join(f"{t}.json" for t in mine)
+        absent = ", ".join(f"{t}.json" for t in TASKS if t not in mine) or "–"
+        lines.append(f"| {label} | {checkpoint} | {trained} | {held} | {absent} |")
     lines.append("")
     for task, title in (("ppl", "Perplexity"), ("passkey", "Passkey"), ("ruler", "RULER")):
         by = found[task]

@@ -291,6 +291,7 @@ def _run_sample(
         "length": length,
         "sample": s,
         "answers": list(sample.answers),
+        "predicted": predicted,  # the ids, beside their text as scored (decoded, then RULER's postprocess)
         "prediction": prediction,
         "string_match_all": match_all(prediction, sample.answers),
         "string_match_part": match_part(prediction, sample.answers),
