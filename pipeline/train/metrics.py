@@ -240,9 +240,9 @@ class MetricsLogger:
         self._write({"step": step, **metrics})
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in metrics.items() if v is not None}, step=step)
-        if self.bar is not None:
-            self.bar.update(step - self.bar.n)
+        if self.bar is not None:  # the postfix first: update() draws the bar, with this step's loss
             self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
+            self.bar.update(step - self.bar.n)
         if console:
             shown = " ".join(
                 f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items() if v is not None

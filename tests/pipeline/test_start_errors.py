@@ -130,18 +130,18 @@ def test_a_two_rank_zero2_run_resumed_without_the_launcher_is_one_line(tmp_path,
     args = [
         "parallel.engine=deepspeed",
         "parallel.zero_stage=2",
-        *overrides(run, tiny_data, **{"train.max_steps": 2, "checkpoint.every": 2, **FAST}),
+        *overrides(run, tiny_data, **{"train.max_steps": 3, "checkpoint.every": 3, **FAST}),
     ]
     env = {"DS_ACCELERATOR": "cpu"}
     deepspeed = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2"]
     code, out = _pretrain(args, launcher=deepspeed, env=env)
     assert code == 0, out[-4000:]
-    code, out = _pretrain([*args, "train.max_steps=4"], env=env)
+    code, out = _pretrain([*args, "train.max_steps=6"], env=env)
     assert code == 2, out[-4000:]
     assert "Traceback" not in out, out[-4000:]
     (line,) = _error_lines(out)
     assert line.endswith(
-        f"checkpoint error: {run / 'checkpoints/step_00000002'} holds DeepSpeed ZeRO-2 optimizer state partitioned "
+        f"checkpoint error: {run / 'checkpoints/step_00000003'} holds DeepSpeed ZeRO-2 optimizer state partitioned "
         "over 2 ranks; this run has 1. Resume with 2 ranks (the data position would carry over, but DeepSpeed cannot "
         "re-partition this optimizer state here), or convert it with DeepSpeed's ds_to_universal.py"
     ), line
