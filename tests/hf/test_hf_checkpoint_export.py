@@ -166,3 +166,33 @@ def test_an_exports_tokenizer_link_gets_no_tokenizer_files(tmp_path, bpe_tokeniz
     write_hf_files(plain)
     assert not (plain / "tokenizer.json").exists() and "no Hugging Face tokenizer files" in caplog.text
     assert (plain / "modeling_gca.py").is_file()
+
+
+def test_an_export_that_already_has_the_hugging_face_files_is_refused_naming_what_to_pass(
+    tmp_path, bpe_tokenizer, capsys
+):
+    """``--checkpoint <an export>`` (issue 65, finding 8: it was copied without a word): one line saying it is
+    already an export and naming the checkpoint to pass instead, exit 2, nothing written."""
+    import shutil
+
+    from pipeline.cli.export import main
+    from pipeline.hf import write_hf_files
+
+    _, step = _checkpoint(tmp_path, bpe_tokenizer, with_export=True)
+    assert main(["--checkpoint", str(step), "--out", str(tmp_path / "done")]) == 0
+    capsys.readouterr()
+    beside = tmp_path / "run" / "export"  # a run's own eval export, next to its checkpoints
+    shutil.copytree(tmp_path / "done", beside)
+    write_hf_files(step / "export")  # the trainer's checkpoints hold complete exports
+    cases = {
+        tmp_path / "done": "a training checkpoint, --checkpoint <run_dir>/checkpoints/step_N",
+        beside: f"a checkpoint of that run, e.g. --checkpoint {step}",
+        step / "export": f"its checkpoint, --checkpoint {step}",
+    }
+    for export, instead in cases.items():
+        before = sorted(p.name for p in tmp_path.iterdir())
+        assert main(["--checkpoint", str(export), "--out", str(tmp_path / "again")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --checkpoint {export} is already an export") and err.count("\n") == 1, err
+        assert err.endswith(f"to export a training step, pass {instead}\n"), err
+        assert sorted(p.name for p in tmp_path.iterdir()) == before
