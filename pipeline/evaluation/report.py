@@ -410,7 +410,7 @@ def write_report(directories: list[Path], out: Path) -> str:
                 f"{directory}: holds none of {', '.join(f'{t}.json' for t in TASKS)}; pass the --out of launch/eval.py"
             )
     models = list(labels.values())
-    lines = ["# Evaluation report", "", f"`python launch/report.py {' '.join(models)}`", ""]
+    lines = ["# Evaluation report", "", f"Made by `launch/report.py {' '.join(models)}`", ""]
     lines += ["| directory | checkpoint | training length | results | absent |", "|---|---|---|---|---|"]
     for label in labels.values():
         mine = {task: by[label] for task, by in found.items() if label in by}
@@ -424,7 +424,7 @@ def write_report(directories: list[Path], out: Path) -> str:
         by = found[task]
         lines += [f"## {title}", ""]
         if not by:
-            lines += [f"No directory holds {task}.json (`python launch/eval.py --task {task} ...`).", ""]
+            lines += [f"No directory holds {task}.json (`launch/eval.py --task {task} ...`).", ""]
             continue
         rows = [{"model": label, **r} for label, result in by.items() for r in result["results"]]
         shown = [m for m in models if m in by]
