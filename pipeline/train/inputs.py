@@ -244,7 +244,7 @@ def _check_is_dataset(cfg: TrainConfig) -> None:
     prepared = f"{root.resolve()}_prepared"
     raise ConfigError(
         f"data.path={root} is not a prepared dataset (no {fmt.MANIFEST_FILENAME}, no "
-        f"{cfg.data.train_split}/{INDEX_FILENAME}): prepare it with python launch/prep.py input={root} "
+        f"{cfg.data.train_split}/{INDEX_FILENAME}): prepare it with launch/prep.py input={root} "
         f"output={prepared} tokenizer.vocab_size={cfg.model.vocab_size}, then set data.path={prepared}"
     )
 

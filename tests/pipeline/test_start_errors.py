@@ -64,7 +64,7 @@ def test_a_raw_text_folder_is_named_unprepared_first_with_the_prep_command_and_n
     assert f"data.path={raw} is not a prepared dataset" in line and "eval_every" not in line, line
     assert not run.exists(), sorted(p.name for p in run.iterdir())
     # The advice is a prep command whose keys prep takes: it reads the folder and writes somewhere else.
-    found = re.search(r"python (launch/prep\.py [^,]*?), then", line)
+    found = re.search(r"prepare it with (launch/prep\.py [^,]*?), then", line)
     assert found is not None, line
     prep = load_prep_config(None, shlex.split(found.group(1))[1:])
     assert prep.input == [str(raw)] and not Path(prep.output).resolve().is_relative_to(raw)
