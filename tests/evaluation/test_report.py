@@ -134,3 +134,21 @@ def test_the_report_is_never_written_through_a_link(sp_eval_outputs, tmp_path, c
     os.symlink(victim, out / "report.md")
     assert _report([str(out)]) == 2
     assert "symbolic link" in capsys.readouterr().err and victim.read_text() == "keep me"
+
+
+def test_samples_written_before_the_text_was_kept_show_their_ids(sp_eval_outputs, tmp_path):
+    """A passkey samples file of an earlier version (ids only; the eval resumes from it) still gives examples:
+    the ids, marked as such."""
+    out = _copy(sp_eval_outputs, tmp_path, names={"passkey.json", "passkey.samples.jsonl"})
+    lines = (out / "passkey.samples.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines[1:]]
+    for r in records:
+        del r["answer_text"], r["predicted_text"]
+    (out / "passkey.samples.jsonl").write_text("\n".join([lines[0], *map(json.dumps, records)]) + "\n")
+    assert _report([str(out)]) == 0
+    first = records[0]
+
+    def shown(ids):  # brackets escaped, as markdown would read a link otherwise
+        return "ids " + str(ids).replace("[", "\\[").replace("]", "\\]")
+
+    assert f"| {shown(first['answer'])} | {shown(first['predicted'])} |" in (out / "report.md").read_text()
