@@ -21,6 +21,7 @@ from kernels.cpu_math import flush_denormals
 from model.archs import build_model
 from model.lm import CausalLM
 from model.presets import preset
+from pipeline.train.metrics import processor
 
 BENCH_CONFIG = preset("bench")
 
@@ -66,7 +67,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     n_params = bench_model("gca").num_parameters()
     sys.stdout.write(f"GCA model: {n_params / 1e6:.1f}M parameters, {BENCH_CONFIG}\n")
-    sys.stdout.write(f"torch {torch.__version__}, {torch.get_num_threads()} threads, forward only, batch 1\n\n")
+    sys.stdout.write(
+        f"measured on a {processor()}: torch {torch.__version__}, {torch.get_num_threads()} threads, forward only, "
+        "batch 1\n\n"
+    )
     columns = [("T", 7), ("GCA tok/s", 10), ("full tok/s", 10), ("speed ratio", 11), ("GCA MB", 8), ("full MB", 8)]
     header = " | ".join(f"{name:>{width}}" for name, width in [*columns, ("mem ratio", 9)])
     sys.stdout.write(header + "\n" + "-" * len(header) + "\n")

@@ -46,6 +46,7 @@ from data_prep.shard import tokenizer_sample
 from data_prep.sources import SkipCounter, iter_documents, resolve_sources
 from data_prep.split import val_split
 from data_prep.streaming_compat import ensure_streaming_importable
+from pipeline.train.metrics import processor
 
 
 def bench(config: str | None, overrides: list[str], procs: list[int], repeats: int) -> dict[str, Any]:
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench-prep: error: {exc}", file=sys.stderr)
         return 2
     train = "given (not trained)" if r["train_s"] is None else f"{r['train_s']:.1f} s"
-    print(f"input: {args.config} {' '.join(args.overrides)}; {r['cores']} CPUs; fastest of {args.repeats}")
+    print(f"input: {args.config} {' '.join(args.overrides)}; measured on a {processor()}; fastest of {args.repeats}")
     print(f"tokenizer sample: {r['sample_s']:.1f} s ({r['documents']} documents); tokenizer training: {train}")
     raw_rate = r["raw_tokens"] / r["raw_s"]
     print(

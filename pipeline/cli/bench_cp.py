@@ -12,6 +12,7 @@ import sys
 
 from data_prep.entry import run
 from pipeline.bench.cp import cp_table, run_rank
+from pipeline.train.metrics import processor
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rank:
         sys.stdout.write(json.dumps(run_rank(args.rank[0], args.rank[1], args.repeats)) + "\n")
         return 0
+    sys.stdout.write(f"measured on a {processor()}\n\n")
     cp_table(args.lengths, args.cp, args.repeats, sys.stdout)
     return 0
 

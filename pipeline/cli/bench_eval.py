@@ -19,6 +19,7 @@ from pathlib import Path
 from data_prep.entry import run
 from data_prep.safe_write import write_text
 from pipeline.bench.eval import run_bench, run_per_token
+from pipeline.train.metrics import processor
 
 
 def _lengths(text: str) -> list[int]:
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         report = run_bench(args.lengths, args.full_lengths, args.timeout)
         args.out = args.out or "bench_eval.json"
-    write_text(Path(args.out), json.dumps(report, indent=2) + "\n")
+    write_text(Path(args.out), json.dumps({"processor": processor(), **report}, indent=2) + "\n")
     logging.getLogger(__name__).info("wrote %s", args.out)
     return 0
 

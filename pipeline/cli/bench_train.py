@@ -14,6 +14,7 @@ import sys
 
 from data_prep.entry import run
 from pipeline.bench.train import op_count_table, step_time_table, time_step, zero2_comparison
+from pipeline.train.metrics import processor
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:
         sys.stdout.write(json.dumps(time_step(args.one[0], int(args.one[1]), args.repeats)) + "\n")
         return 0
+    sys.stdout.write(f"measured on a {processor()}\n\n")
     op_count_table(sys.stdout, compiled=args.compiled)
     step_time_table(args.lengths, args.repeats, sys.stdout)
     zero2_comparison(args.data, args.steps, sys.stdout)

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from data_prep.safe_write import write_text
+from pipeline.train.metrics import processor
 
 MODELS = ("dense", "converted", "stage1", "stage2")
 DESCRIPTIONS = {
@@ -129,7 +130,7 @@ def write_demo_cpt_report(run_dir: Path, timings: dict[str, float]) -> str:
             indent=2,
         ),
     )
-    parts = ["# make demo-cpt", ""]
+    parts = ["# make demo-cpt", "", f"Measured on a {processor()}.", ""]
     parts += [f"- `{m}`: {DESCRIPTIONS[m]}" for m in MODELS]
     if check:
         parts += [

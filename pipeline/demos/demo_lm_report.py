@@ -9,6 +9,7 @@ from pathlib import Path
 
 from data_prep.safe_write import write_text
 from pipeline.evaluation.plots import plot_ppl_models, short_length
+from pipeline.train.metrics import processor
 
 GCA_VS_BASELINE_FROM = 4096
 """The claim compares GCA with the sliding-window model at this context length and beyond."""
@@ -268,6 +269,8 @@ def write_demo_lm_report(run_dir: Path, models: list[str], timings: dict[str, fl
     doc_list = ", ".join(f"{d['name']} ({d['files']} files, {d['tokens']} tokens)" for d in documents)
     parts = [
         "# make demo-lm results",
+        "",
+        f"Measured on a {processor()}.",
         "",
         f"Perplexity of the last tokens of each held-out document given growing context; models trained on "
         f"{train_len}-token sequences. Documents (standard-library packages never trained on, each package's modules "

@@ -24,6 +24,7 @@ from pipeline.evaluation.report import (  # noqa: E402
     read_result,
     ruler_section,
 )
+from pipeline.train.metrics import processor  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +252,8 @@ def write_report(
     report = "\n".join(
         [
             "# make demo results",
+            "",
+            f"Measured on a {processor()}.",
             "",
             *_passkey_tables(passkey, models, train_len),
             *_seeds_section(seeds),

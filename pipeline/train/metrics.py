@@ -85,6 +85,27 @@ def versions() -> dict[str, str]:
     return found
 
 
+def processor() -> str:
+    """The CPU a figure measured in this process ran on, as reports and docs name it: ``<cores>-core <model name>``
+    (the cores this process may use; the model name of ``/proc/cpuinfo``, else ``platform.processor()``). A CPU
+    figure without it cannot be compared with another machine's (a virtual machine's model name may be generic,
+    ``AMD EPYC``: it is what the guest sees)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return f"{cores}-core {_cpu_model()}"
+
+
+def _cpu_model() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and value.strip():
+            return value.strip()
+    return platform.processor() or platform.machine() or "unknown processor"
+
+
 WandbMode = Literal["online", "offline", "disabled"]
 _WANDB_ENV_MODES: dict[str, WandbMode] = {
     "online": "online",

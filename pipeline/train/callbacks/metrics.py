@@ -9,7 +9,7 @@ from data_prep.redaction import redact
 from data_prep.safe_write import write_text
 from pipeline.train.callbacks.base import Callback
 from pipeline.train.config import to_plain, to_yaml
-from pipeline.train.metrics import MetricsLogger, log_run_header, write_failed
+from pipeline.train.metrics import MetricsLogger, log_run_header, processor, write_failed
 from pipeline.train.run_files import CONFIG_FILE
 
 if TYPE_CHECKING:
@@ -73,4 +73,5 @@ def _derived(trainer: Trainer) -> dict[str, Any]:
         "flops_per_token": trainer.flops_per_token,
         "bf16": trainer.bf16,
         "device": str(trainer.info.device),
+        "processor": processor(),  # every CPU figure of the run (step time, tokens/s) was measured on it
     }
