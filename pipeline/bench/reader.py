@@ -1,6 +1,8 @@
 """Trainer reader throughput (``make bench-reader``): ``MDSReader``, which checks and decodes every shard in memory,
 against the path it replaced, measured in one run on the same dataset and printed as a ratio, with the bytes each
-path wrote (``/proc/self/io``).
+path wrote (``/proc/self/io``). Then the two data orders the trainer can cut sequences in, over the same reader
+and number of sequences: the block order (``pipeline/data/order.py``, the default) against the window order it
+replaced, tokens/s and the peak of memory allocated while reading (``tracemalloc``), as ratios.
 
 The baseline, `DiskCacheReader`, is the reader as it was before shards were decoded in memory: each shard's
 checked, decompressed bytes written into a cache directory and every sample read back from that file by
@@ -18,6 +20,7 @@ import shutil
 import sys
 import tempfile
 import time
+import tracemalloc
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -26,7 +29,8 @@ import numpy as np
 
 from data_prep import format as fmt
 from data_prep.safe_write import write_bytes
-from pipeline.data.reader import MDSReader
+from pipeline.data.order import BlockShuffledSequences
+from pipeline.data.reader import MDSReader, PackedSequences, eos_id_of
 
 _KEEP_FILES = 4
 """Shard files the baseline kept in its cache, as the old reader did."""
@@ -118,12 +122,54 @@ def bench(data: str, split: str, epochs: int, repeats: int) -> dict[str, dict[st
     return best
 
 
+def time_order(make: Any, sequences: int, batch: int) -> dict[str, float]:
+    """``sequences`` sequences from a fresh stream of ``make()``, ``batch`` at a time (a global batch): seconds,
+    tokens/s and the peak bytes allocated meanwhile (the shards' decoded bytes, the block or window, the batch)."""
+    tracemalloc.start()
+    start = time.perf_counter()
+    stream, tokens = make(), 0
+    for _ in range(sequences // batch):
+        seqs, _ = stream.next(batch)
+        tokens += seqs.size
+    seconds = time.perf_counter() - start
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return {"seconds": seconds, "tokens_per_s": tokens / seconds, "tokens": tokens, "peak_bytes": peak}
+
+
+def bench_orders(
+    data: str, split: str, epochs: int, repeats: int, seq_len: int, batch: int
+) -> dict[str, dict[str, float]]:
+    """The fastest of ``repeats`` alternating runs of each data order over ``epochs`` passes of the split."""
+    reader = MDSReader(data, split, cache_dir=None)
+    eos = eos_id_of(data)
+    tokens = read_all(reader, 1)
+    sequences = max(batch, epochs * tokens // seq_len)
+    makers = {
+        "window": lambda: PackedSequences(
+            MDSReader(data, split, cache_dir=None), seq_len=seq_len, seed=0, shuffle=True, window=64, eos_id=eos
+        ),
+        "blocks": lambda: BlockShuffledSequences(
+            MDSReader(data, split, cache_dir=None), seq_len=seq_len, seed=0, block_mib=128, eos_id=eos
+        ),
+    }
+    best: dict[str, dict[str, float]] = {}
+    for _ in range(repeats):
+        for name, make in makers.items():
+            run = time_order(make, sequences, batch)
+            if name not in best or run["seconds"] < best[name]["seconds"]:
+                best[name] = run
+    return best
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default="data/default", help="a prepared dataset (data prep's output)")
     parser.add_argument("--split", default="train")
     parser.add_argument("--epochs", type=int, default=2, help="passes over the split per timed run")
     parser.add_argument("--repeats", type=int, default=3, help="alternating timed runs of each path")
+    parser.add_argument("--seq-len", type=int, default=1024, help="sequence length of the data-order comparison")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per global batch of that comparison")
     args = parser.parse_args(argv)
     if not (Path(args.data) / args.split / "index.json").is_file():
         print(f"bench-reader: error: no prepared split at {args.data}/{args.split} (run make prep)", file=sys.stderr)
@@ -145,6 +191,19 @@ def main(argv: list[str] | None = None) -> int:
             f"{run['write_bytes'] / 2**20:>16.1f}"
         )
     print(f"memory / disk_cache throughput: {best['memory']['tokens_per_s'] / best['disk_cache']['tokens_per_s']:.2f}x")
+    orders = bench_orders(args.data, args.split, args.epochs, args.repeats, args.seq_len, args.batch)
+    print(
+        f"data orders: {orders['blocks']['tokens']:,} tokens in sequences of {args.seq_len}, batches of "
+        f"{args.batch}, fastest of {args.repeats}"
+    )
+    print(f"{'order':<12} {'tokens/s':>14} {'seconds':>9} {'peak MiB':>10}")
+    for name in ("window", "blocks"):
+        run = orders[name]
+        print(f"{name:<12} {run['tokens_per_s']:>14,.0f} {run['seconds']:>9.2f} {run['peak_bytes'] / 2**20:>10.1f}")
+    print(
+        f"blocks / window: throughput {orders['blocks']['tokens_per_s'] / orders['window']['tokens_per_s']:.2f}x, "
+        f"peak memory {orders['blocks']['peak_bytes'] / orders['window']['peak_bytes']:.2f}x"
+    )
     return 0
 
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -183,6 +184,9 @@ def test_debug_config_runs_from_the_command_line(tmp_path, tiny_data):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "git " in proc.stderr and "tokens_per_step=1024" in proc.stderr and "val_loss=" in proc.stderr
+    [val_line] = [line for line in proc.stderr.splitlines() if "step 4 | val_loss=" in line]
+    n = re.search(r"retrieval/far_recall_tokens=(\d+)", val_line)
+    assert n and "retrieval/far_recall_random=" in val_line and f" (n={n.group(1)})" in val_line, val_line
     assert (run / "export/model.safetensors").is_file()
 
 

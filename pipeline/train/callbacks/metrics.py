@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from data_prep.redaction import redact
 from data_prep.safe_write import write_text
+from pipeline.evaluation.far_recall import shown_with_counts
 from pipeline.train.callbacks.base import Callback
 from pipeline.train.config import to_plain, to_yaml
 from pipeline.train.metrics import MetricsLogger, log_run_header, processor, write_failed
@@ -41,7 +42,7 @@ class MetricsLogging(Callback):
             self.metrics.step(step, metrics, console)
 
     def on_eval(self, trainer: Trainer, step: int, val_loss: float, metrics: dict[str, float]) -> None:
-        shown = "".join(f" {k}={v:.4g}" if isinstance(v, float) else f" {k}={v}" for k, v in metrics.items())
+        shown = f" {shown_with_counts(metrics)}" if metrics else ""
         log.info("step %d | val_loss=%.4f%s", step, val_loss, shown)
         if self.metrics is not None:
             self.metrics.event({"event": "eval", "step": step, "val_loss": val_loss, **metrics})
