@@ -1,0 +1,24 @@
+"""``make bench-data-order``: the documents per batch it prints, on a small log-normal split."""
+
+from __future__ import annotations
+
+import re
+
+from pipeline.bench.data_order import main
+
+
+def test_the_block_order_is_within_ten_percent_of_uniform_windows_and_the_window_order_is_not(capsys):
+    assert main(["--documents", "400", "--seq-len", "2048", "--batch", "16", "--batches", "12"]) == 0
+    out = capsys.readouterr().out
+    rows = {name.strip(): float(mean) for name, mean in re.findall(r"^([a-z][^\n\d]*?) +([\d.]+) +\d+ +\d+%$", out, re.M)}
+    assert set(rows) == {"uniform windows", "blocks (default)", "window (before)"}, out
+    assert rows["blocks (default)"] >= 0.9 * rows["uniform windows"], out
+    assert rows["window (before)"] < 0.9 * rows["uniform windows"], out
+
+
+def test_a_lengths_folder_that_is_not_one_is_one_line(tmp_path, capsys):
+    assert main(["--lengths-from", str(tmp_path / "missing")]) == 2
+    assert (
+        capsys.readouterr().err.strip()
+        == f"bench-data-order: error: --lengths-from {tmp_path / 'missing'} is not a folder"
+    )
