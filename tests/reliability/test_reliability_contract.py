@@ -19,7 +19,7 @@ from reliability_harness import REPO, committed, overrides
 from safetensors.torch import load_file
 
 from pipeline.train import dist
-from pipeline.train.checkpoint import CheckpointError, verify_integrity
+from pipeline.train.checkpoint import verify_integrity
 from pipeline.train.config import load_config
 from pipeline.train.trainer import NonFiniteError, Trainer, main
 
@@ -152,19 +152,20 @@ def test_t23_export_loads_in_a_fresh_process_without_trainer_code(data, tmp_path
     assert torch.equal(load_file(out)["logits"], expected), "eval logits equal the trainer's, bit for bit"
 
 
-def test_t23_checkpoint_of_the_previous_release_fails_with_a_migration_error(data, tmp_path):
+def test_t23_checkpoint_of_the_previous_release_fails_with_a_migration_error(data, tmp_path, caplog):
     """tests/reliability/fixtures/golden_v1 is a checkpoint written by the first release (format 1, commit
-    8ab55d7): resuming it is an explicit version-migration error, never a silent partial load."""
+    8ab55d7): resuming it is an explicit version-migration error, never a silent partial load: one line, exit 2,
+    and the run_dir this start made is gone again."""
     ckpt = Path(shutil.copytree(GOLDEN_V1, tmp_path / "golden"))
     assert json.loads((ckpt / "trainer_state.json").read_text())["format"] == 1
     recipe = json.loads((GOLDEN_V1 / "recipe.json").read_text())
     args = overrides(tmp_path / "run", data, **{**recipe["overrides"], "checkpoint.resume": str(ckpt)})
-    with pytest.raises(
-        CheckpointError,
-        match=r"trainer state format 1 was written by an older release .*"
-        r"version migration",
-    ):
-        main(None, args)
+    assert main(None, args) == 2
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert re.fullmatch(
+        r"checkpoint error: .*trainer state format 1 was written by an older release .*version migration.*", line
+    )
+    assert not (tmp_path / "run").exists()
 
 
 # -- the fault-injection mechanism itself --------------------------------------------------------------------------
