@@ -74,13 +74,14 @@ def script(folders: dict[str, Path], *blocks: str) -> str:
 
 
 def write_texts(folder: Path, books: int = 6) -> None:
-    """A few "books" of made-up words: enough distinct text for the page's 8000-piece tokenizer."""
+    """A few "books" of made-up words (2.3 MB, 550K tokens): enough distinct text for the page's 8000-piece tokenizer,
+    and a validation split (1%) longer than the page's longest ppl length, as a corpus of a few real books has."""
     rng = random.Random(0)
     letters = "etaoinshrdlcumwfgypbvkjxqz"
     words = ["".join(rng.choice(letters[: rng.randint(8, 26)]) for _ in range(rng.randint(2, 9))) for _ in range(4000)]
     folder.mkdir(parents=True)
     for book in range(books):
-        lines = (" ".join(rng.choice(words) for _ in range(rng.randint(5, 15))).capitalize() + "." for _ in range(800))
+        lines = (" ".join(rng.choice(words) for _ in range(rng.randint(5, 15))).capitalize() + "." for _ in range(6000))
         (folder / f"book{book}.txt").write_text("\n".join(lines) + "\n")
 
 
@@ -109,7 +110,9 @@ def test_the_test_runs_what_the_page_says():
 
 @pytest.mark.slow
 def test_the_quickstart_runs_as_written(tmp_path):
+    import sentencepiece as spm
     from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folders = names(tmp_path)
     write_texts(folders["TEXTS"])
@@ -118,8 +121,6 @@ def test_the_quickstart_runs_as_written(tmp_path):
     assert done.returncode == 0, done.stderr[-5000:]
 
     data, run = folders["DATA"], folders["RUN"]
-    import sentencepiece as spm
-
     pieces = spm.SentencePieceProcessor(model_file=str(data / "tokenizer.model")).get_piece_size()
     assert pieces == 8000
     exported = run / "export_600"
@@ -132,8 +133,6 @@ def test_the_quickstart_runs_as_written(tmp_path):
         assert {row.get("length") for row in rows} >= {1024, 4096}, rows
         assert f"{task}.json" in (run / "eval/report.md").read_text()
     # What the page's transformers step printed is the export's greedy continuation, generated again here.
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(exported)
     model = AutoModelForCausalLM.from_pretrained(exported, trust_remote_code=True)
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
@@ -152,4 +151,6 @@ def test_the_two_rank_deepspeed_block_runs_as_written(tmp_path):
     blocks = page_blocks()
     done = run_bash(script(folders, *blocks["setup"], *map(substituted, blocks["dist"])), timeout=900)
     assert done.returncode == 0, done.stderr[-5000:]
-    assert (Path(f"{folders['RUN']}-ds") / "checkpoints/step_00000002/COMMITTED").exists()
+    run = Path(f"{folders['RUN']}-ds")
+    assert (run / "checkpoints/step_00000002/COMMITTED").exists()
+    assert json.loads((run / "export/config.json").read_text())["model"]["vocab_size"] == 8000  # the tokenizer's
