@@ -234,9 +234,9 @@ def _check_is_dataset(cfg: TrainConfig) -> None:
         ConfigError: naming data.path and the command that prepares it (or its parent dataset).
     """
     root = Path(cfg.data.path)
-    if (root / cfg.data.train_split / INDEX_FILENAME).exists():
+    if os.path.lexists(root / cfg.data.train_split / INDEX_FILENAME):  # a link is judged by the reader
         return
-    if (root / INDEX_FILENAME).exists():
+    if os.path.lexists(root / INDEX_FILENAME):
         raise ConfigError(
             f"data.path={root} is one split of a dataset (it holds {INDEX_FILENAME} itself); set data.path to the "
             f"prepared dataset that holds it (data.path={root.resolve().parent})"
@@ -244,7 +244,7 @@ def _check_is_dataset(cfg: TrainConfig) -> None:
     prepared = f"{root.resolve()}_prepared"
     raise ConfigError(
         f"data.path={root} is not a prepared dataset (no {fmt.MANIFEST_FILENAME}, no "
-        f"{cfg.data.train_split}/{INDEX_FILENAME}): prepare it with launch/prep.py input={root} "
+        f"{cfg.data.train_split}/{INDEX_FILENAME} of data.train_split): prepare it with launch/prep.py input={root} "
         f"output={prepared} tokenizer.vocab_size={cfg.model.vocab_size}, then set data.path={prepared}"
     )
 
