@@ -90,7 +90,12 @@ class PrepConfig:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     hf: HFConfig = field(default_factory=HFConfig)
     val_fraction: float = 0.01
-    """Share of documents in the val split, chosen by a hash of each document's text (deterministic)."""
+    """Share of the corpus in the val split (deterministic; see `val_unit`)."""
+    val_unit: Literal["auto", "documents", "tokens"] = "auto"
+    """What is held out: ``documents`` (whole documents, chosen by a hash of their text), ``tokens`` (the last
+    ``val_fraction`` of every document, cut at a word boundary), or ``auto``: whole documents unless they hold out
+    less than half or more than twice ``val_fraction`` of the text (a few long books), then tails
+    (``data_prep.split``)."""
     split_seed: int = 0
     """Salt of the split hash; change it to draw a different val split."""
     max_piece_tokens: int = 65536

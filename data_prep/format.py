@@ -17,7 +17,9 @@ and `PIECE` the piece's index within the document. Consecutive pieces with one
 `DOC_ID` concatenate to the whole document. Packing into sequences and landmark insertion happen in the
 trainer, so the GCA chunk length can change without re-sharding.
 
-The split assigns whole documents, never tokens (`ValSplitInfo`, ``data_prep.split``). A split with no documents
+The split holds out whole documents, or the tail of every document with the same `DOC_ID` in both splits
+(`ValSplitInfo`, ``data_prep.split``): a document's train pieces and val pieces are disjoint parts of its text,
+which concatenate to the whole. A split with no documents
 (``val_fraction=0``, or a corpus of a single document) is not written at all: its directory is absent, and its
 `SplitStats` in the manifest has ``documents``, ``pieces`` and ``tokens`` 0 and ``index_sha256`` ``""``
 (`EMPTY_SPLIT_SHA256`). Every split directory that exists can be opened by ``StreamingDataset`` (which refuses an
@@ -161,7 +163,9 @@ class ValSplitInfo:
     """How the val split was drawn (``data_prep.split``)."""
 
     unit: str = "documents"
-    """What ``val_fraction`` is a share of: documents (each with all its pieces in one split), never tokens."""
+    """What was held out: ``documents`` (whole documents, each with all its pieces in one split) or ``tokens`` (the
+    last ``val_fraction`` of every document, whose train part keeps the rest; a document id then appears in both
+    splits). ``val_unit=auto`` chose it when the config says so; ``splits`` holds the token counts of each side."""
     lowest_hash_fallback: bool = False
     """True when no document hashed into ``val_fraction`` and the one with the lowest hash went to val instead."""
 
@@ -274,7 +278,7 @@ def manifest_from_dict(obj: Any, where: str = MANIFEST_FILENAME) -> Manifest:
         config=dict(fields.mapping("config")),
         software={key: software.string(key) for key in software.obj} if software is not None else {},
         val_split=ValSplitInfo(
-            unit=val_split.string("unit", default="documents"),
+            unit=val_split.string("unit", default="documents", choices=("documents", "tokens")),
             lowest_hash_fallback=val_split.boolean("lowest_hash_fallback", default=False),
         )
         if val_split is not None

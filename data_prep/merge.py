@@ -69,7 +69,7 @@ from data_prep.shard import (
     select_slice,
 )
 from data_prep.sources import resolve_sources
-from data_prep.split import val_split
+from data_prep.split import val_split, why_val_is_empty
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,7 @@ _CONTENT_KEYS = (
     "text_field",
     "hf",
     "val_fraction",
+    "val_unit",
     "split_seed",
     "max_piece_tokens",
     "min_tokens",
@@ -445,10 +446,10 @@ def _check_slices(cfg: PrepConfig, manifests: dict[int, Manifest], shared: tuple
         )
     if cfg.val_fraction > 0 and val == 0:
         logger.warning(
-            "val split is empty with val_fraction=%s: the corpus has no second document to hold out, or min_tokens "
-            "skipped the one chosen; %s has no val/ directory (manifest: 0 val tokens): add documents, or train "
-            "with eval off",
+            "val split is empty with val_fraction=%s: %s; %s has no val/ directory (manifest: 0 val tokens): add "
+            "documents, or train with eval off",
             cfg.val_fraction,
+            why_val_is_empty(manifests[0].val_split.unit, cfg.val_fraction),
             cfg.output,
         )
 

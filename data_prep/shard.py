@@ -66,7 +66,7 @@ from data_prep.sources import (
     iter_documents,
     resolve_sources,
 )
-from data_prep.split import ValSplit, val_split
+from data_prep.split import ValSplit, val_split, why_val_is_empty
 from data_prep.streaming_compat import ensure_streaming_importable
 
 logger = logging.getLogger(__name__)
@@ -100,9 +100,10 @@ _REPO = Path(__file__).resolve().parents[1]
 @dataclass
 class _Doc:
     doc_id: int
-    split: str
     where: str
     remaining: int
+    train_parts: int
+    """How many of the document's segments are its train part; those after them are its val part."""
     parts: list[np.ndarray]
 
 
@@ -123,9 +124,13 @@ def _tasks(
         if not doc.text.strip():
             skips.skip("empty", doc.where)
             continue
-        split = "val" if is_val(doc.text) else "train"
-        parts = segment(doc.text)
-        entry = _Doc(doc_id, split, doc.where, len(parts), [])
+        start = is_val.val_start(doc.text)
+        train, val = doc.text[:start], doc.text[start:]
+        parts = segment(train) if train else []
+        train_parts = len(parts)
+        if val:
+            parts += segment(val)
+        entry = _Doc(doc_id, doc.where, len(parts), train_parts, [])
         for part in parts:
             batch_docs.append(entry)
             batch_texts.append(part)
@@ -231,20 +236,30 @@ def _write_documents(
             doc.remaining -= 1
             if doc.remaining:
                 continue
-            tokens = doc.parts[0] if len(doc.parts) == 1 else np.concatenate(doc.parts)
+            train, val = _joined(doc.parts[: doc.train_parts]), _joined(doc.parts[doc.train_parts :])
             doc.parts = []
             bar.update(1)
-            if len(tokens) < cfg.min_tokens:
-                skips.skip("too_short", doc.where, f"{len(tokens)} < min_tokens={cfg.min_tokens} tokens")
+            tokens = len(train) + len(val)
+            if tokens < cfg.min_tokens:  # the whole document, also when its tail is held out
+                skips.skip("too_short", doc.where, f"{tokens} < min_tokens={cfg.min_tokens} tokens")
                 continue
-            writers[doc.split].write(doc.doc_id, tokens)
-            tokens_done += len(tokens)
+            for split, ids in (("train", train), ("val", val)):
+                if len(ids):
+                    writers[split].write(doc.doc_id, ids)
+            tokens_done += tokens
         bar.set_postfix_str(f"{tokens_done / max(time.perf_counter() - start, 1e-9):,.0f} tok/s", refresh=False)
     bar.close()
     return writers
 
 
-def _check_split_sizes(writers: dict[str, _SplitWriter], cfg: PrepConfig) -> None:
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    """The ids of consecutive segments as one array (empty for none)."""
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate(parts) if parts else np.empty(0, np.uint32)
+
+
+def _check_split_sizes(writers: dict[str, _SplitWriter], cfg: PrepConfig, is_val: ValSplit) -> None:
     """Refuse a dataset without training documents; warn that an empty val split is absent."""
     if writers["train"].documents == 0 and cfg.num_slices == 1:  # one slice of several may legitimately be empty
         raise InputError(
@@ -254,19 +269,12 @@ def _check_split_sizes(writers: dict[str, _SplitWriter], cfg: PrepConfig) -> Non
         )
     if cfg.val_fraction > 0 and writers["val"].documents == 0:
         logger.warning(
-            "val split is empty with val_fraction=%s: the corpus has no second document to hold out, or min_tokens "
-            "skipped the one chosen; %s has no val/ directory (manifest: 0 val tokens): add documents, or train "
-            "with eval off",
+            "val split is empty with val_fraction=%s: %s; %s has no val/ directory (manifest: 0 val tokens): add "
+            "documents, or train with eval off",
             cfg.val_fraction,
+            why_val_is_empty(is_val.unit, cfg.val_fraction),
             cfg.output,
         )
-
-
-def _in_train_sample(doc: Document, cfg: PrepConfig, is_val: ValSplit, rate: float) -> bool:
-    if is_val(doc.text):
-        return False  # the tokenizer never sees val text
-    # a second, independent hash (seed + 1) picks the sample, so it is spread over the whole corpus
-    return xxhash.xxh64_intdigest(doc.text.encode("utf-8"), seed=cfg.split_seed + 1) < rate * 2.0**64
 
 
 def prep_tokenizer(sources: list[Source], cfg: PrepConfig, is_val: ValSplit) -> tokenize.PrepTokenizer:
@@ -279,8 +287,8 @@ def prep_tokenizer(sources: list[Source], cfg: PrepConfig, is_val: ValSplit) -> 
 
 
 def tokenizer_model_bytes(sources: list[Source], cfg: PrepConfig, is_val: ValSplit) -> tuple[bytes, bool]:
-    """The given ``tokenizer.model``, or one trained on a sample of the train documents (``is_val`` keeps every val
-    document out of it); and whether it was trained."""
+    """The given ``tokenizer.model``, or one trained on a sample of the train parts of the documents (``is_val`` keeps
+    all val text out of it); and whether it was trained."""
     if cfg.tokenizer.model is not None:
         model = Path(cfg.tokenizer.model).read_bytes()
         try:
@@ -292,19 +300,30 @@ def tokenizer_model_bytes(sources: list[Source], cfg: PrepConfig, is_val: ValSpl
 
 
 def tokenizer_sample(sources: list[Source], cfg: PrepConfig, is_val: ValSplit) -> Iterator[str]:
-    """The texts the tokenizer is trained on: train documents drawn by an independent hash, about twice
+    """The texts the tokenizer is trained on: the train parts of documents drawn by an independent hash, about twice
     ``tokenizer.sample_bytes`` of them (the trainer stops at ``sample_bytes``)."""
     sizes = [s.size_bytes() for s in sources]
     total = sum(s for s in sizes if s is not None) if None not in sizes else None
     # Oversample 2x: compressed files, skipped records and the val share make file sizes overestimate text.
     rate = 1.0 if total is None else min(1.0, 2.0 * cfg.tokenizer.sample_bytes / max(total, 1))
     # Read with a silent throwaway counter: skips are counted and reported once, in the tokenize pass.
-    docs = iter_documents(sources, SkipCounter(strict=cfg.strict, quiet=True))
-    return (
-        d.text
-        for d in tqdm(docs, desc="tokenizer sample", unit="doc", disable=not cfg.progress)
-        if d.text.strip() and _in_train_sample(d, cfg, is_val, rate)
-    )
+    return _train_parts(iter_documents(sources, SkipCounter(strict=cfg.strict, quiet=True)), cfg, is_val, rate)
+
+
+def _train_parts(docs: Iterator[Document], cfg: PrepConfig, is_val: ValSplit, rate: float) -> Iterator[str]:
+    """The train part of each document a second, independent hash (seed + 1) picks at ``rate``, so the sample is
+    spread over the whole corpus; the tokenizer never sees val text. The progress bar counts the documents with a
+    train part, which the sample is drawn from (not val documents, not empty ones)."""
+    with tqdm(desc="tokenizer sample (train documents)", unit="doc", disable=not cfg.progress) as bar:
+        for doc in docs:
+            if not doc.text.strip():
+                continue
+            train = doc.text[: is_val.val_start(doc.text)]
+            if not train:
+                continue
+            bar.update(1)
+            if xxhash.xxh64_intdigest(doc.text.encode("utf-8"), seed=cfg.split_seed + 1) < rate * 2.0**64:
+                yield train
 
 
 def select_slice(sources: list[Source], cfg: PrepConfig) -> list[Source]:
@@ -654,14 +673,14 @@ def main(cfg: PrepConfig) -> Manifest:
     splits = manifest.splits
     total_tokens = sum(s.tokens for s in splits.values())
     logger.info(
-        "wrote %s in %.1fs: train %d docs / %d tokens, val %d docs / %d tokens (whole documents are split, "
-        "not tokens), %.0f tokens/s; skipped %s",
+        "wrote %s in %.1fs: train %d docs / %d tokens, val %d docs / %d tokens (%s), %.0f tokens/s; skipped %s",
         out,
         seconds,
         splits["train"].documents,
         splits["train"].tokens,
         splits["val"].documents,
         splits["val"].tokens,
+        "whole documents" if manifest.val_split.unit == "documents" else "the tail of every document",
         total_tokens / max(seconds, 1e-9),
         manifest.skipped or "none",
     )
@@ -676,7 +695,7 @@ def _prepare(sources: list[Source], is_val: ValSplit, cfg: PrepConfig, tmp: Path
     info = tokenizer.info
     skips = SkipCounter(strict=cfg.strict)
     writers = _write_documents(sources, cfg, is_val, tokenizer.model, info.vocab_size, tmp, skips)
-    _check_split_sizes(writers, cfg)
+    _check_split_sizes(writers, cfg, is_val)
     # Finishing compresses the last shard of each split (0.12 s for the built-in corpus' 20 MB train shard) and
     # fingerprinting reads every input again (0.07 s for its 1901 files): both release the GIL, so they overlap
     # on two cores instead of following each other while the encode threads are done.
@@ -707,5 +726,5 @@ def _prepare(sources: list[Source], is_val: ValSplit, cfg: PrepConfig, tmp: Path
         inputs=inputs,
         config=to_container(cfg),
         software=_software(),
-        val_split=ValSplitInfo(lowest_hash_fallback=is_val.fallback is not None),
+        val_split=ValSplitInfo(unit=is_val.unit, lowest_hash_fallback=is_val.fallback is not None),
     )

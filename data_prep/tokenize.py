@@ -38,6 +38,7 @@ __all__ = [
     "encode_segments",
     "encode_threads",
     "hf_prep_tokenizer",
+    "last_split_point",
     "load_processor",
     "load_sentencepiece",
     "segmenter",
@@ -54,7 +55,7 @@ _TRAIN_SENTENCE_BYTES = 8192
 pieces (``":\\n"``) can be learned; SentencePiece drops sentences over ``max_sentence_length``."""
 _SPLIT_POINT = re.compile(r"(?<=\S) ")
 _RFIND_TRIES = 64
-"""Spaces `_last_split_point` inspects one by one before scanning the rest of the window with `_SPLIT_POINT`."""
+"""Spaces `last_split_point` inspects one by one before scanning the rest of the window with `_SPLIT_POINT`."""
 
 
 def segments(text: str, max_chars: int = SEGMENT_CHARS, cut_hard: bool = True) -> list[str]:
@@ -72,7 +73,7 @@ def segments(text: str, max_chars: int = SEGMENT_CHARS, cut_hard: bool = True) -
     while len(text) - start > max_chars:
         window_end = start + max_chars
         # the last safe point in the second half of the window keeps segments between max/2 and max chars
-        cut = _last_split_point(text, start + max_chars // 2, window_end)
+        cut = last_split_point(text, start + max_chars // 2, window_end)
         if cut is None and not cut_hard:
             later = _SPLIT_POINT.search(text, window_end)
             if later is None:
@@ -86,7 +87,7 @@ def segments(text: str, max_chars: int = SEGMENT_CHARS, cut_hard: bool = True) -
     return out
 
 
-def _last_split_point(text: str, lo: int, hi: int) -> int | None:
+def last_split_point(text: str, lo: int, hi: int) -> int | None:
     """The index of the last safe split point (a space after a non-space) with ``lo <= index < hi``, or None.
 
     ``str.rfind`` walks back from ``hi`` in C, so a window costs the characters after its last safe point, not a

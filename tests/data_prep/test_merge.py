@@ -67,11 +67,12 @@ def _slice_has_val(cfg: PrepConfig, index: int) -> bool:
 
 # val_fraction 0.05: slice 1 (five books) gets no val document, so it has no val/ directory; 0: no slice has one;
 # 1e-6: no document hashes into val, so the corpus's lowest hash goes there (data_prep/split.py), found by every
-# slice over all inputs: only the slice holding that document has a val/ directory.
+# slice over all inputs: only the slice holding that document has a val/ directory. 0.005: the one document that
+# hashes into val is 1.2% of the text, so val_unit=auto holds out the tail of every document, in every slice.
 @pytest.mark.parametrize(
     ("val_fraction", "val_slices"),
-    [(0.2, [0, 1, 2]), (0.05, [0, 2]), (0.0, []), (1e-6, [2])],
-    ids=["val-in-every-slice", "one-slice-without-val", "no-val-anywhere", "lowest-hash-document"],
+    [(0.2, [0, 1, 2]), (0.05, [0, 2]), (0.0, []), (1e-6, [2]), (0.005, [0, 1, 2])],
+    ids=["val-in-every-slice", "one-slice-without-val", "no-val-anywhere", "lowest-hash-document", "tails"],
 )
 def test_merge_equals_a_single_run(val_fraction, val_slices, corpus, run_prep, read_split, join_documents, tmp_path):
     sliced = _make_slices(corpus[0], tmp_path / "merged", val_fraction)
@@ -93,6 +94,7 @@ def test_merge_equals_a_single_run(val_fraction, val_slices, corpus, run_prep, r
     assert merged.has_split("val") == bool(val_slices) == single.has_split("val")
     assert merged.val_split == single.val_split
     assert merged.val_split.lowest_hash_fallback == (val_fraction == 1e-6)
+    assert merged.val_split.unit == ("tokens" if val_fraction == 0.005 else "documents")
     for split in ("train", "val"):
         a, b = merged.splits[split], single.splits[split]
         assert (a.documents, a.pieces, a.tokens) == (b.documents, b.pieces, b.tokens), split

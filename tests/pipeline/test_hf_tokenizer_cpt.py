@@ -63,7 +63,8 @@ def prepared(root: Path, tokenizer: Path, name: str) -> Path:
     for i, text in enumerate(sample_texts(40, 1)):
         (corpus / f"{i:02d}.txt").write_text(text)
     dotlist = [f"output={root / name}", f"input={corpus}", "tokenizer.type=hf", f"tokenizer.path={tokenizer}"]
-    prep(load_prep_config(None, [*dotlist, "val_fraction=0.1", "progress=false"]))
+    # whole val documents: the ppl check below needs one of 128 tokens (val_unit=auto would hold out short tails)
+    prep(load_prep_config(None, [*dotlist, "val_fraction=0.1", "val_unit=documents", "progress=false"]))
     return root / name
 
 

@@ -187,7 +187,8 @@ def test_overwrite_replaces_its_own_dataset_and_deletes_only_its_files(dataset, 
 
 def test_one_document_corpus_with_default_val_fraction_writes_only_readable_splits(tmp_path, tokenizer, caplog):
     corpus = _corpus(tmp_path / "corpus", 1)  # two or more get a val document (tests/data_prep/test_val_split.py)
-    manifest = _prep(tmp_path / "out", corpus, **{"tokenizer.model": tokenizer})  # val_fraction 0.01
+    # val_fraction 0.01 of whole documents (val_unit=auto would hold out the document's tail instead)
+    manifest = _prep(tmp_path / "out", corpus, val_unit="documents", **{"tokenizer.model": tokenizer})
     assert (manifest.splits["val"].documents, manifest.splits["val"].tokens) == (0, 0)
     assert not manifest.has_split("val") and not (tmp_path / "out" / "val").exists()
     assert read_manifest(tmp_path / "out").splits["val"].tokens == 0, "readers learn it from manifest.json"
