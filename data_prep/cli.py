@@ -31,7 +31,14 @@ from data_prep.shard import main as prep
 
 
 def _setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    """Prep's own INFO lines, and warnings from everything else.
+
+    Not INFO from every logger: prep imports torch on a background thread (``data_prep.shard``), and torch registers
+    an exit hook that logs FakeTensor cache statistics at INFO before its import sets its own loggers to WARNING. An
+    error that ended prep during that import was followed by those lines, which read as a second failure.
+    """
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("data_prep").setLevel(logging.INFO)
     install_log_redaction()  # log lines name paths and values that may come from the environment
 
 
