@@ -51,24 +51,20 @@ test: install lint typecheck
 # after a deliberate numerics change; the commit says why the curves moved (tests/reference_curves.py, docs/testing.md).
 ## regenerate tests/assets/reference_curves.json (only after a deliberate numerics change)
 reference-curves: install ds-warmup
-	work=$$(mktemp -d) && $(PY) tests/reference_curves.py --work $$work; status=$$?; rm -rf "$$work"; \
-		rm -f /dev/shm/deepspeed_allreduce_buffer_*; exit $$status
+	work=$$(mktemp -d) && $(PY) tests/reference_curves.py --work $$work; status=$$?; rm -rf "$$work"; exit $$status
 
 ## the slow test tier
 test-slow: install
 	$(PYTEST) -m "slow and not gpu" tests
 
-# DeepSpeed runs leave 66 MB /dev/shm buffers behind; they are removed whatever the outcome.
 ## multi-process tests over gloo (DeepSpeed, FSDP2, torchrun)
 test-dist: install ds-warmup
-	OMP_NUM_THREADS=1 timeout 1800 $(PYTEST) -m "dist and not gpu and not reliability" tests; status=$$?; \
-		rm -f /dev/shm/deepspeed_allreduce_buffer_*; exit $$status
+	OMP_NUM_THREADS=1 timeout 1800 $(PYTEST) -m "dist and not gpu and not reliability" tests
 
 # The failure-test catalogue T1-T23 (tests/reliability, docs/reliability.md): ~8 min on 2 cores.
 ## the failure-test catalogue T1-T23 (~8 min)
 test-reliability: install ds-warmup
-	OMP_NUM_THREADS=1 timeout 1800 $(PYTEST) -m "reliability and not gpu" tests; status=$$?; \
-		rm -f /dev/shm/deepspeed_allreduce_buffer_*; exit $$status
+	OMP_NUM_THREADS=1 timeout 1800 $(PYTEST) -m "reliability and not gpu" tests
 
 # SLURM tier: a real one-node cluster in a temp dir (needs root; apt-installs slurmctld/slurmd/slurm-client/munge
 # if missing): pretrain.sbatch preempt -> requeue -> exact resume, and the prep.sbatch array + merge. ~3 min.
@@ -143,14 +139,17 @@ train-ds-cpu: install ds-warmup
 test-quickstart: install ds-warmup
 	OMP_NUM_THREADS=1 timeout 1800 $(PYTEST) -m "slow or dist" tests/test_quickstart.py
 
-# Pre-build DeepSpeed's CPU shared-memory comm op (~60 s once per venv path, cached in ~/.cache/torch_extensions).
+# Pre-build DeepSpeed's CPU shared-memory comm op (~60 s once per venv) into .venv/torch_extensions, where every
+# run of this venv looks for it (pipeline/train/deepspeed_cpu.py).
 ## pre-build DeepSpeed's CPU shared-memory comm op (~60 s, once)
 ds-warmup: install
-	DS_ACCELERATOR=cpu $(PY) -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load()"
+	DS_ACCELERATOR=cpu $(PY) -c "from pipeline.train.deepspeed_cpu import build_shm_op; build_shm_op()"
 
+# Runs remove their own /dev/shm buffers; this removes those of runs killed during start-up (and of killed
+# streaming readers) that no process maps any more, so a running job's are never touched.
 ## remove shared-memory buffers (/dev/shm) that killed runs left behind
-clean-shm:
-	rm -f /dev/shm/deepspeed_allreduce_buffer_*
+clean-shm: install
+	$(PY) -c "from pipeline.train.preflight import clean_stale_shm; print(len(clean_stale_shm()), 'stale files removed from /dev/shm')"
 
 ## forward throughput and memory, GCA vs full attention
 bench: install

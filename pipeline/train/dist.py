@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from pipeline.train import launch_env
+from pipeline.train import deepspeed_cpu, launch_env
 from pipeline.train.launch_env import STARTUP_ENV, STEP_ENV, TIMEOUT_ENV
 
 log = logging.getLogger(__name__)
@@ -403,10 +403,13 @@ def _rendezvous(engine: str, backend: str, rank: int, world: int, budget: Budget
     try:
         with _saying_while_waiting(f"rank {rank}: waiting for the other ranks at {where} (world size {world})", budget):
             if engine == "deepspeed":
+                # On CPU this also JIT-builds DeepSpeed's shm comm op once per venv (~60 s) and creates this rank's
+                # /dev/shm buffer, unlinked once every rank has mapped it (`deepspeed_cpu`).
+                deepspeed_cpu.use_venv_extensions()
                 import deepspeed
 
-                # On CPU this also JIT-builds DeepSpeed's shm comm op once (~60 s, cached in ~/.cache/torch_extensions).
-                deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
+                with deepspeed_cpu.releasing_shm_buffer(rank, world, dist.barrier):
+                    deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
             else:
                 dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
     except dist.DistError as err:

@@ -14,6 +14,7 @@ import pytest
 from helpers import MARKOV_VOCAB, markov_pieces, train_overrides, train_test_tokenizer, write_mds_split
 
 from data_prep import format as fmt
+from pipeline.train.preflight import open_files
 
 VOCAB = MARKOV_VOCAB
 EOS = 1
@@ -128,10 +129,12 @@ def metrics():
 
 @pytest.fixture
 def clean_shm():
-    """Remove the shared memory DeepSpeed's CPU allreduce and killed streaming loaders leave in /dev/shm."""
+    """Remove the DeepSpeed CPU allreduce buffers a test's run left in /dev/shm (a rank killed at start-up, before it
+    unlinks its own: `pipeline.train.deepspeed_cpu`). A new file that a live process maps is another job's: kept."""
     before = set(glob.glob("/dev/shm/*"))
     yield
-    for path in set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) - before:
+    in_use = open_files()
+    for path in set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) - before - in_use:
         try:
             os.remove(path)
         except OSError:
