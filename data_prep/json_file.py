@@ -119,9 +119,9 @@ def read_json(path: str | Path, *, max_bytes: int = DEFAULT_MAX_BYTES, max_depth
     with os.fdopen(fd, "rb") as f:
         if st.st_size > max_bytes:
             raise JsonFileError(f"{path}: {st.st_size:,} bytes, more than the {max_bytes:,} read for a JSON file")
-        raw = f.read(max_bytes + 1)
-    if len(raw) > max_bytes:
-        raise JsonFileError(f"{path}: grew past the {max_bytes:,} bytes read for a JSON file while it was read")
+        raw = f.read(st.st_size + 1)  # never read(max_bytes + 1): Python allocates the whole request up front
+    if len(raw) > st.st_size:
+        raise JsonFileError(f"{path}: grew while it was read (more than its {st.st_size:,} bytes)")
     return parse_json(raw, str(path), max_depth=max_depth)
 
 

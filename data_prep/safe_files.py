@@ -313,9 +313,10 @@ def read_regular(directory: Path, name: str, expected_size: int | None = None, m
             )
         if max_size is not None and size > max_size:
             raise UnsafeDatasetError(f"{directory / name}: {size:,} bytes, more than the {max_size:,} read of it")
-        data = f.read() if max_size is None else f.read(max_size + 1)
-        if max_size is not None and len(data) > max_size:
-            raise UnsafeDatasetError(f"{directory / name}: grew past the {max_size:,} bytes read of it while read")
+        # read(size + 1), never read(max_size + 1): Python allocates the whole request before reading
+        data = f.read() if max_size is None else f.read(size + 1)
+        if max_size is not None and len(data) > size:
+            raise UnsafeDatasetError(f"{directory / name}: grew while it was read (more than its {size:,} bytes)")
         return data
 
 
@@ -374,12 +375,16 @@ def read_followed(path: Path, max_size: int = DEFAULT_MAX_BYTES) -> bytes | None
         raise UnsafeDatasetError(f"{path} is {file_kind(mode)}, not a regular file")
     try:
         with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
-            mode = os.fstat(f.fileno()).st_mode
-            data = f.read(max_size + 1) if stat.S_ISREG(mode) else b""
+            st = os.fstat(f.fileno())
+            mode = st.st_mode
+            # at most max_size + 1, but no more than the file holds: Python allocates the whole request up front
+            data = f.read(min(st.st_size, max_size) + 1) if stat.S_ISREG(mode) else b""
     except OSError as err:
         raise UnsafeDatasetError(f"{path}: cannot be read ({err.strerror})") from None
     if not stat.S_ISREG(mode):
         raise UnsafeDatasetError(f"{path} is {file_kind(mode)}, not a regular file")
     if len(data) > max_size:
         raise UnsafeDatasetError(f"{path}: more than the {max_size:,} bytes read of it")
+    if len(data) > st.st_size:
+        raise UnsafeDatasetError(f"{path}: grew while it was read (more than its {st.st_size:,} bytes)")
     return data

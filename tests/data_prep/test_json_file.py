@@ -93,3 +93,26 @@ def test_summarize_caps_long_lists():
     assert summarize(["a", "b"]) == "a, b"
     text = summarize([f"n{i}" for i in range(20_000)])
     assert text.endswith("... and 19,990 more") and text.startswith("n0, n1") and len(text) < 120
+
+
+def test_reading_a_small_file_allocates_about_its_size_not_the_limit(tmp_path):
+    """Python's ``read(n)`` allocates ``n`` bytes before it reads: asking for the 256 MiB limit plus one made every
+    JSON, index and tokenizer read allocate 256 MiB (counted by ``ulimit -v``), whatever the file's size."""
+    import tracemalloc
+    from pathlib import Path
+
+    from data_prep.safe_files import read_followed, read_regular
+
+    path = tmp_path / "small.json"
+    path.write_text('{"a": 1}')
+    tracemalloc.start()
+    try:
+        for read in (lambda: read_json(path), lambda: read_regular(tmp_path, "small.json", max_size=1 << 28)):
+            tracemalloc.reset_peak()
+            read()
+            assert tracemalloc.get_traced_memory()[1] < 1 << 20
+        tracemalloc.reset_peak()
+        read_followed(Path(path))
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    finally:
+        tracemalloc.stop()
