@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=32, help="sequences per global batch")
     parser.add_argument("--batches", type=int, default=40, help="global batches measured per order")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--block-mib", type=int, default=64, help="data.shuffle_block_mib of the block order")
     args = parser.parse_args(argv)
     if args.lengths_from is not None and not args.lengths_from.is_dir():
         print(f"bench-data-order: error: --lengths-from {args.lengths_from} is not a folder", file=sys.stderr)
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     orders = {
         "uniform windows": uniform_windows(lengths, args.seq_len, args.batch, args.batches, args.seed),
         "blocks (default)": stream_batches(
-            BlockShuffledSequences(split, seq_len=args.seq_len, seed=args.seed, block_mib=128, eos_id=EOS),
+            BlockShuffledSequences(split, seq_len=args.seq_len, seed=args.seed, block_mib=args.block_mib, eos_id=EOS),
             args.batch,
             args.batches,
         ),

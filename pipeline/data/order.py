@@ -37,20 +37,12 @@ ORDER = "blocks"
 
 @dataclass
 class _Block:
-    """One block of one epoch, laid out: its tokens and the permutations that order them."""
+    """One block of one epoch, laid out."""
 
-    tokens: list[np.ndarray]
-    """Per shard of the block, all its token ids (the dataset's dtype)."""
-    segment_array: np.ndarray
-    """Per segment, in the block's permuted order: which entry of `tokens` holds it."""
-    segment_start: np.ndarray
-    """Per segment: its first token within that entry."""
-    segment_length: np.ndarray
-    """Per segment: its tokens, the EOS not counted."""
-    segment_end: np.ndarray
-    """Per segment: where it ends (EOS included) in the block's joined stream."""
+    joined: np.ndarray
+    """The block's documents in this epoch's order, each followed by EOS (the dataset's token dtype)."""
     sequence_order: np.ndarray
-    """The block's sequences in the order they are emitted (their positions in the joined stream)."""
+    """The block's sequences in the order they are emitted (their positions in `joined`, in sequences)."""
 
 
 class BlockShuffledSequences:
@@ -98,55 +90,33 @@ class BlockShuffledSequences:
         return self._blocks_of[1]
 
     def _layout(self, epoch: int, block: int) -> _Block:
-        """Read the shards of block ``block`` of ``epoch`` and lay out its segments and sequences."""
-        tokens, arrays, starts, lengths = [], [], [], []
+        """Read the shards of block ``block`` of ``epoch`` and join its segments in this epoch's order. Holds the
+        block's tokens twice while it joins them (the shards' arrays, then the joined one), once after."""
+        tokens, slots, starts, lengths = [], [], [], []
         for slot, shard in enumerate(self.blocks(epoch)[block]):
             shard_tokens, sample_lengths, docs = self.reader.shard_tokens(int(shard))
             tokens.append(shard_tokens)
             if not len(docs):
                 continue
             first = np.flatnonzero(np.r_[True, docs[1:] != docs[:-1]])  # a segment starts where the doc id changes
-            sample_starts = np.r_[0, np.cumsum(sample_lengths)[:-1]]
-            arrays.append(np.full(len(first), slot, dtype=np.int64))
-            starts.append(sample_starts[first])
+            slots.append(np.full(len(first), slot, dtype=np.int64))
+            starts.append(np.r_[0, np.cumsum(sample_lengths)[:-1]][first])
             lengths.append(np.add.reduceat(sample_lengths, first))
         rng = np.random.default_rng([self.seed, epoch, block])
-        segment_array = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
-        perm = rng.permutation(len(segment_array))
-        segment_length = (np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64))[perm]
-        joined = segment_length + (1 if self.eos_id is not None else 0)
-        segment_end = np.cumsum(joined)
-        sequences = int(segment_end[-1]) // self.seq_len if len(segment_end) else 0
-        return _Block(
-            tokens=tokens,
-            segment_array=segment_array[perm],
-            segment_start=(np.concatenate(starts) if starts else np.zeros(0, dtype=np.int64))[perm],
-            segment_length=segment_length,
-            segment_end=segment_end,
-            sequence_order=rng.permutation(sequences),
-        )
-
-    def _sequence(self, block: _Block, position: int) -> np.ndarray:
-        """Tokens ``[position * seq_len, (position + 1) * seq_len)`` of the block's joined stream."""
-        begin, end = position * self.seq_len, (position + 1) * self.seq_len
-        out = np.empty(self.seq_len, dtype=np.int64)
-        segment = int(np.searchsorted(block.segment_end, begin, side="right"))
-        filled = 0
-        while filled < self.seq_len:
-            seg_begin = int(block.segment_end[segment - 1]) if segment else 0
-            length = int(block.segment_length[segment])
-            lo, hi = begin + filled - seg_begin, min(end - seg_begin, length)
-            if lo < hi:
-                start = int(block.segment_start[segment])
-                out[filled : filled + hi - lo] = block.tokens[int(block.segment_array[segment])][
-                    start + lo : start + hi
-                ]
-                filled += hi - lo
-            if filled < self.seq_len and self.eos_id is not None and begin + filled - seg_begin == length:
-                out[filled] = self.eos_id
-                filled += 1
-            segment += 1
-        return out
+        slot_of = np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64)
+        perm = rng.permutation(len(slot_of))
+        eos = 0 if self.eos_id is None else 1
+        dtype = tokens[0].dtype if tokens else np.dtype(np.int64)
+        joined = np.empty(int(sum(int(n.sum()) for n in lengths)) + eos * len(perm), dtype=dtype)
+        if eos:
+            joined.fill(self.eos_id)  # every segment's tokens are written over it, leaving the EOS after each
+        start_of, length_of = np.concatenate(starts or [slot_of]), np.concatenate(lengths or [slot_of])
+        at = 0
+        for segment in perm:
+            begin, length = int(start_of[segment]), int(length_of[segment])
+            joined[at : at + length] = tokens[int(slot_of[segment])][begin : begin + length]
+            at += length + eos
+        return _Block(joined=joined, sequence_order=rng.permutation(len(joined) // self.seq_len))
 
     def _current_block(self) -> _Block:
         """The block the next sequence comes from, moving on past exhausted blocks and epochs."""
@@ -181,7 +151,8 @@ class BlockShuffledSequences:
         out = np.empty((n, self.seq_len), dtype=np.int64)
         for row in range(n):
             block = self._current_block()
-            out[row] = self._sequence(block, int(block.sequence_order[self._taken]))
+            position = int(block.sequence_order[self._taken]) * self.seq_len
+            out[row] = block.joined[position : position + self.seq_len]
             self._taken += 1
             self._emitted_this_epoch += 1
         ids = np.arange(self._consumed, self._consumed + n, dtype=np.int64)

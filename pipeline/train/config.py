@@ -149,7 +149,7 @@ class DataConfig:
     ``shuffle_block_mib`` (``pipeline/data/order.py``). ``window``: the order before that existed (shards per
     epoch, then sequences within windows of ``shuffle_window`` consecutive ones), kept to resume and reproduce runs
     made with it."""
-    shuffle_block_mib: int = 128
+    shuffle_block_mib: int = 64
     """``blocks``: decoded shard bytes one block may span, which every rank holds in memory while it reads it."""
     shuffle_window: int = 64
     """``window``: packed sequences shuffled together; larger mixes more, costs memory on every rank."""
