@@ -93,7 +93,8 @@ def releasing_shm_buffer(rank: int, world: int, barrier: Callable[[], None]) -> 
     own = own_shm_buffer(os.environ, rank, world)
     try:
         yield
-        barrier()
+        if own is not None:  # ranks on several nodes make no buffer: nothing to wait for
+            barrier()
     finally:
         if own is not None and mapped_by_this_process(own):
             own.unlink(missing_ok=True)
