@@ -9,7 +9,7 @@ PYTEST := $(PY) -m pytest -q
 # The default CPU tier: everything not behind a heavier marker.
 DEFAULT_MARKERS := not slow and not gpu and not dist and not slurm and not multinode
 
-.PHONY: install lint format typecheck test test-slow test-dist test-gpu test-kernels test-reliability test-slurm test-multinode preflight demo demo-baseline demo-seeds demo-16m demo-multihop demo-smoke demo-lm demo-lm-smoke demo-cpt demo-cpt-smoke prep bench bench-train bench-kernels bench-cp bench-reader bench-prep test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv gpu-wheels gpu-check gpu-stamp gpu-publish demo-lm-gpu bench-gpu test-gpu-wheels test-gpu-check test-gpu-compile reference-curves help train prep-text test-quickstart
+.PHONY: install lint format typecheck test test-slow test-dist test-gpu test-kernels test-reliability test-slurm test-multinode preflight demo demo-baseline demo-seeds demo-16m demo-multihop demo-smoke demo-lm demo-lm-smoke demo-cpt demo-cpt-smoke prep bench bench-train bench-kernels bench-cp bench-reader bench-prep test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv gpu-wheels gpu-check gpu-stamp gpu-publish demo-lm-gpu bench-gpu test-gpu-wheels test-gpu-check test-gpu-compile reference-curves help train prep-text test-quickstart bench-data-order report
 
 ## create .venv and install the pinned dependencies (every target runs it first)
 install: $(STAMP)
@@ -190,11 +190,21 @@ bench-kernels: install
 bench-prep: install
 	$(PY) launch/bench_prep.py $(ARGS)
 
-# The trainer's data reader (shards decoded in memory) vs the old decompressed copy on disk: tokens/s, bytes written.
-## the trainer's data reader: tokens/s and bytes written
+# The trainer's data reader (shards decoded in memory) vs the old decompressed copy on disk: tokens/s, bytes written;
+# then the block data order vs the window order over the same reader: tokens/s and peak memory.
+## the trainer's data reader: tokens/s and bytes written; the block vs the window data order
 bench-reader: install
 	@test -f data/default/_COMPLETE || $(PY) launch/prep.py --config configs/data/default.yaml
 	$(PY) launch/bench_reader.py $(ARGS)
+
+## documents per global batch of each data order vs uniform random windows, PG19-shaped (ARGS="--lengths-from DIR")
+bench-data-order: install
+	$(PY) launch/bench_data_order.py $(ARGS)
+
+## one markdown report of eval outputs: EVAL="<eval --out dir> [more dirs side by side]" [ARGS="--out r.md"]
+report: install
+	@test -n "$(EVAL)" || { echo "make report: set EVAL=<the eval's --out directory>" >&2; exit 2; }
+	$(PY) launch/report.py $(EVAL) $(ARGS)
 
 # Context parallelism: one sequence on 1 rank vs split over 2 (16K/32K/64K tokens; ARGS="--lengths 4096 8192" on a
 # small machine): per-rank peak memory, step time and bytes sent, as ratios against the 1-rank run.
