@@ -201,9 +201,13 @@ bench-reader: install
 bench-data-order: install
 	$(PY) launch/bench_data_order.py $(ARGS)
 
+ifneq ($(filter report,$(MAKECMDGOALS)),)
+ifeq ($(EVAL),)
+$(error make report needs EVAL=<an eval --out directory> (several, quoted, compare side by side))
+endif
+endif
 ## one markdown report of eval outputs: EVAL="<eval --out dir> [more dirs side by side]" [ARGS="--out r.md"]
 report: install
-	@test -n "$(EVAL)" || { echo "make report: set EVAL=<the eval's --out directory>" >&2; exit 2; }
 	$(PY) launch/report.py $(EVAL) $(ARGS)
 
 # Context parallelism: one sequence on 1 rank vs split over 2 (16K/32K/64K tokens; ARGS="--lengths 4096 8192" on a

@@ -19,7 +19,16 @@ MAKEFILE = ROOT / "Makefile"
 
 def make(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in {"MAKEFLAGS", "MAKELEVEL", "MFLAGS"}}
-    for name in ("CONFIG", "DATA", "RUN", "ARGS", "INPUT", "OUTPUT", "VOCAB"):  # a user's shell may export these
+    for name in (
+        "CONFIG",
+        "DATA",
+        "RUN",
+        "ARGS",
+        "INPUT",
+        "OUTPUT",
+        "VOCAB",
+        "EVAL",
+    ):  # a user's shell may export these
         env.pop(name, None)
     return subprocess.run(["make", "--no-print-directory", *args], cwd=ROOT, env=env, capture_output=True, text=True)
 
@@ -107,3 +116,10 @@ def test_prep_text_needs_input_and_output():
     lines = refused.stderr.strip().splitlines()
     assert refused.returncode == 2 and len(lines) == 1 and "INPUT=" in lines[0] and "OUTPUT=" in lines[0], lines
     assert launched("prep") == [VENV_PY, "launch/prep.py", "--config", "configs/data/default.yaml"]
+
+
+def test_report_needs_the_eval_directory():
+    assert launched("report", "EVAL=out/a out/b") == [VENV_PY, "launch/report.py", "out/a", "out/b"]
+    refused = make("-n", "report")
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1 and "EVAL=" in lines[0], lines
