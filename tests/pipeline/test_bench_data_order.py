@@ -10,7 +10,9 @@ from pipeline.bench.data_order import main
 def test_the_block_order_is_within_ten_percent_of_uniform_windows_and_the_window_order_is_not(capsys):
     assert main(["--documents", "400", "--seq-len", "2048", "--batch", "16", "--batches", "12"]) == 0
     out = capsys.readouterr().out
-    rows = {name.strip(): float(mean) for name, mean in re.findall(r"^([a-z][^\n\d]*?) +([\d.]+) +\d+ +\d+%$", out, re.M)}
+    rows = {
+        name.strip(): float(mean) for name, mean in re.findall(r"^([a-z][^\n\d]*?) +([\d.]+) +\d+ +\d+%$", out, re.M)
+    }
     assert set(rows) == {"uniform windows", "blocks (default)", "window (before)"}, out
     assert rows["blocks (default)"] >= 0.9 * rows["uniform windows"], out
     assert rows["window (before)"] < 0.9 * rows["uniform windows"], out
