@@ -605,6 +605,11 @@ class RankBatches:
         self.families: collections.Counter[str] = collections.Counter()
         """Tasks written into this rank's sequences so far in this process, per family."""
 
+    @property
+    def epoch(self) -> int:
+        """The epoch of the training split the last step's sequences came from (0-based)."""
+        return self.stream.epoch
+
     def next_step(self) -> list[torch.Tensor]:
         """The micro-batches ``[micro_batch, seq_len]`` (int64) of this rank for the next optimizer step."""
         return [tokens for tokens, _ in self.next_step_weighted()]

@@ -99,6 +99,8 @@ TEXTS = {
     REVEAL_ENV: "'1' shows environment values in messages; checked with the config (data_prep.redaction)",
     "TRITON_INTERPRET": "'1' runs Triton kernels on the CPU interpreter (tests); read by Triton too",
     "PYTHONPATH": "extended for the GPU check's re-executed interpreter",
+    "TORCH_EXTENSIONS_DIR": "where torch builds DeepSpeed's ops; a value set is kept, else the venv's (deepspeed_cpu)",
+    "PATH": "the venv's bin put first when it holds ninja, for DeepSpeed's op build (pipeline.train.deepspeed_cpu)",
     "GCA_GPU_CHECK_SITE": "set by the GPU check for the interpreter it re-executes (pipeline/gpucheck/cli.py)",
     "TRITON_*_PATH": "a Triton tool's path (TRITON_PTXAS_PATH, ...), passed to Triton by the GPU check's compile",
     "WANDB_MODE": "checked with the config's logging.wandb_mode (pipeline.train.wandb_online)",

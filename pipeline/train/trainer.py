@@ -311,7 +311,7 @@ class Trainer:
             "mfu": self.flops_per_token * tps / (peak * self.info.world_size) if peak else None,
             "mem_gb": memory_gb(),
             "tokens": self.tokens_seen,
-            "epoch": self.batches.stream.epoch,
+            "epoch": self.batches.epoch,
         }
 
     # -- checkpoints and export ---------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import write_mds
+from conftest import prepared_copy, write_mds
 from helpers import write_mds_split
 
 from pipeline.data.order import MIB, BlockShuffledSequences
@@ -178,8 +178,6 @@ def test_a_run_reports_its_epochs_and_warns_that_it_repeats_data(tmp_path, tiny_
     where the sequences drawn pass an epoch's count (counted from the samples: tokens plus one EOS per segment, in
     whole sequences; the split is one block), the log says when the stream wraps, and the start says the run
     repeats its data."""
-    from conftest import prepared_copy
-
     from pipeline.train.trainer import main
 
     source = tmp_path / "source"

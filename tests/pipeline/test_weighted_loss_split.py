@@ -70,6 +70,8 @@ class FixedBatches:
         parts = weights[rows].split(micro_batch) if weighted else [None] * GLOBAL_BATCH
         self.micro = list(zip(tokens[rows].split(micro_batch), parts))
 
+    epoch = 0
+
     def next_step_weighted(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         return list(self.micro)
 
