@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import shutil
 import sys
 import tempfile
 import time
 import tracemalloc
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -103,23 +105,41 @@ def time_path(make: Any, epochs: int) -> dict[str, float]:
     }
 
 
+def fastest_of(repeats: int, runs: dict[str, Callable[[], dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Each of ``runs`` timed ``repeats`` times, alternating: per name, the record of its fastest run."""
+    best: dict[str, dict[str, float]] = {}
+    for _ in range(repeats):
+        for name, timed in runs.items():
+            run = timed()
+            if name not in best or run["seconds"] < best[name]["seconds"]:
+                best[name] = run
+    return best
+
+
+def print_table(first: str, columns: list[tuple[str, str, int, str]], rows: dict[str, dict[str, float]]) -> None:
+    """``rows`` under a header: the row's name under ``first``, then each column ``(key, label, width, format)`` of
+    its record."""
+    print(f"{first:<12} " + " ".join(f"{label:>{width}}" for _, label, width, _ in columns))
+    for name, record in rows.items():
+        print(f"{name:<12} " + " ".join(f"{record[key]:>{width}{fmt}}" for key, _, width, fmt in columns))
+
+
 def bench(data: str, split: str, epochs: int, repeats: int) -> dict[str, dict[str, float]]:
     """The fastest of ``repeats`` alternating runs of each path (``memory``: MDSReader; ``disk_cache``: the
     baseline), each a dict of `time_path`."""
-    best: dict[str, dict[str, float]] = {}
     work = Path(tempfile.mkdtemp(prefix="gca-bench-reader-"))
     try:
-        for _ in range(repeats):
-            runs = {
-                "disk_cache": time_path(lambda: DiskCacheReader(data, split, Path(tempfile.mkdtemp(dir=work))), epochs),
-                "memory": time_path(lambda: MDSReader(data, split, cache_dir=None), epochs),
-            }
-            for name, run in runs.items():
-                if name not in best or run["seconds"] < best[name]["seconds"]:
-                    best[name] = run
+        return fastest_of(
+            repeats,
+            {
+                "disk_cache": lambda: time_path(
+                    lambda: DiskCacheReader(data, split, Path(tempfile.mkdtemp(dir=work))), epochs
+                ),
+                "memory": lambda: time_path(lambda: MDSReader(data, split, cache_dir=None), epochs),
+            },
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return best
 
 
 def time_order(make: Any, sequences: int, batch: int) -> dict[str, float]:
@@ -154,13 +174,9 @@ def bench_orders(
             MDSReader(data, split, cache_dir=None), seq_len=seq_len, seed=0, block_mib=64, eos_id=eos
         ),
     }
-    best: dict[str, dict[str, float]] = {}
-    for _ in range(repeats):
-        for name, make in makers.items():
-            run = time_order(make, sequences, batch)
-            if name not in best or run["seconds"] < best[name]["seconds"]:
-                best[name] = run
-    return best
+    return fastest_of(
+        repeats, {name: functools.partial(time_order, make, sequences, batch) for name, make in makers.items()}
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,23 +200,20 @@ def main(argv: list[str] | None = None) -> int:
         f"reader over {args.data}/{args.split}: {best['memory']['tokens']:,} tokens per run ({args.epochs} epochs, "
         f"{raw / 2**20:.1f} MiB of decompressed shards), fastest of {args.repeats}"
     )
-    print(f"{'path':<12} {'tokens/s':>14} {'seconds':>9} {'wchar MiB':>10} {'write_bytes MiB':>16}")
-    for name in ("disk_cache", "memory"):
-        run = best[name]
-        print(
-            f"{name:<12} {run['tokens_per_s']:>14,.0f} {run['seconds']:>9.2f} {run['wchar'] / 2**20:>10.1f} "
-            f"{run['write_bytes'] / 2**20:>16.1f}"
-        )
+    for record in best.values():
+        record["wchar_mib"], record["write_bytes_mib"] = record["wchar"] / 2**20, record["write_bytes"] / 2**20
+    columns = [("tokens_per_s", "tokens/s", 14, ",.0f"), ("seconds", "seconds", 9, ".2f")]
+    mib = [("wchar_mib", "wchar MiB", 10, ".1f"), ("write_bytes_mib", "write_bytes MiB", 16, ".1f")]
+    print_table("path", [*columns, *mib], best)
     print(f"memory / disk_cache throughput: {best['memory']['tokens_per_s'] / best['disk_cache']['tokens_per_s']:.2f}x")
     orders = bench_orders(args.data, args.split, args.epochs, args.repeats, args.seq_len, args.batch)
     print(
         f"data orders: {orders['blocks']['tokens']:,} tokens in sequences of {args.seq_len}, batches of "
         f"{args.batch}, fastest of {args.repeats}"
     )
-    print(f"{'order':<12} {'tokens/s':>14} {'seconds':>9} {'peak MiB':>10}")
-    for name in ("window", "blocks"):
-        run = orders[name]
-        print(f"{name:<12} {run['tokens_per_s']:>14,.0f} {run['seconds']:>9.2f} {run['peak_bytes'] / 2**20:>10.1f}")
+    for record in orders.values():
+        record["peak_mib"] = record["peak_bytes"] / 2**20
+    print_table("order", [*columns, ("peak_mib", "peak MiB", 10, ".1f")], orders)
     print(
         f"blocks / window: throughput {orders['blocks']['tokens_per_s'] / orders['window']['tokens_per_s']:.2f}x, "
         f"peak memory {orders['blocks']['peak_bytes'] / orders['window']['peak_bytes']:.2f}x"

@@ -24,3 +24,13 @@ def test_a_lengths_folder_that_is_not_one_is_one_line(tmp_path, capsys):
         capsys.readouterr().err.strip()
         == f"bench-data-order: error: --lengths-from {tmp_path / 'missing'} is not a folder"
     )
+
+
+def test_bench_reader_times_both_orders_over_the_same_sequences(tiny_data, capsys):
+    from pipeline.bench import reader
+
+    assert reader.main(["--data", str(tiny_data), "--epochs", "1", "--repeats", "1", "--seq-len", "64"]) == 0
+    out = capsys.readouterr().out
+    rows = dict(re.findall(r"^(window|blocks) +([\d,]+) ", out, re.M))
+    assert set(rows) == {"window", "blocks"} and all(int(v.replace(",", "")) > 0 for v in rows.values()), out
+    assert re.search(r"^blocks / window: throughput [\d.]+x, peak memory [\d.]+x$", out, re.M), out
