@@ -22,13 +22,10 @@ block shuffles (``py1b``/``py1br``: a permutation within blocks of shards, which
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-log = logging.getLogger(__name__)
 
 MIB = 1 << 20
 ORDER = "blocks"
@@ -137,13 +134,6 @@ class BlockShuffledSequences:
                 f"data.shuffle_block_mib={self.block_mib} MiB of shards): raise data.shuffle_block_mib, lower "
                 "train.seq_len, or prepare more data"
             )
-        log.info(
-            "data: epoch %d of the training split ends after %d sequences (%d in all); epoch %d starts in a new order",
-            self.epoch,
-            self._emitted_this_epoch,
-            self._consumed,
-            self.epoch + 1,
-        )
         self.epoch, self._block_index, self._taken, self._emitted_this_epoch = self.epoch + 1, 0, 0, 0
 
     def next(self, n: int) -> tuple[np.ndarray, np.ndarray]:

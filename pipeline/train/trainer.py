@@ -146,6 +146,8 @@ class Trainer:
         self.ckpt = CheckpointManager(self.run_dir, cfg.checkpoint.keep_last, info, cfg.checkpoint.fallback_to_previous)
         self.step = 0
         self.tokens_seen = 0
+        self.epoch = 0
+        """The epoch of the training split the last step drew from (``RankBatches.epoch``)."""
         self.resumed = False
         self.exit_code: int | None = None
         self._phase = "setup"
@@ -300,6 +302,10 @@ class Trainer:
         tokens = cfg.tokens_per_step
         self.step = step
         self.tokens_seen += tokens
+        if self.batches.epoch != self.epoch:
+            self.epoch = self.batches.epoch
+            if self.info.is_main:
+                log.info("data: step %d began epoch %d of the training split", step, self.epoch)
         peak = peak_flops(cfg.logging.peak_tflops)
         tps = tokens / dt
         return {
@@ -311,7 +317,7 @@ class Trainer:
             "mfu": self.flops_per_token * tps / (peak * self.info.world_size) if peak else None,
             "mem_gb": memory_gb(),
             "tokens": self.tokens_seen,
-            "epoch": self.batches.epoch,
+            "epoch": self.epoch,
         }
 
     # -- checkpoints and export ---------------------------------------------------------------------------
@@ -370,6 +376,7 @@ class Trainer:
         _, state = found
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
         self.batches.load_state_dict(state["data"])
+        self.epoch = self.batches.epoch
         return True
 
 

@@ -200,7 +200,8 @@ def test_a_run_reports_its_epochs_and_warns_that_it_repeats_data(tmp_path, tiny_
     assert epochs == [(4 * step - 1) // per_epoch for step in range(1, steps + 1)]
     assert epochs[-1] == 2
     assert "the run repeats its data" in caplog.text and "each in a new order" in caplog.text
-    assert "data: epoch 0 of the training split ends" in caplog.text
+    for epoch in (1, 2):
+        assert f"data: step {epochs.index(epoch) + 1} began epoch {epoch} of the training split" in caplog.text
 
 
 def test_a_checkpoint_reads_back_either_order_s_position_field_by_field(reader):
@@ -218,3 +219,22 @@ def test_a_checkpoint_reads_back_either_order_s_position_field_by_field(reader):
         _check_data_position(Fields(old_state, "state.json"))
     with pytest.raises(JsonFileError, match="field 'consumed' is -2, expected an integer"):
         _check_data_position(Fields({**new.state_dict(), "consumed": -2}, "state.json"))
+
+
+def test_the_window_order_reports_its_epochs_too(tmp_path, tiny_data, overrides, metrics, caplog):
+    from pipeline.train.trainer import main
+
+    source = tmp_path / "source"
+    write_mds(source, "train", 12, seed=5)
+    write_mds(source, "val", 3, seed=6)
+    shutil.copy(tiny_data / "tokenizer.model", source)
+    data = prepared_copy(tmp_path, source)
+    run = tmp_path / "run"
+    keys = {"train.max_steps": 14, "data.shuffle_scope": "window", "data.shuffle_window": 4}
+    with caplog.at_level("INFO"):
+        assert main(None, overrides(run, data, **keys)) == 0
+    epochs = [record["epoch"] for _, record in sorted(metrics(run).items())]
+    assert epochs == sorted(epochs) and epochs[0] == 0 and epochs[-1] >= 1
+    first = epochs.index(1) + 1
+    assert f"data: step {first} began epoch 1 of the training split" in caplog.text
+    assert "the same document order every epoch" in caplog.text  # the start's warning names the order's weakness
