@@ -89,7 +89,7 @@ class BlockShuffledSequences:
     def _layout(self, epoch: int, block: int) -> _Block:
         """Read the shards of block ``block`` of ``epoch`` and join its segments in this epoch's order. Holds the
         block's tokens twice while it joins them (the shards' arrays, then the joined one), once after."""
-        tokens, slots, starts, lengths = [], [], [], []
+        tokens, slots, starts, lengths = [], [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
         for slot, shard in enumerate(self.blocks(epoch)[block]):
             shard_tokens, sample_lengths, docs = self.reader.shard_tokens(int(shard))
             tokens.append(shard_tokens)
@@ -99,15 +99,13 @@ class BlockShuffledSequences:
             slots.append(np.full(len(first), slot, dtype=np.int64))
             starts.append(np.r_[0, np.cumsum(sample_lengths)[:-1]][first])
             lengths.append(np.add.reduceat(sample_lengths, first))
+        slot_of, start_of, length_of = np.concatenate(slots), np.concatenate(starts), np.concatenate(lengths)
         rng = np.random.default_rng([self.seed, epoch, block])
-        slot_of = np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64)
         perm = rng.permutation(len(slot_of))
         eos = 0 if self.eos_id is None else 1
-        dtype = tokens[0].dtype if tokens else np.dtype(np.int64)
-        joined = np.empty(int(sum(int(n.sum()) for n in lengths)) + eos * len(perm), dtype=dtype)
+        joined = np.empty(int(length_of.sum()) + eos * len(perm), dtype=tokens[0].dtype)
         if eos:
             joined.fill(self.eos_id)  # every segment's tokens are written over it, leaving the EOS after each
-        start_of, length_of = np.concatenate(starts or [slot_of]), np.concatenate(lengths or [slot_of])
         at = 0
         for segment in perm:
             begin, length = int(start_of[segment]), int(length_of[segment])

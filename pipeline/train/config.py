@@ -166,6 +166,13 @@ class DataConfig:
     validate_hash: str | None = None
     """Shard hash checked on read (e.g. ``xxh64``), if data prep wrote one."""
 
+    def order(self) -> Literal["blocks", "window", "file"]:
+        """The order the training split is read in: ``blocks`` (`shuffle_scope`'s default), ``window``, or ``file``
+        (``shuffle=false``: the window reader without shuffling)."""
+        if not self.shuffle:
+            return "file"
+        return self.shuffle_scope
+
 
 @dataclass
 class OptimConfig:

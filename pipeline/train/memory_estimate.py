@@ -66,7 +66,7 @@ def check_host_memory(cfg: TrainConfig, world_size: int) -> None:
     if memory is None:
         return
     t, d = cfg.train, cfg.data
-    if d.shuffle and d.shuffle_scope == "blocks":
+    if d.order() == "blocks":
         window_bytes, source = t.global_batch * t.seq_len * TOKEN_BYTES, "the global batch the reader cuts"
         window_key = f"train.global_batch={t.global_batch}"
     else:

@@ -250,25 +250,24 @@ def _way_out(path: Path, refused: list[Change]) -> str:
 def check_data_settings(path: Path, data: dict[str, Any], cfg: TrainConfig) -> None:
     """The settings the checkpoint's data position records (its ``data`` state, types checked by
     ``pipeline.train.checkpoint``) equal this run's. Called after `check_resume`, which refuses a change of them
-    with the way out, so they can differ only in an edited trainer state, which the reader would refuse after the
-    weights are loaded.
+    with the way out; what it cannot see is a checkpoint from before ``data.shuffle_scope`` existed, whose config
+    reads as today's default order while its position is one of the window order.
 
     Raises:
-        JsonFileError: naming the field and both values.
+        ResumeRefusedError: the position belongs to another data order (one line with the keys that read it).
+        JsonFileError: another recorded setting differs (an edited trainer state), naming the field and both values.
     """
     d = cfg.data
-    if "order" in data or d.shuffle and d.shuffle_scope == "blocks":
-        order = {"order": d.shuffle_scope if d.shuffle else "window", "block_mib": d.shuffle_block_mib}
-        now = {**order, "seq_len": cfg.train.seq_len, "seed": cfg.seed, "shuffle": d.shuffle}
-        if data.get("order", "window") != now["order"]:
-            saved = f"data.shuffle_scope={data.get('order', 'window')} data.shuffle={json.dumps(data['shuffle'])}"
-            raise ResumeRefusedError(
-                f"{path} was written in the data order {saved} (before each epoch was reshuffled, when it names "
-                f"window), and its data position means nothing in another order: add {saved} to resume it, or start "
-                "a new run in another run_dir"
-            )
-    else:
-        now = {"seq_len": cfg.train.seq_len, "window": d.shuffle_window, "seed": cfg.seed, "shuffle": d.shuffle}
+    saved = data.get("order", "window")  # a window-order state records no order
+    order = "blocks" if d.order() == "blocks" else "window"
+    if saved != order:
+        keys = f"data.shuffle_scope={saved} data.shuffle={json.dumps(data['shuffle'])}"
+        raise ResumeRefusedError(
+            f"{path} holds a position in the {saved} data order, which means nothing in the {order} order: add "
+            f"{keys} to resume it, or start a new run in another run_dir"
+        )
+    now = {"seq_len": cfg.train.seq_len, "seed": cfg.seed, "shuffle": d.shuffle}
+    now.update({"block_mib": d.shuffle_block_mib} if order == "blocks" else {"window": d.shuffle_window})
     for key, value in now.items():
         if data[key] != value:
             raise JsonFileError(

@@ -160,7 +160,7 @@ class Trainer:
         reader = MDSReader(cfg.data.path, cfg.data.train_split, cache, cfg.data.validate_hash)
         d = cfg.data
         stream: PackedSequences | BlockShuffledSequences
-        if d.shuffle and d.shuffle_scope == "blocks":
+        if d.order() == "blocks":
             stream = BlockShuffledSequences(
                 reader, seq_len=cfg.train.seq_len, seed=cfg.seed, block_mib=d.shuffle_block_mib, eos_id=self.eos_id
             )
@@ -395,12 +395,12 @@ def warn_if_data_repeats(cfg: TrainConfig, reader: MDSReader, eos: bool) -> None
     needed = cfg.tokens_per_step * cfg.train.max_steps
     epochs = epochs_needed(split.tokens, split.documents, eos, needed)
     if epochs > 1:
-        d = cfg.data
         order = {
-            (True, "blocks"): "each in a new order",
-            (True, "window"): "in windows of data.shuffle_window sequences (a split of few shards is read in the same "
+            "blocks": "each in a new order",
+            "window": "in windows of data.shuffle_window sequences (a split of few shards is read in the same "
             "document order every epoch: data.shuffle_scope=blocks reshuffles it)",
-        }.get((d.shuffle, d.shuffle_scope), "each in file order (data.shuffle=false)")
+            "file": "each in file order (data.shuffle=false)",
+        }[cfg.data.order()]
         log.warning(
             "the run repeats its data: train.max_steps=%d x %d tokens per step = %d tokens, the training split %s "
             "holds %d, so about %.1f epochs, %s",

@@ -238,3 +238,19 @@ def test_the_window_order_reports_its_epochs_too(tmp_path, tiny_data, overrides,
     first = epochs.index(1) + 1
     assert f"data: step {first} began epoch 1 of the training split" in caplog.text
     assert "the same document order every epoch" in caplog.text  # the start's warning names the order's weakness
+
+
+def test_a_checkpoint_of_the_window_order_is_refused_by_today_s_default_naming_the_keys(reader, tmp_path):
+    """A checkpoint from before ``data.shuffle_scope`` records a config without it, which reads as today's default
+    (blocks): the resume check sees its window-order position and names the keys that resume it."""
+    from pipeline.train.config import load_config
+    from pipeline.train.resume_check import ResumeRefusedError, check_data_settings
+
+    keys = [f"run_dir={tmp_path / 'run'}", f"data.path={tmp_path / 'data'}", "train.seq_len=32", "seed=7"]
+    keys += ["model.chunk_size=8", "model.top_k=2"]
+    cfg = load_config(None, keys)
+    old = PackedSequences(reader, seq_len=SEQ, seed=7, shuffle=True, window=64, eos_id=EOS)
+    with pytest.raises(ResumeRefusedError, match="add data.shuffle_scope=window data.shuffle=true to resume it"):
+        check_data_settings(tmp_path, old.state_dict(), cfg)
+    check_data_settings(tmp_path, old.state_dict(), load_config(None, [*keys, "data.shuffle_scope=window"]))
+    check_data_settings(tmp_path, stream(reader, block_mib=64).state_dict(), cfg)
