@@ -1,11 +1,13 @@
 """The retrieval-task mix of pretraining (``data.retrieval_mix``): a share of the training sequences carries a
 synthetic retrieval task written over its own real text.
 
-Which sequences, which family and every choice inside a sample come from one generator seeded with the run's
-seed and the sequence's global id, so a sequence gets the same task on any world size, after a resume and in a
-second run; the mix needs no state of its own beyond its settings, which a checkpoint records
-(``RetrievalMix.describe``). The samples are built by ``pipeline.data.retrieval_tasks.build_task``, the builder
-the eval uses too.
+The retrieval tasks are one source of the training mixture (``pipeline.data.mixture``): its schedule decides which
+global sequences carry a task, in exactly the source's share of every prefix of the stream; ``data.retrieval_mix``'s
+fraction is that share when the run reads one dataset. Which family, and every choice inside a sample, come from one
+generator seeded with the run's seed and the sequence's key in its text source, so a sequence gets the same task on
+any world size, after a resume and in a second run; the mix needs no state of its own beyond its settings, which a
+checkpoint records (``RetrievalMix.describe``). The samples are built by
+``pipeline.data.retrieval_tasks.build_task``, the builder the eval uses too.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ class RetrievalMix:
         codec: the tokenizer the data was tokenized with.
         seq_len: length of the sequences it receives (and returns).
         chunk_size: the model's chunk size (tokens), which every layout aligns to.
-        fraction: share of the sequences that get a task.
+        fraction: share of the sequences that get a task (recorded; the mixture's schedule applies it).
         families: weight per family (``retrieval_tasks.FAMILIES``); families of weight 0 are never drawn.
         shape: needles, values, queries, hops and chains per sample.
 
@@ -103,12 +105,12 @@ class RetrievalMix:
             "shape": asdict(self.shape),
         }
 
-    def sample_for(self, seq: np.ndarray, rng: np.random.Generator) -> TaskSample | None:
-        """The task for the sequence whose own generator is ``rng`` (seeded by the caller from its global id), or
-        ``None`` when the draw leaves it plain text. One family alone is never drawn, so a single-family mix makes
-        the draws the single-variant needle mix always made."""
-        if rng.random() >= self.fraction:
-            return None
+    def task_for(self, seq: np.ndarray, rng: np.random.Generator) -> TaskSample:
+        """The task written over ``seq`` for the sequence whose own generator is ``rng`` (seeded by the caller from
+        the sequence's key). The generator's first draw is skipped: it was the draw that picked the sequence when the
+        mix was a random share, so a mix of every sequence (``fraction`` 1) writes the tasks it wrote then. One family
+        alone is never drawn, so a single-family mix makes the draws the single-variant needle mix always made."""
+        rng.random()
         family = self.families[0]
         if len(self.families) > 1:
             family = self.families[int(rng.choice(len(self.families), p=self.probabilities))]

@@ -22,6 +22,7 @@ block shuffles (``py1b``/``py1br``: a permutation within blocks of shards, which
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,10 +53,25 @@ class BlockShuffledSequences:
         seed: data-order seed.
         block_mib: the decoded shard bytes one block may span.
         eos_id: token joined after every segment (``None``/negative: none).
+        bucket: keep only the documents whose whole length ``L`` (tokens in this split) has ``low <= L < high``
+            (``high`` None: no upper bound); ``(0, None)`` keeps all.
+        spanning: the whole length of each document whose samples lie in more than one shard (data prep's
+            ``length_histogram.spanning_documents``), which a block that holds one of its shards cannot count.
     """
 
-    def __init__(self, reader: Any, *, seq_len: int, seed: int, block_mib: int, eos_id: int | None) -> None:
+    def __init__(
+        self,
+        reader: Any,
+        *,
+        seq_len: int,
+        seed: int,
+        block_mib: int,
+        eos_id: int | None,
+        bucket: tuple[int, int | None] = (0, None),
+        spanning: Mapping[int, int] | None = None,
+    ) -> None:
         self.reader, self.seq_len, self.seed, self.block_mib = reader, seq_len, seed, block_mib
+        self.bucket, self.spanning = bucket, dict(spanning or {})
         self.eos_id = eos_id if eos_id is not None and eos_id >= 0 else None
         self.epoch = 0
         """The epoch of the last sequence emitted (0 before the first)."""
@@ -96,9 +112,14 @@ class BlockShuffledSequences:
             if not len(docs):
                 continue
             first = np.flatnonzero(np.r_[True, docs[1:] != docs[:-1]])  # a segment starts where the doc id changes
+            segment_starts = np.r_[0, np.cumsum(sample_lengths)[:-1]][first]
+            segment_lengths = np.add.reduceat(sample_lengths, first)
+            if self.bucket != (0, None):
+                keep = self._in_bucket(docs[first], segment_lengths)
+                first, segment_starts, segment_lengths = first[keep], segment_starts[keep], segment_lengths[keep]
             slots.append(np.full(len(first), slot, dtype=np.int64))
-            starts.append(np.r_[0, np.cumsum(sample_lengths)[:-1]][first])
-            lengths.append(np.add.reduceat(sample_lengths, first))
+            starts.append(segment_starts)
+            lengths.append(segment_lengths)
         slot_of, start_of, length_of = np.concatenate(slots), np.concatenate(starts), np.concatenate(lengths)
         rng = np.random.default_rng([self.seed, epoch, block])
         perm = rng.permutation(len(slot_of))
@@ -112,6 +133,17 @@ class BlockShuffledSequences:
             joined[at : at + length] = tokens[int(slot_of[segment])][begin : begin + length]
             at += length + eos
         return _Block(joined=joined, sequence_order=rng.permutation(len(joined) // self.seq_len))
+
+    def _in_bucket(self, docs: np.ndarray, segment_lengths: np.ndarray) -> np.ndarray:
+        """Which segments belong to a document of the length bucket: a segment is its whole document within one
+        shard, unless the document spans shards."""
+        whole = segment_lengths.astype(np.int64)
+        if self.spanning:
+            spanning_ids = np.fromiter(self.spanning, dtype=np.int64, count=len(self.spanning))
+            spans = np.isin(docs, spanning_ids)
+            whole[spans] = [self.spanning[int(d)] for d in docs[spans]]
+        low, high = self.bucket
+        return (whole >= low) & (whole < high if high is not None else True)
 
     def _current_block(self) -> _Block:
         """The block the next sequence comes from, moving on past exhausted blocks and epochs."""

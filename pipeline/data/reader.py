@@ -577,12 +577,14 @@ class RankBatches:
     """This rank's micro-batches of each global batch.
 
     Args:
-        stream: the global sequence stream.
+        stream: the global sequence stream; a ``pipeline.data.mixture.MixtureStream`` also says each sequence's
+            source and which sequences carry a retrieval task (``next_labeled``); any other stream is one text
+            source without tasks.
         global_batch, micro_batch: sequences per optimizer step (all ranks) and per forward pass (one rank).
         rank, world_size: this rank's contiguous slice of each global batch.
-        mix: optional ``pipeline.data.mix.RetrievalMix``; whether a sequence gets a task, and which, is decided
-            by a generator seeded with the sequence's global id (so the same sequence gets the same task on any
-            world size and after a resume).
+        mix: the ``pipeline.data.mix.RetrievalMix`` that writes the tasks; its random draws come from a generator
+            seeded with the sequence's key in its text source (so the same sequence gets the same task on any world
+            size and after a resume).
         answer_weight: loss weight of the tasks' answer tokens (1: no weights are produced).
     """
 
@@ -604,6 +606,10 @@ class RankBatches:
         self.answer_weight = answer_weight
         self.families: collections.Counter[str] = collections.Counter()
         """Tasks written into this rank's sequences so far in this process, per family."""
+        self.step_sources = np.zeros(0, dtype=np.int64)
+        """The source index of each sequence of the last global batch (all ranks'; 0 for a stream of one source)."""
+        self.rank_sources = np.zeros(0, dtype=np.int64)
+        """The source index of each of this rank's sequences of the last step, in micro-batch order."""
 
     @property
     def epoch(self) -> int:
@@ -614,23 +620,34 @@ class RankBatches:
         """The micro-batches ``[micro_batch, seq_len]`` (int64) of this rank for the next optimizer step."""
         return [tokens for tokens, _ in self.next_step_weighted()]
 
+    def _draw(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The next global batch: sequences, task keys, sources and task flags."""
+        labeled = getattr(self.stream, "next_labeled", None)
+        if labeled is not None:
+            draw = labeled(self.global_batch)
+            return draw.sequences, draw.keys, draw.sources, draw.tasks
+        seqs, ids = self.stream.next(self.global_batch)
+        none = np.zeros(len(ids), dtype=np.int64)
+        return seqs, ids, none, none.astype(bool)
+
     def next_step_weighted(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """The micro-batches with their per-token loss weights ``[micro_batch, seq_len]`` (fp32, aligned with the
         tokens as labels), or ``None`` when every token weighs the same."""
-        seqs, ids = self.stream.next(self.global_batch)
+        seqs, keys, sources, tasks = self._draw()
         per_rank = self.global_batch // self.world_size
-        lo = self.rank * per_rank
-        mine, mine_ids = seqs[lo : lo + per_rank].copy(), ids[lo : lo + per_rank]
-        weights = np.ones(mine.shape, dtype=np.float32) if self.answer_weight != 1.0 else None
-        if self.mix is not None and self.mix.fraction > 0:
-            for row, gid in enumerate(mine_ids):
-                sample = self.mix.sample_for(mine[row], np.random.default_rng([self.seed, 2, int(gid)]))
-                if sample is not None:
-                    mine[row] = sample.ids
-                    self.families[sample.family] += 1
-                    if weights is not None:
-                        weights[row, sample.answer] = self.answer_weight
-        tokens = torch.from_numpy(mine).split(self.micro_batch)
+        mine = slice(self.rank * per_rank, (self.rank + 1) * per_rank)
+        rows, row_keys = seqs[mine].copy(), keys[mine]
+        self.step_sources, self.rank_sources = sources, sources[mine]
+        weights = np.ones(rows.shape, dtype=np.float32) if self.answer_weight != 1.0 else None
+        for row in np.flatnonzero(tasks[mine]):
+            if self.mix is None:
+                raise ValueError("the stream asks for a retrieval task but no retrieval mix was given")
+            sample = self.mix.task_for(rows[row], np.random.default_rng([self.seed, 2, int(row_keys[row])]))
+            rows[row] = sample.ids
+            self.families[sample.family] += 1
+            if weights is not None:
+                weights[row, sample.answer] = self.answer_weight
+        tokens = torch.from_numpy(rows).split(self.micro_batch)
         if weights is None:
             return [(t, None) for t in tokens]
         return list(zip(tokens, torch.from_numpy(weights).split(self.micro_batch)))
@@ -646,7 +663,7 @@ class RankBatches:
         before = state.get(MIX_STATE_KEY)
         now = self.mix.describe() if self.mix is not None else None
         if before != now:
-            # The order of the sequences is unchanged; only what the mix writes into them differs from here on.
+            # The text of the sequences is unchanged; only which carry a task, and which, differs from here on.
             log.warning("data.retrieval_mix changed since the checkpoint: %s -> %s, from this step on", before, now)
 
 

@@ -53,6 +53,7 @@ from data_prep.json_file import Fields, JsonFileError, read_json, summarize
 from data_prep.redaction import redact
 from data_prep.safe_write import move, replacing, write_text
 from model.config import BACKEND_FIELDS
+from pipeline.data.mixture import MIXTURE_STATE_KEY
 from pipeline.data.order import ORDER as BLOCK_ORDER
 from pipeline.data.reader import Cursor
 from pipeline.train import dist, save_failure
@@ -393,8 +394,35 @@ def _format_of(state_path: Path) -> int | None:
 
 
 def _check_data_position(data: Fields) -> None:
-    """The data stream's position (``BlockShuffledSequences.state_dict``, or ``PackedSequences.state_dict`` with
-    no ``order``), which the reader takes without checks."""
+    """The data position (``pipeline.data.mixture.MixtureStream.state_dict``): for one text source its stream's
+    position plus ``mixture_consumed`` (absent before mixtures); for several, the ``mixture`` record with each
+    source's position. The readers take them without checks."""
+    if MIXTURE_STATE_KEY not in data.obj:
+        data.integer("mixture_consumed", low=0, high=_INT64_MAX, default=0)
+        _check_stream_position(data)
+        return
+    mixture = data.nested(MIXTURE_STATE_KEY)
+    mixture.integer("consumed", low=0, high=_INT64_MAX)
+    for label, definition in mixture.mapping("sources").items():
+        if not isinstance(definition, dict):
+            raise JsonFileError(f"{data.where}: field 'data.mixture.sources.{label}' is not an object")
+    for number, phase in enumerate(mixture.sequence("phases")):
+        fields = Fields(phase, data.where, f"data.mixture.phases[{number}].")
+        fields.integer("start", low=0, high=_INT64_MAX)
+        for label, weight in fields.mapping("weights").items():
+            if not isinstance(weight, str) or not _FRACTION.fullmatch(weight):
+                raise JsonFileError(f"{data.where}: field 'data.mixture.phases[{number}].weights.{label}' is not p/q")
+    streams = mixture.nested("streams")
+    for label in streams.obj:
+        _check_stream_position(streams.nested(label))
+
+
+_FRACTION = re.compile(r"[0-9]{1,20}(/[1-9][0-9]{0,19})?")
+
+
+def _check_stream_position(data: Fields) -> None:
+    """One text source's position (``BlockShuffledSequences.state_dict``, or ``PackedSequences.state_dict`` with
+    no ``order``)."""
     if "order" in data.obj:
         data.string("order", choices=(BLOCK_ORDER,))
         for name in ("epoch", "block", "taken", "consumed", "emitted_this_epoch"):

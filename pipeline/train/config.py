@@ -132,9 +132,46 @@ def mix_settings(data: DataConfig) -> MixSettings:
 
 
 @dataclass
+class SourceConfig:
+    """One source of a weighted data mixture (``data.sources``, ``pipeline/data/mixture.py``)."""
+
+    path: str | None = None
+    """A prepared dataset, local or remote, as ``data.path`` (``task: text``); unset for ``task: retrieval``."""
+    weight: float = 1.0
+    """Share of the packed training sequences (so of the training tokens) this source gives, relative to the other
+    sources' weights (they are normalised to sum to 1)."""
+    label: str | None = None
+    """Name in the logs, metrics and phases (``[A-Za-z0-9_.-]``); default: the dataset directory's name, or
+    ``retrieval``."""
+    task: Literal["text", "retrieval"] = "text"
+    """``text``: the dataset's documents. ``retrieval``: synthetic retrieval tasks (``data.retrieval_mix``'s
+    families and shape) written over sequences of the ``host`` source's text."""
+    host: str | None = None
+    """``task: retrieval``: the label of the text source whose sequences carry the tasks (default: the first)."""
+    min_doc_tokens: int = 0
+    """Length bucket: only documents of at least this many tokens (0 or a power of two)."""
+    max_doc_tokens: int | None = None
+    """Length bucket: only documents of fewer than this many tokens (unset or a power of two)."""
+    max_repeat: float | None = 1.0
+    """Epochs of this source (of its bucket) the run may draw; more is an error before any work. Unset: no cap."""
+
+
+@dataclass
+class PhaseConfig:
+    """A later stage of the mixture (``data.phases``): other weights from ``start_step`` on."""
+
+    start_step: int = MISSING
+    """The first step (0-based step count before it, > 0) that draws with these weights."""
+    weights: dict[str, float] = field(default_factory=dict)
+    """Weight per source label; a source not named draws nothing in this phase."""
+
+
+@dataclass
 class DataConfig:
     path: str = MISSING
-    """Data-prep output: a local directory or a remote URL holding ``train/``, ``val/``, ``tokenizer.model``."""
+    """Data-prep output: a local directory or a remote URL holding ``train/``, ``val/``, ``tokenizer.model``. With
+    ``data.sources`` it may be left out: it is then the first text source's path, whose tokenizer, EOS and
+    vocabulary the run uses (every source must share that tokenizer)."""
     train_split: str = "train"
     """Sub-directory of the training split."""
     val_split: str = "val"
@@ -165,6 +202,11 @@ class DataConfig:
     """With ``needle_mix``: ``retrieval_mix.answer_weight``."""
     validate_hash: str | None = None
     """Shard hash checked on read (e.g. ``xxh64``), if data prep wrote one."""
+    sources: list[SourceConfig] = field(default_factory=list)
+    """A weighted mixture of prepared datasets (and the retrieval tasks) instead of ``data.path`` alone
+    (docs/training.md, "Data mixtures"). Empty: ``data.path`` is the one source."""
+    phases: list[PhaseConfig] = field(default_factory=list)
+    """Later stages of ``data.sources`` with other weights, in order of ``start_step``."""
 
     def order(self) -> Literal["blocks", "window", "file"]:
         """The order the training split is read in: ``blocks`` (`shuffle_scope`'s default), ``window``, or ``file``
@@ -366,12 +408,23 @@ def _derived_model_keys(merged: DictConfig, origins: Mapping[str, str]) -> dict[
     from the dataset's tokenizer when neither the config nor init_from sets it (a value the config sets is kept, and
     `pipeline.train.inputs.check_inputs` checks it against the tokenizer)."""
     derived = _init_from_model_keys(merged, origins)
+    path = OmegaConf.select(merged, "data.path", throw_on_missing=False, throw_on_resolution_failure=False)
+    first = _first_text_source(merged)
+    if path is None and first is not None:
+        derived["data.path"] = path = first  # the tokenizer, the EOS and the vocabulary come from it
     if "model.vocab_size" not in origins and "model.vocab_size" not in derived:
-        path = OmegaConf.select(merged, "data.path", throw_on_missing=False, throw_on_resolution_failure=False)
         size = _dataset_vocab_size(path)
         if size is not None:
             derived["model.vocab_size"] = size
     return derived
+
+
+def _first_text_source(merged: DictConfig) -> str | None:
+    """The path of the first text source of ``data.sources``, if any."""
+    for source in OmegaConf.select(merged, "data.sources", throw_on_missing=False) or []:
+        if source.get("task", "text") == "text" and isinstance(source.get("path"), str):
+            return str(source.get("path"))
+    return None
 
 
 def _dataset_vocab_size(path: object) -> int | None:

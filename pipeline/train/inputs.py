@@ -33,6 +33,7 @@ from pipeline.data.reader import UnsafeDatasetError, eos_id_of, is_remote, read_
 from pipeline.train.checkpoint import OWNER_FILE, foreign_leftovers
 from pipeline.train.config import HF_INIT_PREFIX, ConfigError, TrainConfig, mix_settings
 from pipeline.train.metrics import resolve_wandb_mode
+from pipeline.train.sources import check_mixture
 from pipeline.train.wandb_online import online_refusal
 
 log = logging.getLogger(__name__)
@@ -328,6 +329,7 @@ def check_inputs(cfg: TrainConfig) -> None:
         _check_tokenizer(cfg, manifest)
         _check_splits(cfg, manifest)
         resolve_document_eos(cfg)
+    check_mixture(cfg)
     _check_dense_weights(cfg)
     if cfg.logging.wandb:
         try:

@@ -40,6 +40,7 @@ from omegaconf import OmegaConf
 from data_prep.json_file import JsonFileError
 from data_prep.redaction import redact
 from model.config import BACKEND_FIELDS
+from pipeline.data.mixture import MIXTURE_STATE_KEY
 from pipeline.train.checkpoint import TRAINER_STATE
 from pipeline.train.config import ConfigError, TrainConfig, to_yaml
 from pipeline.train.optim import lr_at
@@ -88,6 +89,12 @@ RULES: tuple[Rule, ...] = (
         _MIX,
     ),
     Rule(("data.retrieval_mix*",), "warned", _MIX),
+    Rule(
+        ("data.sources", "data.phases"),
+        "silent",
+        "compared source by source and phase by phase with the checkpoint's mixture: a past or current phase, or a "
+        "source it drew from, refused; a later phase allowed",
+    ),
     Rule(("train.micro_batch",), "silent", "the same sequences per step, cut into other micro-batches"),
     Rule(
         ("train.eval_every", "train.eval_batches", "train.requeue_exit_code", "train.retain_freed_memory"),
@@ -258,6 +265,9 @@ def check_data_settings(path: Path, data: dict[str, Any], cfg: TrainConfig) -> N
         JsonFileError: another recorded setting differs (an edited trainer state), naming the field and both values.
     """
     d = cfg.data
+    mixture = data.get(MIXTURE_STATE_KEY)
+    if mixture is not None and mixture["streams"]:
+        data = next(iter(mixture["streams"].values()))  # each source's order; its seed is derived from the run's
     saved = data.get("order", "window")  # a window-order state records no order
     order = "blocks" if d.order() == "blocks" else "window"
     if saved != order:
@@ -266,7 +276,7 @@ def check_data_settings(path: Path, data: dict[str, Any], cfg: TrainConfig) -> N
             f"{path} holds a position in the {saved} data order, which means nothing in the {order} order: add "
             f"{keys} to resume it, or start a new run in another run_dir"
         )
-    now = {"seq_len": cfg.train.seq_len, "seed": cfg.seed, "shuffle": d.shuffle}
+    now = {"seq_len": cfg.train.seq_len, "shuffle": d.shuffle, **({} if mixture is not None else {"seed": cfg.seed})}
     now.update({"block_mib": d.shuffle_block_mib} if order == "blocks" else {"window": d.shuffle_window})
     for key, value in now.items():
         if data[key] != value:

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from data_prep import format as fmt
@@ -31,17 +32,16 @@ from data_prep.safe_write import UnsafeWriteError
 from kernels.cpu_math import flush_denormals, retain_freed_memory
 from model import build_model, count_parameters
 from model.flops import flops_per_token, matmul_params
-from pipeline.data.order import BlockShuffledSequences, epochs_needed
+from pipeline.data.mixture import MIXTURE_STATE_KEY, MixtureResumeError, MixtureStream, check_mixture_resume
+from pipeline.data.order import epochs_needed
 from pipeline.data.reader import (
     DataFingerprintError,
     EmptySplitError,
     MDSReader,
-    PackedSequences,
     RankBatches,
     ShardCorruptError,
     UnsafeDatasetError,
     check_fingerprint,
-    dataset_fingerprint,
     eos_id_of,
     is_remote,
     read_tokenizer,
@@ -80,6 +80,7 @@ from pipeline.train.preflight import version_mismatches
 from pipeline.train.resume_check import ResumeRefusedError, check_data_settings, check_resume, config_record
 from pipeline.train.run_files import check_run_files
 from pipeline.train.save_failure import SaveFailedError
+from pipeline.train.sources import build_stream, resolve_mixture
 
 log = logging.getLogger(__name__)
 
@@ -151,29 +152,19 @@ class Trainer:
         self.resumed = False
         self.exit_code: int | None = None
         self._phase = "setup"
+        self.source_sequences: np.ndarray | None = None
+        """Sequences drawn from each mixture source so far (set at the first step, from the schedule)."""
 
     def _train_batches(self) -> tuple[RankBatches, dict[str, Any]]:
-        """This rank's share of the packed, shuffled training stream (with the retrieval mix), and the dataset's
-        fingerprint, which a resume compares."""
+        """This rank's share of the training mixture (``pipeline.train.sources``: ``data.sources``, or
+        ``data.path`` with the retrieval tasks), and the fingerprint of ``data.path``, which a resume compares."""
         cfg, info = self.cfg, self.info
         cache = cfg.data.cache_dir or str(self.run_dir / "data_cache")
-        reader = MDSReader(cfg.data.path, cfg.data.train_split, cache, cfg.data.validate_hash)
-        d = cfg.data
-        stream: PackedSequences | BlockShuffledSequences
-        if d.order() == "blocks":
-            stream = BlockShuffledSequences(
-                reader, seq_len=cfg.train.seq_len, seed=cfg.seed, block_mib=d.shuffle_block_mib, eos_id=self.eos_id
-            )
-        else:
-            stream = PackedSequences(
-                reader,
-                seq_len=cfg.train.seq_len,
-                seed=cfg.seed,
-                shuffle=d.shuffle,
-                window=d.shuffle_window,
-                eos_id=self.eos_id,
-            )
-        warn_if_data_repeats(cfg, reader, self.eos_id is not None)
+        self.mixture = resolve_mixture(cfg)
+        stream, fingerprint = build_stream(cfg, self.mixture, self.eos_id, cache)
+        if not self.mixture.declared:
+            (reader_stream,) = stream.streams.values()
+            warn_if_data_repeats(cfg, reader_stream.reader, self.eos_id is not None)
         mix = build_mix(cfg, self.tokenizer)
         batches = RankBatches(
             stream,
@@ -185,7 +176,7 @@ class Trainer:
             seed=cfg.seed,
             answer_weight=mix_settings(cfg.data).answer_weight,
         )
-        return batches, dataset_fingerprint(reader, cfg.data.path)
+        return batches, fingerprint
 
     # -- the loop -----------------------------------------------------------------------------------------
     def train(self) -> int:
@@ -302,6 +293,7 @@ class Trainer:
         tokens = cfg.tokens_per_step
         self.step = step
         self.tokens_seen += tokens
+        mixture_metrics = self._mixture_metrics()
         if self.batches.epoch != self.epoch:
             self.epoch = self.batches.epoch
             if self.info.is_main:
@@ -318,7 +310,30 @@ class Trainer:
             "mem_gb": memory_gb(),
             "tokens": self.tokens_seen,
             "epoch": self.epoch,
+            **mixture_metrics,
         }
+
+    def _mixture_metrics(self) -> dict[str, Any]:
+        """A mixture of several sources: per source the tokens drawn so far (``tokens/<label>``), its share of this
+        step's sequences (``share/<label>``) and the epoch of each text source (``epoch/<label>``)."""
+        labels = self.mixture.labels
+        if len(labels) == 1:
+            return {}
+        stream = self.batches.stream
+        assert isinstance(stream, MixtureStream)
+        step = np.bincount(self.batches.step_sources, minlength=len(labels))
+        if self.source_sequences is None:  # first step of this process: what the run drew before it, from the schedule
+            before = stream.consumed - len(self.batches.step_sources)
+            self.source_sequences = stream.schedule.counts(before, len(labels))
+        self.source_sequences = self.source_sequences + step
+        seq_len, total = self.cfg.train.seq_len, max(1, int(step.sum()))
+        out: dict[str, Any] = {}
+        for i, label in enumerate(labels):
+            out[f"tokens/{label}"] = int(self.source_sequences[i]) * seq_len
+            out[f"share/{label}"] = float(step[i]) / total
+        if self.mixture.declared:
+            out.update({f"epoch/{label}": epoch for label, epoch in stream.epochs().items()})
+        return out
 
     # -- checkpoints and export ---------------------------------------------------------------------------
     def export(self, weights: dict[str, torch.Tensor], directory: Path) -> None:
@@ -359,6 +374,22 @@ class Trainer:
     def _save_point(self, point: str) -> None:
         self.callbacks.on_save_point(self, self.step, point)
 
+    def _check_mixture(self, path: Path, data: dict[str, Any]) -> None:
+        """The checkpoint's position fits this run's mixture (``pipeline.data.mixture.check_mixture_resume``).
+
+        Raises:
+            ResumeRefusedError: one line naming what changed."""
+        stream = self.batches.stream
+        assert isinstance(stream, MixtureStream)
+        saved = data.get(MIXTURE_STATE_KEY)
+        try:
+            if (saved is None) != (stream.record is None):
+                stream.load_state_dict(data)  # raises the one line that says which side declares data.sources
+            if saved is not None and stream.record is not None:
+                check_mixture_resume(saved, stream.record, int(saved["consumed"]))
+        except MixtureResumeError as err:
+            raise ResumeRefusedError(f"cannot resume {path}: {err}") from None
+
     def resume(self) -> bool:
         """Load the checkpoint ``checkpoint.resume`` picks, if any, after comparing this run's config with the one
         it recorded (``pipeline.train.resume_check``: refused changes stop here) and its dataset fingerprint."""
@@ -366,6 +397,7 @@ class Trainer:
         def may_continue(path: Path, state: dict[str, Any]) -> None:
             check_resume(path, state["config_yaml"], self.cfg, int(state["step"]))
             check_data_settings(path, state["data"], self.cfg)
+            self._check_mixture(path, state["data"])
             check_fingerprint(state["data_fingerprint"], self.data_fingerprint, str(path))
 
         found = self.ckpt.restore(

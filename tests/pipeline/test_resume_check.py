@@ -100,6 +100,7 @@ SILENT = {
 # another change adds to the schema: classified by name.
 BY_NAME = {
     "data.retrieval_mix*": ("data.retrieval_mix.fraction", "warned"),
+    "data.sources": ("data.sources", "silent"),
     "train.*": ("train.some_new_knob", "warned"),
     "data.*": ("data.some_new_knob", "refused"),
     "*": ("some_new_section.knob", "refused"),

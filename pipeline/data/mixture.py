@@ -1,0 +1,294 @@
+"""Weighted data mixtures: one global training stream drawn from several sources in declared token shares.
+
+A *source* is a prepared dataset's training split (optionally only its documents within a length bucket), or the
+synthetic retrieval tasks, which are written over sequences of a *host* text source. Every source's sequences have
+``seq_len`` tokens, so a share of the sequences is a share of the training tokens.
+
+Which source global sequence ``i`` comes from is a pure function of the weights and ``i`` (`Schedule`): within a
+*phase* (a step range with its own weights) the sources take turns by earliest deadline first over their Pfair
+windows: the ``k``-th sequence of a source of weight ``w`` (``k`` = 1, 2, ... within the phase) is placed at a
+position ``p`` of the phase with ``floor((k - 1) / w) <= p < ceil(k / w)``. Since the weights sum to 1 that schedule
+always exists, and it keeps every prefix of the phase within one sequence of ``w * n`` for every source
+(Baruah et al., "Proportionate progress", 1996): the stratified mix every global batch reflects, with no random draw
+at the mix level. The weights are exact fractions (denominators up to 2**20), so the schedule is the same on every
+machine.
+
+Each text source reads its own split in its own order (``pipeline.data.order``, seeded per source), one sequence
+each time the schedule names it or a retrieval source it hosts; a new phase continues each source where it stopped,
+so a change of weights neither repeats nor skips a document. The state is the number of sequences drawn and each
+text source's own state: the ranks each read the whole global batch (``RankBatches`` takes its slice), so it resumes
+exactly on any number of ranks.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any, Literal
+
+import numpy as np
+
+from pipeline.data.reader import SequenceStream
+
+MAX_DENOMINATOR = 1 << 20
+"""Weights become fractions with at most this denominator: 1e-6 resolution, exact arithmetic in the schedule."""
+MIXTURE_STATE_KEY = "mixture"
+"""Where a data state of several text sources records the mixture (`MixtureStream.state_dict`)."""
+
+
+def exact_weights(weights: Sequence[float]) -> tuple[Fraction, ...]:
+    """``weights`` (finite, >= 0, some > 0) as exact fractions summing to 1."""
+    approx = [Fraction(w).limit_denominator(MAX_DENOMINATOR) for w in weights]
+    total = sum(approx, Fraction(0))
+    return tuple(w / total for w in approx)
+
+
+def interleave(weights: Sequence[Fraction], n: int) -> np.ndarray:
+    """The source of each of ``n`` consecutive positions of one phase (``int16``), by earliest deadline first over
+    the sources' Pfair windows (module docstring). ``weights`` sum to 1; a source of weight 0 is never chosen."""
+    out = np.empty(n, dtype=np.int16)
+    counts = [0] * len(weights)
+
+    def window(source: int) -> tuple[int, int]:
+        """(release, deadline) of the source's next sequence: floor(c / w), ceil((c + 1) / w)."""
+        w, c = weights[source], counts[source]
+        return (c * w.denominator) // w.numerator, -((-(c + 1) * w.denominator) // w.numerator)
+
+    waiting: list[tuple[int, int, int]] = []  # (release, deadline, source)
+    ready: list[tuple[int, int]] = []  # (deadline, source)
+    for source, w in enumerate(weights):
+        if w > 0:
+            heapq.heappush(waiting, (*window(source), source))
+    for position in range(n):
+        while waiting and waiting[0][0] <= position:
+            _, deadline, source = heapq.heappop(waiting)
+            heapq.heappush(ready, (deadline, source))
+        # Weights summing to 1 keep a released sequence waiting at every position; the fallback only guards rounding.
+        deadline, source = heapq.heappop(ready) if ready else heapq.heappop(waiting)[1:]
+        out[position] = source
+        counts[source] += 1
+        release, deadline = window(source)
+        heapq.heappush(waiting, (release, deadline, source))
+    return out
+
+
+@dataclass(frozen=True)
+class Phase:
+    """The weights from global sequence ``start`` on (until the next phase's start)."""
+
+    start: int
+    weights: tuple[Fraction, ...]
+
+
+class Schedule:
+    """The source of every global sequence index under ``phases`` (the first starts at 0), built as far as asked."""
+
+    def __init__(self, phases: Sequence[Phase]) -> None:
+        if not phases or phases[0].start != 0 or any(a.start >= b.start for a, b in zip(phases, phases[1:])):
+            raise ValueError("the phases must start at sequence 0 and in increasing order")
+        self.phases = list(phases)
+        self._sources = np.zeros(0, dtype=np.int16)
+
+    def _build(self, end: int) -> None:
+        end = max(end, 2 * len(self._sources))  # amortised: a stream asks batch by batch
+        parts = []
+        for phase, after in zip(self.phases, [*self.phases[1:], None]):
+            stop = end if after is None else min(after.start, end)
+            if stop > phase.start:
+                parts.append(interleave(phase.weights, stop - phase.start))
+        self._sources = np.concatenate(parts)
+
+    def of(self, ids: np.ndarray) -> np.ndarray:
+        """The source of each global sequence index in ``ids``."""
+        if len(ids) and int(ids.max()) >= len(self._sources):
+            self._build(int(ids.max()) + 1)
+        return self._sources[ids]
+
+    def counts(self, end: int, num_sources: int) -> np.ndarray:
+        """Sequences each source gives among global indices ``[0, end)``."""
+        return np.bincount(self.of(np.arange(end)), minlength=num_sources).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class Source:
+    """One source as the stream uses it."""
+
+    label: str
+    task: Literal["text", "retrieval"]
+    host: int
+    """The text source whose stream gives this source's sequences (a text source: itself)."""
+
+
+@dataclass
+class Draw:
+    """What `MixtureStream.next_labeled` returns for ``n`` global sequences."""
+
+    sequences: np.ndarray
+    """``[n, seq_len]`` int64."""
+    keys: np.ndarray
+    """Each sequence's id in its text source's stream: what a retrieval task's random draws are keyed on."""
+    sources: np.ndarray
+    """Each sequence's source index."""
+    tasks: np.ndarray
+    """Whether each sequence gets a retrieval task written over it."""
+
+
+class MixtureStream:
+    """The global training stream of a mixture (module docstring).
+
+    Args:
+        sources: every source, in the order of the schedule's indices.
+        streams: the stream of each text source, by index.
+        schedule: the source of each global sequence.
+        record: what a checkpoint records of the mixture and a resume compares (`check_mixture_resume`); None for
+            a mixture of one text source, whose state is that stream's own (a checkpoint from before mixtures
+            resumes, and this one resumes there).
+    """
+
+    def __init__(
+        self,
+        sources: Sequence[Source],
+        streams: Mapping[int, SequenceStream],
+        schedule: Schedule,
+        record: dict[str, Any] | None,
+    ) -> None:
+        self.sources, self.streams, self.schedule, self.record = list(sources), dict(streams), schedule, record
+        self.consumed = 0
+        """Global sequences drawn: the index of the next one."""
+
+    @property
+    def epoch(self) -> int:
+        """The highest epoch any text source has reached (0-based)."""
+        return max(stream.epoch for stream in self.streams.values())
+
+    def epochs(self) -> dict[str, int]:
+        """Each text source's epoch, by label."""
+        return {self.sources[index].label: stream.epoch for index, stream in self.streams.items()}
+
+    def next_labeled(self, n: int) -> Draw:
+        ids = np.arange(self.consumed, self.consumed + n, dtype=np.int64)
+        sources = self.schedule.of(ids).astype(np.int64)
+        hosts = np.asarray([s.host for s in self.sources], dtype=np.int64)[sources]
+        sequences = keys = None
+        for index, stream in self.streams.items():
+            rows = np.flatnonzero(hosts == index)
+            if not len(rows):
+                continue
+            seqs, ids_of = stream.next(len(rows))
+            if sequences is None or keys is None:
+                sequences = np.empty((n, seqs.shape[1]), dtype=np.int64)
+                keys = np.empty(n, dtype=np.int64)
+            sequences[rows], keys[rows] = seqs, ids_of
+        assert sequences is not None and keys is not None, "n >= 1 and every source has a host"
+        self.consumed += n
+        tasks = np.asarray([s.task == "retrieval" for s in self.sources])[sources]
+        return Draw(sequences=sequences, keys=keys, sources=sources, tasks=tasks)
+
+    def next(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        draw = self.next_labeled(n)
+        return draw.sequences, draw.keys
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.record is None:
+            (stream,) = self.streams.values()
+            return {**stream.state_dict(), "mixture_consumed": self.consumed}
+        streams = {self.sources[i].label: stream.state_dict() for i, stream in self.streams.items()}
+        return {MIXTURE_STATE_KEY: {**self.record, "consumed": self.consumed, "streams": streams}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.record is None:
+            if MIXTURE_STATE_KEY in state:
+                raise MixtureResumeError(
+                    "the checkpoint was written by a run with data.sources (a mixture); set the same data.sources "
+                    "to resume it"
+                )
+            (stream,) = self.streams.values()
+            stream.load_state_dict(state)
+            self.consumed = int(state["mixture_consumed"]) if "mixture_consumed" in state else _consumed_of(state)
+            return
+        if MIXTURE_STATE_KEY not in state:
+            raise MixtureResumeError(
+                "the checkpoint was written by a run of one dataset (data.path); a mixture (data.sources) cannot "
+                "continue its position: start a new run from its weights (checkpoint.init_from)"
+            )
+        saved = state[MIXTURE_STATE_KEY]
+        streams = saved["streams"]
+        for index, stream in self.streams.items():
+            label = self.sources[index].label
+            if label in streams:
+                stream.load_state_dict(streams[label])
+        self.consumed = int(saved["consumed"])
+
+
+def _consumed_of(state: dict[str, Any]) -> int:
+    """Global sequences drawn, from the state of a single stream written before mixtures (blocks or window
+    order), where every global sequence was the stream's next."""
+    if "consumed" in state:
+        return int(state["consumed"])
+    return int(state["window_index"]) * int(state["window"]) + int(state["taken"])
+
+
+class MixtureResumeError(ValueError):
+    """A checkpoint's mixture cannot continue under this config; the message names the key."""
+
+
+def check_mixture_resume(saved: dict[str, Any], current: dict[str, Any], consumed: int) -> None:
+    """Refuse to continue a mixture whose past or current phases changed, ``consumed`` global sequences in.
+
+    ``saved`` and ``current`` are `MixtureStream` records: ``sources`` (label -> definition, fingerprint included)
+    and ``phases`` (list of ``{"start": first global sequence, "weights": {label: "p/q"}}``). A phase that starts
+    after ``consumed`` may be added, changed or removed; a source may be added when no past or current phase gives it
+    a weight.
+
+    Raises:
+        MixtureResumeError: one line naming what changed.
+    """
+    old_phases, new_phases = saved["phases"], current["phases"]
+    reached_old = [p for p in old_phases if p["start"] <= consumed]
+    reached_new = [p for p in new_phases if p["start"] <= consumed]
+    if len(reached_old) != len(reached_new):
+        raise MixtureResumeError(
+            f"the checkpoint is in phase {len(reached_old) - 1} of data.phases (started at sequence "
+            f"{reached_old[-1]['start']}), the config puts sequence {consumed} in phase {len(reached_new) - 1}: a "
+            "past or current phase cannot be added, moved or removed"
+        )
+    for number, (old, new) in enumerate(zip(reached_old, reached_new)):
+        key = "data.sources[*].weight" if number == 0 else f"data.phases[{number - 1}]"
+        if old["start"] != new["start"]:
+            raise MixtureResumeError(
+                f"{key}: a past or current phase moved (starts at sequence {old['start']} in the checkpoint, "
+                f"{new['start']} now)"
+            )
+        if old["weights"] != new["weights"]:
+            raise MixtureResumeError(
+                f"{key}: the weights of a past or current phase changed ({_shown(old['weights'])} in the checkpoint, "
+                f"{_shown(new['weights'])} now); add a later phase instead"
+            )
+    used = {label for p in reached_old for label, w in p["weights"].items() if Fraction(w) > 0}
+    for label in sorted(used):
+        if label not in current["sources"]:
+            raise MixtureResumeError(f"data.sources: the source {label!r} the checkpoint drew from is gone")
+        if saved["sources"][label] != current["sources"][label]:
+            changed = sorted(
+                k
+                for k in {*saved["sources"][label], *current["sources"][label]}
+                if saved["sources"][label].get(k) != current["sources"][label].get(k)
+            )
+            raise MixtureResumeError(
+                f"data.sources: the source {label!r} changed since the checkpoint ({', '.join(changed)}); its "
+                "position means nothing in other data"
+            )
+
+
+def _shown(weights: Mapping[str, str]) -> str:
+    return ", ".join(f"{label}={float(Fraction(w)):.6g}" for label, w in weights.items())
+
+
+def phase_record(phase: Phase, labels: Sequence[str]) -> dict[str, Any]:
+    """A phase as a checkpoint records it: its start and its nonzero weights as exact fractions."""
+    return {
+        "start": phase.start,
+        "weights": {label: str(w) for label, w in zip(labels, phase.weights) if w > 0},
+    }
