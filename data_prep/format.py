@@ -32,6 +32,7 @@ ignores it and a manifest without it reads as the default).
 
 import hashlib
 import json
+import operator
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -55,11 +56,15 @@ __all__ = [
     "TOKENS",
     "IncompleteDatasetError",
     "InputFingerprint",
+    "LengthHistogram",
     "Manifest",
     "SplitStats",
     "TokenizerInfo",
     "ValSplitInfo",
+    "bucket_tokens",
+    "document_in_bucket",
     "is_prep_temporary",
+    "length_bin",
     "manifest_from_dict",
     "mds_columns",
     "read_manifest",
@@ -114,6 +119,91 @@ def mds_columns(token_dtype: str) -> dict[str, str]:
     return {TOKENS: f"ndarray:{token_dtype}", DOC_ID: "int", PIECE: "int"}
 
 
+def length_bin(length: int) -> int:
+    """The `LengthHistogram` bin of a document of ``length`` tokens: ``b`` with ``2**b <= length < 2**(b + 1)``.
+
+    Raises:
+        ValueError: ``length`` is below 1 (a written document has at least one token).
+    """
+    if length < 1:
+        raise ValueError(f"a document's length must be at least 1 token, got {length}")
+    return int(length).bit_length() - 1
+
+
+@dataclass(frozen=True)
+class LengthHistogram:
+    """The documents of one split by their length, in power-of-two bins, so a reader can select and budget documents
+    by length without opening a shard (`bucket_tokens`, `document_in_bucket`).
+
+    A document's length is its token count in this split (no EOS): the sum of its pieces' `TOKENS` lengths. With
+    ``val_split.unit`` ``tokens`` a document id is in both splits, and each split counts only its own part.
+    """
+
+    documents: list[int]
+    """``documents[b]``: how many documents have ``2**b <= length < 2**(b + 1)``; prep writes no trailing empty bins
+    (``[]`` for an empty split). Sums to `SplitStats.documents`."""
+    tokens: list[int]
+    """``tokens[b]``: the tokens of those documents, between ``documents[b] * 2**b`` and
+    ``documents[b] * (2**(b + 1) - 1)``. As long as `documents`; sums to `SplitStats.tokens`."""
+    spanning_documents: dict[str, int] = field(default_factory=dict)
+    """Every document whose pieces lie in more than one shard file of the split (the writer cuts shards by size):
+    its `DOC_ID` as a decimal string, to its whole length in this split. A reader that lays out one shard at a time
+    learns such a document's full length from here. At most one per shard boundary."""
+
+
+def _bucket_bounds(min_tokens: int | None, max_tokens: int | None) -> tuple[int, int | None]:
+    """(lower bound, upper bound or None) of a length bucket, each a power of two or 0/None for no bound."""
+    bounds: list[int] = []
+    for name, value in (("min_tokens", min_tokens), ("max_tokens", max_tokens)):
+        try:
+            number = 0 if value is None else operator.index(value)
+        except TypeError:
+            number = -1
+        if isinstance(value, bool) or number < 0 or number & (number - 1):
+            raise ValueError(
+                f"{name}={value!r} is not a power of two (or 0/None for no bound): the length histogram's bins are "
+                "[2**b, 2**(b+1)) tokens, so a bucket can only start and end at a power of two"
+            )
+        bounds.append(number)
+    low, high = bounds
+    if high and low >= high:
+        raise ValueError(f"min_tokens={min_tokens!r} must be below max_tokens={max_tokens!r}")
+    return low, high or None
+
+
+def bucket_tokens(hist: LengthHistogram, min_tokens: int | None, max_tokens: int | None) -> tuple[int, int]:
+    """(documents, tokens) of the documents with ``min_tokens <= length < max_tokens``, from the histogram alone.
+
+    The bucket is by whole-document length (see `document_in_bucket`): a document is in or out with all its pieces,
+    also one that crosses a shard boundary (`LengthHistogram.spanning_documents`).
+
+    Args:
+        hist: a split's `SplitStats.length_histogram`.
+        min_tokens: a power of two; 0 or None for no lower bound.
+        max_tokens: a power of two above ``min_tokens``; 0 or None for no upper bound.
+
+    Raises:
+        ValueError: a bound that is not a power of two (naming it: the bins cannot split a range between two),
+            or ``min_tokens >= max_tokens``.
+    """
+    low, high = _bucket_bounds(min_tokens, max_tokens)
+    first = low.bit_length() - 1 if low else 0
+    stop = high.bit_length() - 1 if high is not None else len(hist.documents)
+    return sum(hist.documents[first:stop]), sum(hist.tokens[first:stop])
+
+
+def document_in_bucket(length: int, min_tokens: int | None, max_tokens: int | None) -> bool:
+    """Whether a document of ``length`` tokens is in the bucket ``[min_tokens, max_tokens)`` that `bucket_tokens`
+    counts (the same bounds, refused the same way).
+
+    ``length`` is the whole document's token count in the split: the sum of all its pieces, not one piece's and not
+    the part in one shard. For a document in `LengthHistogram.spanning_documents`, a reader that sees one shard at
+    a time takes the length from there; every other document lies in one shard, whole.
+    """
+    low, high = _bucket_bounds(min_tokens, max_tokens)
+    return low <= length and (high is None or length < high)
+
+
 @dataclass(frozen=True)
 class SplitStats:
     """Counts for one split, equal to what a reader of ``<output>/<split>/`` gets (held against the split's index by
@@ -128,6 +218,9 @@ class SplitStats:
     index_sha256: str
     """sha256 of the split's index.json, which itself lists every shard's xxh64: a content fingerprint;
     `EMPTY_SPLIT_SHA256` for a split with no documents (no directory)."""
+    length_histogram: LengthHistogram | None = None
+    """Documents and tokens by document length, and the documents that cross a shard boundary; None in manifests
+    written before prep recorded it (they read as before)."""
 
 
 @dataclass(frozen=True)
@@ -225,6 +318,65 @@ def _optional_str(fields: Fields, key: str) -> str | None:
     return None if fields.obj.get(key) is None else fields.string(key)
 
 
+_MAX_BINS = 64
+"""Bins 0..63: every length below 2**63 (`_MAX_COUNT`)."""
+_DECIMAL = re.compile(r"0|[1-9][0-9]*")
+
+
+def _bins(fields: Fields, key: str) -> list[int]:
+    """The list under ``key``: at most `_MAX_BINS` non-negative counts, each named ``key[i]`` in a message."""
+    values = fields.sequence(key)
+    if len(values) > _MAX_BINS:
+        raise JsonFileError(
+            f"{fields.where}: field '{fields.prefix}{key}' has {len(values)} bins, at most {_MAX_BINS} "
+            "(every length is below 2**63)"
+        )
+    entries = Fields({f"{key}[{i}]": value for i, value in enumerate(values)}, fields.where, fields.prefix)
+    return [entries.integer(f"{key}[{i}]", low=0, high=_MAX_COUNT) for i in range(len(values))]
+
+
+def _length_histogram(fields: Fields, documents: int, tokens: int) -> LengthHistogram:
+    """A split's `LengthHistogram`, held to the split's counts and to its own bins; any mismatch is one line naming
+    the field."""
+    where, prefix = fields.where, fields.prefix
+    counts = {key: _bins(fields, key) for key in ("documents", "tokens")}
+    docs, toks = counts["documents"], counts["tokens"]
+    if len(docs) != len(toks):
+        raise JsonFileError(
+            f"{where}: field '{prefix}tokens' has {len(toks)} bins but '{prefix}documents' has {len(docs)}"
+        )
+    split = prefix.removesuffix("length_histogram.")
+    for key, bins, total in (("documents", docs, documents), ("tokens", toks, tokens)):
+        if sum(bins) != total:
+            raise JsonFileError(f"{where}: field '{prefix}{key}' sums to {sum(bins)}, but '{split}{key}' is {total}")
+    for b, (n, t) in enumerate(zip(docs, toks, strict=True)):
+        if not n * 2**b <= t <= n * (2 ** (b + 1) - 1):
+            raise JsonFileError(
+                f"{where}: field '{prefix}tokens[{b}]' is {t}, but {n} documents of 2**{b} to 2**{b + 1}-1 tokens "
+                f"hold {n * 2**b} to {n * (2 ** (b + 1) - 1)}"
+            )
+    spanning = fields.mapping("spanning_documents")
+    lengths = Fields(spanning, where, f"{prefix}spanning_documents.")
+    for key in spanning:
+        if not _DECIMAL.fullmatch(key) or int(key) > _MAX_COUNT:
+            raise JsonFileError(
+                f"{where}: field '{prefix}spanning_documents' has the key {_shown_key(key)}, expected a document id "
+                "as a decimal integer"
+            )
+    found = {key: lengths.integer(key, low=2, high=tokens) for key in spanning}
+    if len(found) > documents:
+        raise JsonFileError(
+            f"{where}: field '{prefix}spanning_documents' names {len(found)} documents, but '{split}documents' is "
+            f"{documents}"
+        )
+    return LengthHistogram(documents=docs, tokens=toks, spanning_documents=found)
+
+
+def _shown_key(key: str) -> str:
+    text = json.dumps(key)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def manifest_from_dict(obj: Any, where: str = MANIFEST_FILENAME) -> Manifest:
     """Build a `Manifest` from its JSON object, each field taken with its type and range checked
     (``data_prep.json_file.Fields``), rejecting other format versions.
@@ -253,7 +405,10 @@ def manifest_from_dict(obj: Any, where: str = MANIFEST_FILENAME) -> Manifest:
     for name in fields.mapping("splits"):
         split = fields.nested("splits").nested(name)
         counts = {key: split.integer(key, low=0, high=_MAX_COUNT) for key in ("documents", "pieces", "tokens")}
-        splits[name] = SplitStats(**counts, index_sha256=split.string("index_sha256"))
+        histogram = None
+        if split.obj.get("length_histogram") is not None:
+            histogram = _length_histogram(split.nested("length_histogram"), counts["documents"], counts["tokens"])
+        splits[name] = SplitStats(**counts, index_sha256=split.string("index_sha256"), length_histogram=histogram)
     skipped = fields.nested("skipped")
     inputs = []
     for i in range(len(fields.sequence("inputs"))):

@@ -50,6 +50,7 @@ from data_prep.format import (
     SPLITS,
     TOKENIZER_FILENAME,
     IncompleteDatasetError,
+    LengthHistogram,
     Manifest,
     SplitStats,
     read_manifest,
@@ -393,8 +394,45 @@ def _merge_splits(cfg: PrepConfig, manifests: dict[int, Manifest], tmp: Path) ->
             pieces=sum(s.pieces for s in stats),
             tokens=sum(s.tokens for s in stats),
             index_sha256=index_sha,
+            length_histogram=_merged_histogram(split, stats),
         )
     return splits
+
+
+def _merged_histogram(split: str, stats: list[SplitStats]) -> LengthHistogram | None:
+    """The `LengthHistogram` of the merged ``split`` from the slices' (``stats``, in slice order), or None when a
+    slice holding documents of it recorded none (written before prep recorded histograms).
+
+    The bins add up: every document lies in one slice (its id, ``ordinal * N + i``, is unique across slices) and
+    keeps its id and its length. Its spanning status carries over too: the merge neither renumbers ids nor re-cuts
+    shards (each slice's shard files are linked whole, in order), so a document crosses a shard boundary of the
+    merged split exactly when it crossed one in its slice, and no new boundary can fall inside a document.
+    """
+    if any(s.length_histogram is None and s.pieces for s in stats):
+        old = [i for i, s in enumerate(stats) if s.length_histogram is None and s.pieces]
+        logger.warning(
+            "%s: slices %s recorded no length histogram (written by an older prep); the merged manifest has none "
+            "for this split (rerun those slices to get one)",
+            split,
+            ",".join(map(str, old)),
+        )
+        return None
+    histograms = [s.length_histogram for s in stats if s.length_histogram is not None]
+    bins = max((len(h.documents) for h in histograms), default=0)
+    documents, tokens = [0] * bins, [0] * bins
+    spanning: dict[str, int] = {}
+    for h in histograms:
+        for b, (n, t) in enumerate(zip(h.documents, h.tokens, strict=True)):
+            documents[b] += n
+            tokens[b] += t
+        for doc_id, length in h.spanning_documents.items():
+            if doc_id in spanning:  # ids are unique across slices (checked by _check_slices' config check)
+                raise InputError(f"document {doc_id} of {split} crosses shards in two slices; rerun the slices")
+            spanning[doc_id] = length
+    while documents and not documents[-1]:  # slices may carry trailing empty bins; a single run writes none
+        documents.pop()
+        tokens.pop()
+    return LengthHistogram(documents=documents, tokens=tokens, spanning_documents=spanning)
 
 
 def _read_slices(cfg: PrepConfig, num_slices: int) -> dict[int, Manifest]:

@@ -14,6 +14,7 @@ else is refused before any work, naming the path.
 import errno
 import hashlib
 import importlib
+import json
 import logging
 import os
 import platform
@@ -21,6 +22,7 @@ import shutil
 import stat
 import threading
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,9 +49,11 @@ from data_prep.format import (
     TOKENS,
     IncompleteDatasetError,
     InputFingerprint,
+    LengthHistogram,
     Manifest,
     SplitStats,
     ValSplitInfo,
+    length_bin,
     mds_columns,
     read_manifest,
     token_dtype_for_vocab,
@@ -143,7 +147,12 @@ def _tasks(
 
 
 class _SplitWriter:
-    """One MDS split plus its counts."""
+    """One MDS split plus its counts and its `LengthHistogram`.
+
+    For the histogram's ``spanning_documents`` it keeps, per document of more than one piece (only those can cross
+    a shard boundary), four integers: its first and last piece's sample number, its id and its length; `finish`
+    holds them against the shard boundaries of the written index.json. A document of one piece costs nothing.
+    """
 
     def __init__(self, out: Path, cfg: PrepConfig, token_dtype: str) -> None:
         from streaming import MDSWriter
@@ -159,14 +168,47 @@ class _SplitWriter:
             size_limit=cfg.shard_size_bytes,
         )
         self.documents = self.pieces = self.tokens = 0
+        self.bin_documents = [0] * 64
+        self.bin_tokens = [0] * 64
+        self.cut = {key: array("q") for key in ("first", "last", "doc_id", "length")}
+        """The documents of more than one piece: sample numbers of their first and last piece, id, length."""
 
     def write(self, doc_id: int, tokens: np.ndarray) -> None:
+        """Write one document (all its pieces, consecutively); a document without tokens is not written."""
+        if not len(tokens):
+            return
         tokens = tokens.astype(self.dtype, copy=False)
+        first = self.pieces
         for piece, start in enumerate(range(0, len(tokens), self.max_piece)):
             self.writer.write({TOKENS: tokens[start : start + self.max_piece], DOC_ID: doc_id, PIECE: piece})
             self.pieces += 1
         self.documents += 1
         self.tokens += len(tokens)
+        b = length_bin(len(tokens))
+        self.bin_documents[b] += 1
+        self.bin_tokens[b] += len(tokens)
+        if self.pieces - first > 1:
+            for key, value in (
+                ("first", first),
+                ("last", self.pieces - 1),
+                ("doc_id", doc_id),
+                ("length", len(tokens)),
+            ):
+                self.cut[key].append(value)
+
+    def _histogram(self, shard_samples: list[int]) -> LengthHistogram:
+        """The split's histogram, with the documents whose first and last piece lie in different shards of an index
+        listing ``shard_samples`` samples per shard, in order."""
+        used = max((b + 1 for b, n in enumerate(self.bin_documents) if n), default=0)
+        ends = np.cumsum(np.asarray(shard_samples, dtype=np.int64))  # shard k holds samples [ends[k-1], ends[k])
+        first, last = (np.frombuffer(self.cut[key], dtype=np.int64) for key in ("first", "last"))
+        crossing = np.searchsorted(ends, first, side="right") != np.searchsorted(ends, last, side="right")
+        ids, lengths = (np.frombuffer(self.cut[key], dtype=np.int64)[crossing] for key in ("doc_id", "length"))
+        return LengthHistogram(
+            documents=self.bin_documents[:used],
+            tokens=self.bin_tokens[:used],
+            spanning_documents={str(i): int(n) for i, n in zip(ids.tolist(), lengths.tolist(), strict=True)},
+        )
 
     def finish(self) -> SplitStats:
         self.writer.finish()
@@ -175,9 +217,20 @@ class _SplitWriter:
             # records it as empty); the writer made the directory and its index.json, nothing else
             (self.out / _INDEX).unlink()
             self.out.rmdir()
-            return SplitStats(documents=0, pieces=0, tokens=0, index_sha256=EMPTY_SPLIT_SHA256)
-        index_hash = hashlib.sha256((self.out / _INDEX).read_bytes()).hexdigest()
-        return SplitStats(documents=self.documents, pieces=self.pieces, tokens=self.tokens, index_sha256=index_hash)
+            return SplitStats(
+                documents=0, pieces=0, tokens=0, index_sha256=EMPTY_SPLIT_SHA256, length_histogram=self._histogram([])
+            )
+        index = (self.out / _INDEX).read_bytes()
+        shard_samples = [int(shard["samples"]) for shard in json.loads(index)["shards"]]
+        if sum(shard_samples) != self.pieces:  # the writer's own index; a mismatch is a bug, not bad input
+            raise RuntimeError(f"{self.out / _INDEX} lists {sum(shard_samples)} samples, {self.pieces} were written")
+        return SplitStats(
+            documents=self.documents,
+            pieces=self.pieces,
+            tokens=self.tokens,
+            index_sha256=hashlib.sha256(index).hexdigest(),
+            length_histogram=self._histogram(shard_samples),
+        )
 
 
 def _results(tasks: Iterator[_Task], model_proto: bytes, workers: int) -> Iterator[tuple[_Task, list[np.ndarray]]]:
