@@ -21,6 +21,7 @@ import torch
 from helpers import train_test_tokenizer
 
 from pipeline.data.mix import RetrievalMix, sentencepiece_codec
+from pipeline.data.mixture import MixtureStream, Phase, Schedule, Source, exact_weights
 from pipeline.data.needle import SYLLABLES, TEMPLATES, NeedleSpec, lay_out_needle, needle_parts
 from pipeline.data.reader import MDSReader, PackedSequences, RankBatches
 from pipeline.data.retrieval_tasks import DEFAULT_SHAPE, FAMILIES, FIXED_TEMPLATES, Codec, TaskShape, build_task
@@ -218,41 +219,32 @@ def test_trainer_and_eval_build_the_same_sample_from_the_same_seed(family, token
 
 
 def test_a_one_family_mix_makes_the_draws_of_the_older_needle_mix(codec):
-    """``data.needle_mix`` became a one-family mix: the same sequences get the same needles as before, whose draw
-    order (decision, key, depth) is rebuilt here from the layout functions."""
+    """``data.needle_mix`` became a one-family mix: a sequence that carries a task gets the needle it got before,
+    whose draw order (the skipped selection draw, key, depth) is rebuilt here from the layout functions."""
     L, S, seed = 256, 16, 9
     mix = RetrievalMix(codec, seq_len=L, chunk_size=S, fraction=0.5, families={"single": 1.0})
-    hits = 0
     for gid in range(40):
         seq = haystack(codec, L, gid)
-        got = mix.sample_for(seq, np.random.default_rng([seed, 2, gid]))
+        got = mix.task_for(seq, np.random.default_rng([seed, 2, gid]))
         rng = np.random.default_rng([seed, 2, gid])
-        if rng.random() >= 0.5:
-            assert got is None
-            continue
+        rng.random()  # the draw that selected the sequence when the mix was a random share
         key = str(int(rng.integers(10_000, 100_000)))
         needle, question, answer = needle_parts(NeedleSpec(), codec.encode, codec.decode, key)
         expected, _ = lay_out_needle(seq, needle, question, answer, depth=rng.random(), chunk_size=S)
-        assert got is not None and (got.ids == expected).all()
-        hits += 1
-    assert 0 < hits < 40
+        assert (got.ids == expected).all()
 
 
-def test_the_mix_meets_its_fraction_and_weights_within_sampling_error(codec):
-    L, S, n = 512, 16, 3000
+def test_the_mix_draws_its_families_by_weight_within_sampling_error(codec):
+    """Which sequences carry a task is the mixture schedule's (tests/pipeline/test_mixture.py); which family each
+    gets is drawn by the family weights."""
+    L, S, n = 512, 16, 1500
     weights = {"single": 1.0, "multivalue": 2.0, "vt": 1.0}
     mix = RetrievalMix(codec, seq_len=L, chunk_size=S, fraction=0.2, families=weights)
     seq = haystack(codec, L, 0)
-    families = Counter()
-    for gid in range(n):
-        sample = mix.sample_for(seq, np.random.default_rng([3, 2, gid]))
-        if sample is not None:
-            families[sample.family] += 1
-    mixed = sum(families.values())
-    assert abs(mixed - 0.2 * n) < 4 * math.sqrt(n * 0.2 * 0.8)
+    families = Counter(mix.task_for(seq, np.random.default_rng([3, 2, gid])).family for gid in range(n))
     for family, weight in weights.items():
         p = weight / sum(weights.values())
-        assert abs(families[family] - p * mixed) < 4 * math.sqrt(mixed * p * (1 - p)), (family, families)
+        assert abs(families[family] - p * n) < 4 * math.sqrt(n * p * (1 - p)), (family, families)
 
 
 def test_bad_mix_settings_are_refused_naming_them(codec):
@@ -275,7 +267,9 @@ def test_a_resumed_stream_mixes_the_same_sequences(tiny_data, codec):
     mix = RetrievalMix(codec, seq_len=L, chunk_size=S, fraction=0.5, families={"single": 1.0, "multiquery": 1.0})
 
     def batches() -> RankBatches:
-        stream = PackedSequences(reader, seq_len=L, seed=0, shuffle=True, window=4, eos_id=None)
+        text = PackedSequences(reader, seq_len=L, seed=0, shuffle=True, window=4, eos_id=None)
+        sources = [Source("data", "text", 0), Source("retrieval", "retrieval", 0)]
+        stream = MixtureStream(sources, {0: text}, Schedule([Phase(0, exact_weights([0.5, 0.5]))]), None)
         return RankBatches(stream, global_batch=4, micro_batch=2, rank=0, world_size=1, mix=mix, seed=5)
 
     first = batches()
