@@ -365,3 +365,13 @@ def test_a_length_bucket_takes_whole_documents_of_its_lengths_only(tmp_path):
     assert stream.epochs() == {"books": 1}
     histogram = fmt.read_manifest(data).splits["train"].length_histogram
     assert fmt.bucket_tokens(histogram, 64, 128) == (len(in_bucket), sum(len(t) for t in in_bucket))
+
+
+def test_the_documented_recipe_resolves_to_its_stated_shares():
+    cfg = load_config(Path(__file__).parents[2] / "configs/train/gca_mix_16k.yaml", [], 8)
+    mixture = resolve_mixture(cfg)
+    assert mixture.labels == ["books", "code", "short", "retrieval"] and cfg.data.path == "data/books"
+    assert [float(w) for w in mixture.phases[0].weights] == [0.28, 0.28, 0.39, 0.05]
+    assert [p.start for p in mixture.phases] == [0, 50000 * 32]
+    assert [s.bucket for s in mixture.sources] == [(16384, None), (16384, None), (0, None), (0, None)]
+    assert mixture.sources[3].host == "books"
