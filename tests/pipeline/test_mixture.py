@@ -375,3 +375,35 @@ def test_the_documented_recipe_resolves_to_its_stated_shares():
     assert [p.start for p in mixture.phases] == [0, 50000 * 32]
     assert [s.bucket for s in mixture.sources] == [(16384, None), (16384, None), (0, None), (0, None)]
     assert mixture.sources[3].host == "books"
+
+
+def test_a_declared_retrieval_source_writes_tasks_over_its_host_in_its_share(tmp_path, datasets):
+    """``task: retrieval`` in ``data.sources``: its sequences are its host's text with a task written over them
+    (the families of ``data.retrieval_mix``), in its share of every step."""
+    cfg = _config(
+        tmp_path,
+        "train.seq_len=256",
+        "model.chunk_size=16",
+        "model.window=32",
+        "data.retrieval_mix.families={single: 1}",
+        f"data.sources=[{{path: {datasets['books']}, weight: 0.5, max_repeat: 99}}, "
+        "{task: retrieval, weight: 0.5, label: tasks}]",
+    )
+    from pipeline.data.reader import read_tokenizer
+    from pipeline.train.inputs import build_mix
+
+    mixture = resolve_mixture(cfg)
+    assert mixture.sources[1].host == "books"
+    stream, _ = build_stream(cfg, mixture, EOS, cache=str(tmp_path / "cache"))
+    mix = build_mix(cfg, read_tokenizer(str(datasets["books"])))
+    assert mix is not None and mix.describe()["fraction"] == 0.5
+    batches = RankBatches(stream, global_batch=BATCH, micro_batch=1, rank=0, world_size=1, mix=mix, seed=cfg.seed)
+    for _ in range(4):
+        rows = np.concatenate([t.numpy() for t in batches.next_step()])
+        tasks = batches.step_sources == 1
+        assert tasks.sum() == 3
+        for row, is_task in zip(rows, tasks):
+            low, high = RANGES["books"]
+            text = row[row != EOS]
+            assert ((text >= low) & (text < high)).all() != is_task  # a task writes words of the tokenizer over it
+    assert batches.families == {"single": 12}
