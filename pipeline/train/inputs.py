@@ -123,7 +123,8 @@ def build_mix(cfg: TrainConfig, tokenizer: TokenizerFiles | None) -> RetrievalMi
             is no tokenizer to write its texts with (a remote ``data.path``).
     """
     settings = mix_settings(cfg.data)
-    if settings.fraction == 0:
+    fraction = settings.fraction or _declared_retrieval_weight(cfg)
+    if fraction == 0:
         return None
     if tokenizer is None:
         raise ConfigError(
@@ -135,12 +136,21 @@ def build_mix(cfg: TrainConfig, tokenizer: TokenizerFiles | None) -> RetrievalMi
             tokenizer_codec(tokenizer),
             seq_len=cfg.train.seq_len,
             chunk_size=cfg.model.chunk_size,
-            fraction=settings.fraction,
+            fraction=fraction,
             families=settings.families,
             shape=settings.shape,
         )
     except ValueError as err:
         raise ConfigError(str(err)) from None
+
+
+def _declared_retrieval_weight(cfg: TrainConfig) -> float:
+    """The first phase's share of a ``task: retrieval`` source of ``data.sources`` (0 without one): what the mix's
+    record calls its fraction."""
+    weights = [s.weight for s in cfg.data.sources]
+    total = sum(weights)
+    share = sum(s.weight for s in cfg.data.sources if s.task == "retrieval")
+    return share / total if share and total > 0 else 0.0
 
 
 def split_mismatch(root: Path, split: str, manifest: fmt.Manifest) -> str | None:
