@@ -37,7 +37,6 @@ from pipeline.data.order import epochs_needed
 from pipeline.data.reader import (
     DataFingerprintError,
     EmptySplitError,
-    MDSReader,
     RankBatches,
     ShardCorruptError,
     UnsafeDatasetError,
@@ -163,8 +162,7 @@ class Trainer:
         self.mixture = resolve_mixture(cfg)
         stream, fingerprint = build_stream(cfg, self.mixture, self.eos_id, cache)
         if not self.mixture.declared:
-            (reader_stream,) = stream.streams.values()
-            warn_if_data_repeats(cfg, reader_stream.reader, self.eos_id is not None)
+            warn_if_data_repeats(cfg, self.eos_id is not None)
         mix = build_mix(cfg, self.tokenizer)
         batches = RankBatches(
             stream,
@@ -416,7 +414,7 @@ DATASET_ERRORS = (UnsafeDatasetError, ShardCorruptError, EmptySplitError, DataFi
 """What a reader raises for a dataset it refuses: one line to the user, never a traceback."""
 
 
-def warn_if_data_repeats(cfg: TrainConfig, reader: MDSReader, eos: bool) -> None:
+def warn_if_data_repeats(cfg: TrainConfig, eos: bool) -> None:
     """Say at the start when ``train.max_steps`` draws more tokens than the training split holds (from data prep's
     manifest; a dataset without one, or a remote one, is not counted)."""
     if is_remote(cfg.data.path) or not (Path(cfg.data.path) / fmt.MANIFEST_FILENAME).is_file():
@@ -439,7 +437,7 @@ def warn_if_data_repeats(cfg: TrainConfig, reader: MDSReader, eos: bool) -> None
             cfg.train.max_steps,
             cfg.tokens_per_step,
             needed,
-            reader.split_dir if reader.remote is None else reader.remote,
+            Path(cfg.data.path) / cfg.data.train_split,
             split.tokens,
             epochs,
             order,
