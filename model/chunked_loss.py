@@ -34,6 +34,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     The logits are made in the autocast dtype when autocast is on (as ``F.linear`` would), their softmax in fp32;
     the gradient of a slice's logits is cast back to that dtype before its two matmuls, as autograd does for
     ``lm_loss(F.linear(h, weight))``.
+
+    Returns the loss and, with ``keep_rows``, every row's own cross-entropy ``[N]`` fp32 (not differentiable; the
+    terms the loss sums, so keeping them changes no number of the loss or the gradients), else an empty tensor.
     """
 
     @staticmethod
@@ -45,7 +48,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         coef: torch.Tensor,
         rows: int,
         grad_enabled: bool,
-    ) -> torch.Tensor:
+        keep_rows: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         device = h.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
         # Inside forward autograd is off and needs_input_grad only says what requires grad: under no_grad
@@ -57,11 +61,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_h = torch.empty(h.shape, dtype=h.dtype, device=h.device) if want_h else None  # rows contiguous
             grad_w: torch.Tensor | None = None
             minus_one = torch.full((min(rows, h.shape[0]), 1), -1.0, device=h.device) if want_h or want_w else None
+            row_ce = torch.empty(h.shape[0] if keep_rows else 0, dtype=torch.float32, device=h.device)
             for s in range(0, h.shape[0], rows):
                 h_s, t_s, c_s = hc[s : s + rows], target[s : s + rows, None], coef[s : s + rows]
                 logits = F.linear(h_s, wc).float()  # [n, V], the only vocabulary-wide buffer of the slice
                 lse = torch.logsumexp(logits, dim=-1)
-                parts.append(torch.dot(c_s, lse - logits.gather(1, t_s).squeeze(1)))
+                ce_s = lse - logits.gather(1, t_s).squeeze(1)
+                if keep_rows:
+                    row_ce[s : s + rows] = ce_s
+                parts.append(torch.dot(c_s, ce_s))
                 if minus_one is None:
                     continue
                 # d loss / d logits = coef * (softmax - onehot), made in place in the logits' buffer.
@@ -79,14 +87,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_h if grad_h is not None else h.new_empty(0),
             (grad_w.to(weight.dtype) if grad_w is not None else weight.new_empty(0)),
         )
-        return loss
+        ctx.mark_non_differentiable(row_ce)
+        return loss, row_ce
 
     @staticmethod
-    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, grad_loss: torch.Tensor, _grad_rows: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_h, grad_w = ctx.saved_tensors
         return (
             grad_h * grad_loss.to(grad_h.dtype) if ctx.needs_input_grad[0] else None,
             grad_w * grad_loss.to(grad_w.dtype) if ctx.needs_input_grad[1] else None,
+            None,
             None,
             None,
             None,
@@ -100,10 +110,27 @@ def chunked_lm_loss(
     """``lm_loss(F.linear(h, weight), labels)`` for final hidden states ``h [B, T, d]`` and the LM head ``weight [V,
     d]``, without ever holding more than ``chunk_elements`` logits: the mean next-token cross-entropy over the
     positions whose label (``labels [B, T]``, aligned with the inputs) is not ``-100``."""
+    return _chunked(h, weight, labels, chunk_elements, keep_rows=False)[0]
+
+
+def chunked_lm_loss_and_token_losses(
+    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_elements: int = LOSS_CHUNK_ELEMENTS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunked_lm_loss` (the same number, the same gradients) and each position's own next-token cross-entropy
+    ``[B, T]`` fp32, detached: position ``t`` scored against ``labels[:, t + 1]``, 0 where nothing is scored (the
+    last position, a ``-100`` label), as ``model.lm.token_losses`` lays them out."""
+    loss, rows = _chunked(h, weight, labels, chunk_elements, keep_rows=True)
+    target = shifted_targets(labels)
+    return loss, torch.where(target != -100, rows.view(target.shape), 0.0)
+
+
+def _chunked(
+    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_elements: int, keep_rows: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     target = shifted_targets(labels).flatten()
     valid = target != -100
     coef = valid.float() / valid.sum()  # 0/0 = NaN when nothing is scored, as F.cross_entropy's mean gives
     rows = max(1, chunk_elements // weight.shape[0])
     return _ChunkedLinearCrossEntropy.apply(
-        h.flatten(0, 1), weight, torch.where(valid, target, 0), coef, rows, torch.is_grad_enabled()
+        h.flatten(0, 1), weight, torch.where(valid, target, 0), coef, rows, torch.is_grad_enabled(), keep_rows
     )

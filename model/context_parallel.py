@@ -90,6 +90,22 @@ def cp_loss(
     process gradient; summing the gradients (an all-reduce over the group) is the caller's job. The span runs
     through the module call (``model(span, cp=...)``), so the forward hooks of a wrapper such as FSDP2 run.
     """
+    return cp_loss_and_token_losses(model, input_ids, labels, group, weights, weight_norm)[0]
+
+
+def cp_loss_and_token_losses(
+    model: GCAForCausalLM,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    weights: torch.Tensor | None = None,
+    weight_norm: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`cp_loss` (the same share, the same gradients), and the unweighted cross-entropy of each position this rank
+    scores ``[B, n]`` (fp32, detached; 0 at a ``-100`` label) with which of them are scored (``[B, n]`` bool).
+
+    The ranks' spans partition the sequence, so summing these over the group gives each whole row's loss sum and
+    scored count once, without a collective here."""
     cp = ContextParallel(model.cfg, input_ids.shape[1], group)
     start, end = cp.span
     logits = model(input_ids[:, start:end], cp=cp).logits
@@ -97,10 +113,11 @@ def cp_loss(
     ce = F.cross_entropy(
         logits[:, : targets.shape[1]].flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="none"
     )
+    token_ce = ce.detach().view(targets.shape)
     if weights is None:
-        return ce.sum() / (labels[:, 1:] != -100).sum()
+        return ce.sum() / (labels[:, 1:] != -100).sum(), token_ce, targets != -100
     norm = weights[:, 1:].sum() if weight_norm is None else weight_norm
-    return (ce * weights[:, start + 1 : end + 1].flatten()).sum() / norm
+    return (ce * weights[:, start + 1 : end + 1].flatten()).sum() / norm, token_ce, targets != -100
 
 
 def _send_recv(

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model.chunk_store import ChunkStore
-from model.chunked_loss import chunked_lm_loss
+from model.chunked_loss import chunked_lm_loss, chunked_lm_loss_and_token_losses, shifted_targets
 from model.config import GCAConfig
 from model.context_parallel import ContextParallel
 from model.stream import StreamState
@@ -33,6 +33,9 @@ class CausalLMOutput(NamedTuple):
 
     logits: torch.Tensor
     loss: torch.Tensor | None = None
+    token_loss: torch.Tensor | None = None
+    """With ``forward(..., token_loss=True)`` and labels: each position's own next-token cross-entropy ``[B, T]``
+    (fp32, detached; `token_losses`' layout), the terms ``loss`` averages. Else ``None``."""
 
 
 def lm_loss(
@@ -54,9 +57,34 @@ def lm_loss(
     targets = labels[:, 1:].flatten()
     if weights is None:
         return F.cross_entropy(flat_logits, targets, ignore_index=-100)
-    ce = F.cross_entropy(flat_logits, targets, reduction="none")
+    return weighted_lm_loss(logits, labels, weights, weight_norm)[0]
+
+
+def weighted_lm_loss(
+    logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, weight_norm: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`lm_loss` with ``weights`` (the same computation), and each position's unweighted cross-entropy ``[B, T]``
+    (fp32, detached; `token_losses`' layout) from the same pass."""
+    flat_logits = logits[:, :-1].flatten(0, 1).float()
+    targets = labels[:, 1:].flatten()
+    ce = F.cross_entropy(flat_logits, targets, reduction="none")  # 0 at a -100 label
     w = weights[:, 1:].flatten()
-    return (ce * w).sum() / (w.sum() if weight_norm is None else weight_norm)
+    loss = (ce * w).sum() / (w.sum() if weight_norm is None else weight_norm)
+    return loss, F.pad(ce.detach().view(labels.shape[0], -1), (0, 1))
+
+
+def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each position's next-token cross-entropy ``[B, T]`` in fp32 (no gradient): position ``t`` of ``logits [B, T,
+    V]`` scored against ``labels[:, t + 1]``; 0 at the last position and where the label is ``-100``, which score
+    nothing. Summed over a row and divided by the row's scored positions, the row's mean loss."""
+    ce = F.cross_entropy(logits[:, :-1].flatten(0, 1).float().detach(), labels[:, 1:].flatten(), reduction="none")
+    return F.pad(ce.view(labels.shape[0], -1), (0, 1))
+
+
+def scored_positions(labels: torch.Tensor) -> torch.Tensor:
+    """Which positions of ``labels [B, T]`` (aligned with the inputs) are scored: ``[B, T]`` bool, False at the last
+    position and before a ``-100`` label (`token_losses`' layout)."""
+    return shifted_targets(labels) != -100
 
 
 def count_parameters(module: nn.Module) -> int:
@@ -84,6 +112,7 @@ class CausalLM(nn.Module):
         labels: torch.Tensor | None = None,
         cp: ContextParallel | None = None,
         return_logits: bool = True,
+        token_loss: bool = False,
     ) -> CausalLMOutput:
         """Logits for every token of ``input_ids [B, T]``; the mean next-token loss (``lm_loss``) when ``labels``
         (aligned with ``input_ids``, ``-100`` ignored) are given.
@@ -96,17 +125,29 @@ class CausalLM(nn.Module):
         ``model.context_parallel.cp_loss`` passes; it scores the span itself, so no ``labels``). The span goes
         through the module call rather than ``_step`` so that wrappers' forward hooks run (FSDP2 unshards the
         root-level parameters there).
+
+        ``token_loss`` (with ``labels``): also return each position's cross-entropy (``CausalLMOutput.token_loss``),
+        from the same pass; the loss and its gradients are unchanged.
         """
         if cp is None and labels is not None and not return_logits:
-            loss = chunked_lm_loss(self._step(input_ids, None, hidden=True), self.head_weight, labels)
-            return CausalLMOutput(logits=loss.new_empty(input_ids.shape[0], 0, self.cfg.vocab_size), loss=loss)
+            hidden = self._step(input_ids, None, hidden=True)
+            per_token = None
+            if token_loss:
+                loss, per_token = chunked_lm_loss_and_token_losses(hidden, self.head_weight, labels)
+            else:
+                loss = chunked_lm_loss(hidden, self.head_weight, labels)
+            empty = loss.new_empty(input_ids.shape[0], 0, self.cfg.vocab_size)
+            return CausalLMOutput(logits=empty, loss=loss, token_loss=per_token)
         if cp is None:
             logits = self._step(input_ids, None)
         elif labels is not None:
             raise ValueError("a context-parallel span is scored by cp_loss, which needs the peers' labels: no labels")
         else:
             logits = self._cp_step(input_ids, cp)
-        return CausalLMOutput(logits=logits, loss=None if labels is None else lm_loss(logits, labels))
+        if labels is None:
+            return CausalLMOutput(logits=logits)
+        per_token = token_losses(logits, labels) if token_loss else None
+        return CausalLMOutput(logits=logits, loss=lm_loss(logits, labels), token_loss=per_token)
 
     def _step(self, input_ids: torch.Tensor, state: StreamState | None, *, hidden: bool = False) -> torch.Tensor:
         """Logits of ``input_ids`` continuing ``state`` (``None``: a whole sequence); with ``hidden`` the final

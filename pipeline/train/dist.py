@@ -497,6 +497,14 @@ def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    """``value`` summed over every rank (itself when there is one process)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
 def mean_weight_sum(weights: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """The sum of ``weights`` (this rank's loss weights ``[B, T]`` of one step, aligned with the tokens as labels)
     over the predicted positions ``w[:, 1:]``, averaged over all ranks: a device tensor, from one all-reduce and no

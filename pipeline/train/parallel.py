@@ -23,8 +23,8 @@ import torch.distributed as torch_dist
 import torch.nn as nn
 
 from data_prep.safe_write import replacing
-from model.context_parallel import cp_loss
-from model.lm import lm_loss
+from model.context_parallel import cp_loss, cp_loss_and_token_losses
+from model.lm import lm_loss, scored_positions, weighted_lm_loss
 from pipeline.train.config import TrainConfig, check_grad_reduce_dtype
 from pipeline.train.dist import DistInfo
 from pipeline.train.optim import build_optimizer
@@ -142,6 +142,27 @@ def next_token_loss(
     return lm_loss(model(x).logits, x, weights, weight_norm)
 
 
+def next_token_loss_rows(
+    model: nn.Module, x: torch.Tensor, weights: torch.Tensor | None, weight_norm: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`next_token_loss` (the same number and gradients) and the micro-batch's `row_stats`, from the same forward:
+    per row the *unweighted* next-token cross-entropy whatever ``weights`` (the per-source losses report how well
+    each source is modelled, not the training objective's weighting)."""
+    if weights is None:
+        out = model(x, labels=x, return_logits=False, token_loss=True)
+        loss, per_token = out.loss, out.token_loss
+    else:
+        loss, per_token = weighted_lm_loss(model(x).logits, x, weights, weight_norm)
+    return loss, row_stats(per_token, scored_positions(x))
+
+
+def row_stats(token_loss: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+    """``[B, 2]`` fp32 of per-position losses ``[B, n]`` (0 where nothing is scored) and which are scored: per row
+    the loss summed over its scored positions, and their count. Sums: those of a context-parallel group's spans add
+    up to the whole row's."""
+    return torch.stack([token_loss.float().sum(1), scored.sum(1).float()], dim=1)
+
+
 def _bf16_all_reduce(process_group, bucket):  # unannotated: DDP rejects the string annotations of this module
     """DDP communication hook for ``parallel.grad_reduce_dtype=bf16``: each bucket of fp32 gradients is averaged
     over the ranks in bf16 (half the traffic) and written back as fp32.
@@ -208,10 +229,19 @@ class TorchEngine:
         return contextlib.nullcontext()
 
     def loss(
-        self, x: torch.Tensor, weights: torch.Tensor | None = None, weight_norm: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor | None = None,
+        weight_norm: torch.Tensor | None = None,
+        rows: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """The micro-batch's loss (``next_token_loss``); with ``rows``, its `row_stats` are appended to it."""
         with torch.autocast(self.info.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            return next_token_loss(self.model, x, weights, weight_norm)
+            if rows is None:
+                return next_token_loss(self.model, x, weights, weight_norm)
+            loss, stats = next_token_loss_rows(self.model, x, weights, weight_norm)
+        rows.append(stats)
+        return loss
 
     def micro_step(
         self,
@@ -220,16 +250,18 @@ class TorchEngine:
         last: bool,
         weights: torch.Tensor | None = None,
         weight_norm: torch.Tensor | None = None,
+        rows: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Forward and backward of one micro-batch; returns its loss over whole sequences (what one process
         computes), also under context parallelism. ``weight_norm``: what the weighted loss divides by
-        (``next_token_loss``; the trainer's global normaliser)."""
+        (``next_token_loss``; the trainer's global normaliser). ``rows``: where to append the micro-batch's
+        `row_stats` (under context parallelism, of this rank's span of each row), from the same forward."""
         if self.kind == "fsdp" and last:
             self.model.set_requires_gradient_sync(True)  # type: ignore[operator]
         if self.cp_group is not None:
-            return self._cp_micro_step(x, accum, last, weights, weight_norm)
+            return self._cp_micro_step(x, accum, last, weights, weight_norm, rows)
         with self._sync_context(last):
-            loss = self.loss(x, weights, weight_norm)
+            loss = self.loss(x, weights, weight_norm, rows)
             (loss / accum).backward()
         return loss.detach()
 
@@ -240,6 +272,7 @@ class TorchEngine:
         last: bool,
         weights: torch.Tensor | None,
         weight_norm: torch.Tensor | None,
+        rows: list[torch.Tensor] | None,
     ) -> torch.Tensor:
         """Every rank of the CP group runs its span of the same ``x`` (``cp_loss``: its share of the loss).
 
@@ -247,8 +280,13 @@ class TorchEngine:
         must be summed: scaling the share by ``cp`` turns the average into the sum over the CP group divided by
         the data-parallel degree, the single-process gradient of the dp ranks' mean loss."""
         cp = self.info.context_parallel
+        model = cast("GCAForCausalLM", self.model)
         with self._sync_context(last):
-            share = cp_loss(cast("GCAForCausalLM", self.model), x, x, self.cp_group, weights, weight_norm)
+            if rows is None:
+                share = cp_loss(model, x, x, self.cp_group, weights, weight_norm)
+            else:
+                share, token_ce, scored = cp_loss_and_token_losses(model, x, x, self.cp_group, weights, weight_norm)
+                rows.append(row_stats(token_ce, scored))
             (share * (cp / accum)).backward()
         loss = share.detach().clone()
         torch_dist.all_reduce(loss, group=self.cp_group)  # the sequences' loss, the same on every rank of the group
@@ -389,9 +427,17 @@ class DeepSpeedEngine:
         self.model.train(mode)
 
     def loss(
-        self, x: torch.Tensor, weights: torch.Tensor | None = None, weight_norm: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor | None = None,
+        weight_norm: torch.Tensor | None = None,
+        rows: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        return next_token_loss(self.model, x, weights, weight_norm)
+        if rows is None:
+            return next_token_loss(self.model, x, weights, weight_norm)
+        loss, stats = next_token_loss_rows(self.model, x, weights, weight_norm)
+        rows.append(stats)
+        return loss
 
     def micro_step(
         self,
@@ -400,8 +446,10 @@ class DeepSpeedEngine:
         last: bool,
         weights: torch.Tensor | None = None,
         weight_norm: torch.Tensor | None = None,
+        rows: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        loss = self.loss(x, weights, weight_norm)
+        """As ``TorchEngine.micro_step`` (no context parallelism)."""
+        loss = self.loss(x, weights, weight_norm, rows)
         self.model.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself
         if not last:
             self.model.step()  # off the accumulation boundary this only advances DeepSpeed's counters

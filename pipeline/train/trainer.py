@@ -230,7 +230,8 @@ class Trainer:
 
         With loss weights every micro-batch's ``sum(w * ce)`` is divided by one normaliser of the whole global
         batch, so the step trains on the global batch's weighted mean whatever its split into ranks and
-        micro-batches; without weights there is no extra collective."""
+        micro-batches; without weights there is no extra collective. A mixture of several sources also logs each
+        source's loss, from the same forwards (`_source_losses`: one all-reduce of a ``[sources, 2]`` tensor)."""
         cfg, eng, step = self.cfg, self.engine, self.step + 1
         lr = lr_at(self.step, cfg.train.max_steps, cfg.optim, cfg.schedule)
         set_lr(eng.param_groups, lr)
@@ -244,6 +245,7 @@ class Trainer:
         # global weighted mean. A micro-batch's own sum(w) would weigh its tokens by how the batch is split.
         weight_norm = dist.mean_weight_sum(weights, self.info.device) / self.accum if weights else None
         self._phase = "forward/backward (with the data-parallel gradient reduction)"
+        rows: list[torch.Tensor] | None = [] if len(self.mixture.labels) > 1 else None  # per-source losses
         losses = [
             eng.micro_step(
                 x.to(self.info.device),
@@ -251,6 +253,7 @@ class Trainer:
                 last=i == len(micro) - 1,
                 weights=None if w is None else w.to(self.info.device),
                 weight_norm=weight_norm,
+                rows=rows,
             )
             for i, (x, w) in enumerate(micro)
         ]
@@ -287,6 +290,8 @@ class Trainer:
                 )
         self._phase = "loss all-reduce"
         global_loss = dist.all_reduce_mean(loss).item()
+        self._phase = "per-source loss all-reduce"
+        source_losses = self._source_losses(rows) if rows is not None else {}
         dt = time.perf_counter() - t0
         tokens = cfg.tokens_per_step
         self.step = step
@@ -300,6 +305,7 @@ class Trainer:
         tps = tokens / dt
         return {
             "loss": global_loss,
+            **source_losses,
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens_per_s": tps,
@@ -310,6 +316,24 @@ class Trainer:
             "epoch": self.epoch,
             **mixture_metrics,
         }
+
+    def _source_losses(self, rows: list[torch.Tensor]) -> dict[str, float]:
+        """``loss/<label>`` of a mixture of several sources: the mean per-token training loss of this step's
+        sequences from that source, over the whole global batch (one all-reduce of a ``[sources, 2]`` tensor: each
+        source's loss sum and token count over the ranks; a context-parallel group's ranks each add their spans, so
+        every sequence counts once). The cross-entropy is unweighted, also under ``data.retrieval_mix.answer_weight``
+        (the logged ``loss`` is the weighted objective), and taken from the training forward itself, before the
+        optimizer step. A source with no sequence in the step has no key that step.
+
+        ``rows``: this rank's `pipeline.train.parallel.row_stats` of each micro-batch, in the order of
+        ``RankBatches.rank_sources``."""
+        labels = self.mixture.labels
+        stats = torch.cat(rows).double()
+        sources = torch.as_tensor(self.batches.rank_sources, dtype=torch.int64, device=stats.device)
+        assert len(sources) == len(stats), "one source index per row of this rank's micro-batches"
+        sums = torch.zeros(len(labels), 2, dtype=torch.float64, device=stats.device).index_add_(0, sources, stats)
+        totals = dist.all_reduce_sum(sums).tolist()
+        return {f"loss/{label}": total / count for label, (total, count) in zip(labels, totals) if count > 0}
 
     def _mixture_metrics(self) -> dict[str, Any]:
         """A mixture of several sources: per source the tokens drawn so far (``tokens/<label>``), its share of this
