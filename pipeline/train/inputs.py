@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from pipeline.data.reader import UnsafeDatasetError, eos_id_of, is_remote, read_
 from pipeline.train.checkpoint import OWNER_FILE, foreign_leftovers
 from pipeline.train.config import HF_INIT_PREFIX, ConfigError, TrainConfig, mix_settings
 from pipeline.train.metrics import resolve_wandb_mode
-from pipeline.train.sources import check_mixture
+from pipeline.train.sources import Mixture, check_mixture
 from pipeline.train.wandb_online import online_refusal
 
 log = logging.getLogger(__name__)
@@ -266,7 +267,8 @@ def _check_splits(cfg: TrainConfig, manifest: fmt.Manifest | None) -> None:
     decides, never a count in the manifest (else a missing ``val/`` fails at the first validation, mid-run)."""
     root = Path(cfg.data.path)
     splits = [("data.train_split", cfg.data.train_split)]
-    if cfg.train.eval_every:
+    validated = cfg.train.eval_every and not per_source_validation(cfg)  # else each source's, in validation_sources
+    if validated:
         splits.append(("data.val_split", cfg.data.val_split))
     if manifest is not None:
         for key, split in splits:
@@ -275,7 +277,7 @@ def _check_splits(cfg: TrainConfig, manifest: fmt.Manifest | None) -> None:
                 raise ConfigError(
                     f"data.path={root} ({key}={split}): {problem}; re-run data prep, or restore the split it wrote"
                 )
-    if not cfg.train.eval_every:
+    if not validated:
         return
     found = _index_samples(root, cfg.data.val_split)
     if not found:
@@ -285,6 +287,97 @@ def _check_splits(cfg: TrainConfig, manifest: fmt.Manifest | None) -> None:
             f"'{cfg.data.val_split}' (data.val_split): set train.eval_every=0, or prepare the data with a larger "
             "val_fraction / more documents"
         )
+
+
+def per_source_validation(cfg: TrainConfig) -> bool:
+    """Whether validation runs per source: ``train.eval_every > 0`` and ``data.sources`` declares more than one text
+    source (each is then validated on its own ``data.val_split``, `validation_sources`); otherwise validation reads
+    ``data.path``'s, as a run of one dataset always has."""
+    return bool(cfg.train.eval_every) and sum(s.task == "text" for s in cfg.data.sources) > 1
+
+
+@dataclass(frozen=True)
+class ValSource:
+    """A text source of the mixture validated on its own ``data.val_split`` (``val/<label>/loss``)."""
+
+    label: str
+    key: str
+    """The config key that declares it (``data.sources[i]``)."""
+    path: str
+    bucket: tuple[int, int | None] = (0, None)
+    """The source's length bucket, when its val split's manifest records the length histogram that selects it
+    exactly (then validation reads only that bucket's documents); ``(0, None)``: the whole val split."""
+    spanning: dict[int, int] = field(default_factory=dict)
+    """The val split's documents across shards (``length_histogram.spanning_documents``), for the bucket."""
+
+
+def validation_sources(cfg: TrainConfig, mixture: Mixture) -> tuple[list[ValSource], list[str]]:
+    """The text sources of a mixture validated one by one (`per_source_validation`), and a line per thing to warn
+    about: a source whose dataset has no (or an empty) ``data.val_split`` is left out of validation, and so is one
+    whose bucket holds less than a sequence of that split; a bucketed source whose manifest has no length histogram
+    of that split is validated on the whole split. A remote source is kept unchecked (its split is read when the
+    first validation runs). Retrieval sources have no validation of their own (they are synthetic; the far-recall
+    metrics measure them).
+
+    Raises:
+        ConfigError: a source's val split is not the one data prep wrote (`split_mismatch`), naming the source's
+            key; or no text source has a validation split.
+    """
+    split = cfg.data.val_split
+    kept: list[ValSource] = []
+    warnings: list[str] = []
+    left_out: list[str] = []
+    for s in mixture.sources:
+        if s.task != "text":
+            continue
+        assert s.path is not None
+        if is_remote(s.path):
+            kept.append(ValSource(s.label, s.key, s.path))
+            continue
+        root = Path(s.path)
+        try:
+            manifest = fmt.read_manifest(root)
+        except (OSError, ValueError, fmt.IncompleteDatasetError) as err:
+            raise ConfigError(f"{s.key}.path={root}: {str(err).splitlines()[0]}") from None
+        problem = split_mismatch(root, split, manifest)
+        if problem is not None:
+            raise ConfigError(
+                f"{s.key}.path={root} (data.val_split={split}): {problem}; re-run data prep, or restore the split it "
+                "wrote"
+            )
+        found = _index_samples(root, split)
+        if not found:
+            what = "has no" if found is None else "has an empty"
+            left_out.append(f"{s.key} ({s.label}): {root} {what} validation split '{split}'")
+            continue
+        if s.bucket == (0, None):
+            kept.append(ValSource(s.label, s.key, s.path))
+            continue
+        stats = manifest.splits.get(split)
+        histogram = None if stats is None else stats.length_histogram
+        if histogram is None:
+            warnings.append(
+                f"{s.key} ({s.label}) is validated on its whole '{split}' split, not only its length bucket: "
+                f"{root / fmt.MANIFEST_FILENAME} records no length histogram of that split"
+            )
+            kept.append(ValSource(s.label, s.key, s.path))
+            continue
+        documents, tokens = fmt.bucket_tokens(histogram, s.bucket[0], s.bucket[1])
+        if tokens + documents < cfg.train.seq_len:
+            left_out.append(
+                f"{s.key} ({s.label}): the '{split}' split of {root} holds {tokens + documents} tokens in its length "
+                f"bucket, less than one sequence of train.seq_len={cfg.train.seq_len}"
+            )
+            continue
+        spanning = {int(k): int(v) for k, v in histogram.spanning_documents.items()}
+        kept.append(ValSource(s.label, s.key, s.path, s.bucket, spanning))
+    if not kept:
+        raise ConfigError(
+            f"train.eval_every={cfg.train.eval_every} but no text source of data.sources has a validation split "
+            f"'{split}' (data.val_split): {'; '.join(left_out)}; set train.eval_every=0, or prepare the data with a "
+            "larger val_fraction / more documents"
+        )
+    return kept, warnings + [f"{line}: left out of validation" for line in left_out]
 
 
 def resolve_document_eos(cfg: TrainConfig) -> None:
@@ -339,7 +432,10 @@ def check_inputs(cfg: TrainConfig) -> None:
         _check_tokenizer(cfg, manifest)
         _check_splits(cfg, manifest)
         resolve_document_eos(cfg)
-    check_mixture(cfg)
+    mixture = check_mixture(cfg)
+    if per_source_validation(cfg):
+        for line in validation_sources(cfg, mixture)[1]:
+            log.warning("validation: %s", line)
     _check_dense_weights(cfg)
     if cfg.logging.wandb:
         try:

@@ -178,6 +178,12 @@ def write_failed(err: OSError, path: Path) -> MetricsWriteError:
     return MetricsWriteError(describe(named, path.parent) or f"cannot write {path}: {err}")
 
 
+CONSOLE_HIDDEN = ("tokens/", "share/")
+"""Key prefixes of a step's metrics left out of the console line (metrics.jsonl and wandb keep them): a mixture's
+per-source token counts and shares, two keys per source that the startup table and the weights already say; the
+per-source ``loss/<label>`` and ``epoch/<label>`` stay on the line."""
+
+
 class MetricsLogger:
     """Rank-0 sink for per-step metrics: ``<run_dir>/metrics.jsonl`` (always), console, wandb, progress bar.
 
@@ -266,7 +272,9 @@ class MetricsLogger:
             self.bar.update(step - self.bar.n)
         if console:
             shown = " ".join(
-                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items() if v is not None
+                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                for k, v in metrics.items()
+                if v is not None and not k.startswith(CONSOLE_HIDDEN)
             )
             log.info("step %d | %s", step, shown)
 
