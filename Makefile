@@ -9,7 +9,7 @@ PYTEST := $(PY) -m pytest -q
 # The default CPU tier: everything not behind a heavier marker.
 DEFAULT_MARKERS := not slow and not gpu and not dist and not slurm and not multinode
 
-.PHONY: install lint format typecheck test test-slow test-dist test-gpu test-kernels test-reliability test-slurm test-multinode preflight demo demo-baseline demo-seeds demo-16m demo-multihop demo-smoke demo-lm demo-lm-smoke demo-cpt demo-cpt-smoke prep bench bench-train bench-kernels bench-cp bench-reader bench-prep test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv gpu-wheels gpu-check gpu-stamp gpu-publish demo-lm-gpu bench-gpu test-gpu-wheels test-gpu-check test-gpu-compile reference-curves help train prep-text test-quickstart bench-data-order report
+.PHONY: install lint format typecheck test test-slow test-dist test-gpu test-kernels test-reliability test-slurm test-multinode preflight demo demo-baseline demo-seeds demo-16m demo-multihop demo-smoke demo-lm demo-lm-smoke demo-cpt demo-cpt-smoke prep bench bench-train bench-kernels bench-cp bench-reader bench-prep test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv gpu-wheels gpu-check gpu-stamp gpu-publish demo-lm-gpu bench-gpu test-gpu-wheels test-gpu-check test-gpu-compile reference-curves help train prep-text test-quickstart bench-data-order bench-mixture report
 
 ## create .venv and install the pinned dependencies (every target runs it first)
 install: $(STAMP)
@@ -200,6 +200,13 @@ bench-reader: install
 ## documents per global batch of each data order vs uniform random windows, PG19-shaped (ARGS="--lengths-from DIR")
 bench-data-order: install
 	$(PY) launch/bench_data_order.py $(ARGS)
+
+# Three prepared datasets cut from data/default (prepared first when missing) read as a 0.5/0.3/0.2 and a
+# size-weighted data.sources mixture vs data/default alone, through the trainer's batches: tokens/s and peak memory.
+## tokens/s of a 3-source data mixture vs one dataset through the trainer's reader (target >= 0.95x)
+bench-mixture: install
+	@test -f data/default/_COMPLETE || $(PY) launch/prep.py --config configs/data/default.yaml
+	$(PY) launch/bench_mixture.py --out bench_mixture.json $(ARGS)
 
 ifneq ($(filter report,$(MAKECMDGOALS)),)
 ifeq ($(EVAL),)
