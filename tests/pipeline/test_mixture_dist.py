@@ -3,9 +3,10 @@ launched like users launch (the deepspeed launcher, torchrun), with hard timeout
 
 Three prepared datasets of one tokenizer, weighted 0.5/0.3/0.2, global batch 6 of micro-batch 1:
 
-- the same global batches on 1, 2 and 3 ranks, for DeepSpeed ZeRO-2 and FSDP2: the per-step loss within the
-  cross-world-size tolerance of test_pipeline_dist.py (rel 2e-5: the reduction order changes), the per-source
-  ``tokens/<label>`` and ``share/<label>`` metrics and the data state of every checkpoint exactly;
+- the same global batches on 1, 2 and 3 ranks, for DeepSpeed ZeRO-2 and FSDP2: the per-step loss and each source's
+  ``loss/<label>`` within the cross-world-size tolerance of test_pipeline_dist.py (rel 2e-5: the reduction order
+  changes), the per-source ``tokens/<label>``, ``share/<label>`` and ``epoch/<label>`` metrics and the data state of
+  every checkpoint exactly;
 - a 2-rank FSDP2 run SIGKILLed after its step-3 checkpoint and relaunched on 1 rank continues as the uninterrupted
   2-rank run: losses within T7's rel 1e-5 (tests/reliability/test_reliability_world_size_dist.py; another world
   size, so not bitwise), metrics and data state exactly;
@@ -111,11 +112,18 @@ def source_metrics(record: dict) -> dict[str, object]:
     return {k: v for k, v in record.items() if k.split("/")[0] in ("tokens", "share", "epoch") and "/" in k}
 
 
+def source_losses(record: dict) -> dict[str, float]:
+    """``loss/<label>``: each source's mean loss over the step's sequences."""
+    return {k: v for k, v in record.items() if k.startswith("loss/")}
+
+
 def assert_same_run(reference: Path, run: Path, steps: range, rel: float) -> None:
-    """Per step: the loss within ``rel`` of the reference's and the per-source metrics equal; the LR equal."""
+    """Per step: the loss and each source's loss within ``rel`` of the reference's, the per-source tokens, shares
+    and epochs equal; the LR equal."""
     ref, got = read_metrics(reference), read_metrics(run)
     for step in steps:
         assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=rel), step
+        assert source_losses(got[step]) == pytest.approx(source_losses(ref[step]), rel=rel), step
         assert got[step]["lr"] == ref[step]["lr"], step
         assert source_metrics(got[step]) == source_metrics(ref[step]), step
 
@@ -123,7 +131,7 @@ def assert_same_run(reference: Path, run: Path, steps: range, rel: float) -> Non
 def assert_bitwise(reference: Path, run: Path, steps: range) -> None:
     ref, got = read_metrics(reference), read_metrics(run)
     for step in steps:
-        for key in ("loss", "grad_norm"):
+        for key in ("loss", "grad_norm", *source_losses(ref[step])):
             assert got[step][key].hex() == ref[step][key].hex(), (step, key)
         assert source_metrics(got[step]) == source_metrics(ref[step]), step
 
@@ -134,6 +142,7 @@ def assert_declared_shares(run: Path) -> None:
     records = read_metrics(run)
     for step, record in records.items():
         assert set(source_metrics(record)) == {f"{k}/{label}" for k in ("tokens", "share", "epoch") for label in LABELS}
+        assert set(source_losses(record)) == {f"loss/{label}" for label in LABELS}, step
         assert sum(record[f"share/{label}"] for label in LABELS) == pytest.approx(1.0)
         for label, w in WEIGHTS.items():
             drawn = Fraction(record[f"tokens/{label}"], SEQ_LEN)
