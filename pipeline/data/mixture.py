@@ -22,7 +22,9 @@ exactly on any number of ranks.
 
 from __future__ import annotations
 
+import functools
 import heapq
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -45,9 +47,30 @@ def exact_weights(weights: Sequence[float]) -> tuple[Fraction, ...]:
     return tuple(w / total for w in approx)
 
 
+PERIOD_LIMIT = 1 << 20
+"""Longest schedule period built once and tiled; weights of a longer period are scheduled position by position."""
+
+
 def interleave(weights: Sequence[Fraction], n: int) -> np.ndarray:
     """The source of each of ``n`` consecutive positions of one phase (``int16``), by earliest deadline first over
-    the sources' Pfair windows (module docstring). ``weights`` sum to 1; a source of weight 0 is never chosen."""
+    the sources' Pfair windows (module docstring). ``weights`` sum to 1; a source of weight 0 is never chosen.
+
+    The schedule repeats with a period of the least common multiple ``L`` of the weights' denominators: after ``L``
+    positions every source has exactly ``w * L`` sequences (within one, and both are integers), so every window and
+    choice afterwards is the first period's shifted by ``L``. A period up to `PERIOD_LIMIT` is built once and tiled
+    (one source: a period of 1)."""
+    period = math.lcm(*(w.denominator for w in weights))
+    if period < n and period <= PERIOD_LIMIT:
+        return np.resize(_period(tuple(weights), period), n)
+    return _earliest_deadline_first(weights, n)
+
+
+@functools.lru_cache(maxsize=16)
+def _period(weights: tuple[Fraction, ...], period: int) -> np.ndarray:
+    return _earliest_deadline_first(weights, period)
+
+
+def _earliest_deadline_first(weights: Sequence[Fraction], n: int) -> np.ndarray:
     out = np.empty(n, dtype=np.int16)
     counts = [0] * len(weights)
 
@@ -230,6 +253,14 @@ def _consumed_of(state: dict[str, Any]) -> int:
     return int(state["window_index"]) * int(state["window"]) + int(state["taken"])
 
 
+def with_tasks(stream: SequenceStream, fraction: float, label: str = "data") -> MixtureStream:
+    """One text stream with the retrieval tasks over ``fraction`` of its sequences: the mixture ``data.path`` with
+    ``data.retrieval_mix.fraction`` makes (``pipeline.train.sources``), for a stream built by hand."""
+    sources = [Source(label, "text", 0), Source("retrieval", "retrieval", 0)]
+    share = Fraction(fraction).limit_denominator(MAX_DENOMINATOR)
+    return MixtureStream(sources, {0: stream}, Schedule([Phase(0, (1 - share, share))]), None)
+
+
 class MixtureResumeError(ValueError):
     """A checkpoint's mixture cannot continue under this config; the message names the key."""
 
@@ -239,15 +270,16 @@ def check_mixture_resume(saved: dict[str, Any], current: dict[str, Any], consume
 
     ``saved`` and ``current`` are `MixtureStream` records: ``sources`` (label -> definition, fingerprint included)
     and ``phases`` (list of ``{"start": first global sequence, "weights": {label: "p/q"}}``). A phase that starts
-    after ``consumed`` may be added, changed or removed; a source may be added when no past or current phase gives it
-    a weight.
+    at or after ``consumed`` may be added, changed or removed; a source may be added when no past or current phase
+    gives it a weight.
 
     Raises:
         MixtureResumeError: one line naming what changed.
     """
     old_phases, new_phases = saved["phases"], current["phases"]
-    reached_old = [p for p in old_phases if p["start"] <= consumed]
-    reached_new = [p for p in new_phases if p["start"] <= consumed]
+    # A phase has drawn from the stream once it starts before the position; one starting at it has drawn nothing.
+    reached_old = [p for p in old_phases if p["start"] < consumed or p["start"] == 0]
+    reached_new = [p for p in new_phases if p["start"] < consumed or p["start"] == 0]
     if len(reached_old) != len(reached_new):
         raise MixtureResumeError(
             f"the checkpoint is in phase {len(reached_old) - 1} of data.phases (started at sequence "

@@ -604,6 +604,11 @@ class RankBatches:
         self.rank, self.world_size = rank, world_size
         self.mix, self.seed = mix, seed
         self.answer_weight = answer_weight
+        if mix is not None and not hasattr(stream, "next_labeled"):
+            raise ValueError(
+                "a retrieval mix needs a stream that says which sequences carry a task: "
+                "pipeline.data.mixture.with_tasks(stream, fraction)"
+            )
         self.families: collections.Counter[str] = collections.Counter()
         """Tasks written into this rank's sequences so far in this process, per family."""
         self.step_sources = np.zeros(0, dtype=np.int64)

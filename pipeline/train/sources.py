@@ -266,6 +266,7 @@ def check_mixture(cfg: TrainConfig) -> Mixture:
                 f"sha256 {sha[:12]} vs {first[1][:12]}): prepare every source with the same tokenizer "
                 "(make prep tokenizer.model=<the first one's tokenizer.model>)"
             )
+    _check_primary_tokenizer(cfg, mixture, tokenizers)
     seq_len = cfg.train.seq_len
     rows = budgets(cfg, mixture)
     for s, row in zip(mixture.sources, rows):
@@ -285,6 +286,32 @@ def check_mixture(cfg: TrainConfig) -> Mixture:
             )
     log_table(cfg, mixture, rows)
     return mixture
+
+
+def _check_primary_tokenizer(cfg: TrainConfig, mixture: Mixture, tokenizers: dict[str, str]) -> None:
+    """``data.path`` gives a mixture run its tokenizer, EOS, vocabulary and the export's tokenizer: when a config
+    sets it to a dataset that is not one of the sources (a base config's ``data.path`` under an added
+    ``data.sources``), it must share the sources' tokenizer."""
+    path = cfg.data.path
+    first = next((s for s in mixture.sources if s.task == "text"), None)
+    if first is None or not tokenizers or is_remote(path) or any(s.path == path for s in mixture.sources):
+        return
+    if not (Path(path) / fmt.MANIFEST_FILENAME).is_file():
+        raise ConfigError(
+            f"data.path={path} is not one of data.sources and not a prepared dataset; it gives the run its tokenizer "
+            f"and vocabulary: set data.path={first.path} (the first source), or leave it out"
+        )
+    try:
+        sha = fmt.read_manifest(path).tokenizer.sha256
+    except (OSError, ValueError, fmt.IncompleteDatasetError) as err:
+        raise ConfigError(f"data.path={path}: {err}") from None
+    label, source_sha = next(iter(tokenizers.items()))
+    if sha != source_sha:
+        raise ConfigError(
+            f"data.path={path} was tokenized with another tokenizer than the sources ({label!r}: sha256 "
+            f"{source_sha[:12]} vs {sha[:12]}), and it gives the run its tokenizer, vocabulary and export: set "
+            f"data.path={first.path} (the first source), or leave it out"
+        )
 
 
 def log_table(cfg: TrainConfig, mixture: Mixture, rows: list[SourceBudget]) -> None:

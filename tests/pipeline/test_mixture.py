@@ -99,6 +99,14 @@ def test_every_prefix_holds_each_weight_within_one_sequence():
                 assert abs(counts[d] - w * n) < 1, (raw, n, d)
 
 
+def test_a_tiled_period_equals_the_schedule_built_position_by_position():
+    from pipeline.data.mixture import _earliest_deadline_first
+
+    for raw in ([0.5, 0.3, 0.2], [0.28, 0.28, 0.39, 0.05], [1 / 3, 2 / 3], [1.0], [0.1, 0.0, 0.9]):
+        weights = exact_weights(raw)
+        assert (interleave(weights, 5000) == _earliest_deadline_first(weights, 5000)).all(), raw
+
+
 def test_a_source_of_weight_zero_is_never_drawn_and_a_schedule_is_the_same_built_in_pieces():
     phases = [Phase(0, exact_weights([0.5, 0.0, 0.5])), Phase(30, exact_weights([0.0, 1.0, 3.0]))]
     whole = Schedule(phases).of(np.arange(100))
@@ -256,6 +264,10 @@ def test_a_past_or_current_phase_is_frozen_and_a_later_one_is_free():
     saved = _record([{"books": "1/2", "web": "1/2"}], [0])
     later = _record([{"books": "1/2", "web": "1/2"}, {"web": "1"}], [0, 60])
     check_mixture_resume(saved, later, consumed=30)  # a phase added after the position
+    check_mixture_resume(saved, later, consumed=60)  # one starting at the position has drawn nothing yet
+    check_mixture_resume(later, saved, consumed=60)  # and may go again
+    with pytest.raises(MixtureResumeError, match="a past or current phase cannot be added, moved or removed"):
+        check_mixture_resume(later, saved, consumed=61)
     with pytest.raises(MixtureResumeError, match=r"data\.sources\[\*\]\.weight: the weights of a past or current"):
         check_mixture_resume(saved, _record([{"books": "1/3", "web": "2/3"}], [0]), consumed=30)
     with pytest.raises(MixtureResumeError, match="a past or current phase cannot be added, moved or removed"):
@@ -407,3 +419,15 @@ def test_a_declared_retrieval_source_writes_tasks_over_its_host_in_its_share(tmp
             text = row[row != EOS]
             assert ((text >= low) & (text < high)).all() != is_task  # a task writes words of the tokenizer over it
     assert batches.families == {"single": 12}
+
+
+def test_a_base_config_s_data_path_of_another_tokenizer_is_refused(tmp_path, datasets):
+    """``data.sources`` added over a config whose ``data.path`` names another dataset: that path would give the run
+    its tokenizer and vocabulary, so a tokenizer other than the sources' is a one-line error naming the fix."""
+    other = _dataset(tmp_path, "web", 20, 9, train_test_tokenizer(["another corpus of words"] * 50, 40))
+    spec = _spec(datasets, {"books": 0.5, "code": 0.5})
+    with pytest.raises(ConfigError) as err:
+        check_mixture(_config(tmp_path, f"data.path={other}", spec))
+    assert str(err.value).startswith(f"data.path={other} was tokenized with another tokenizer than the sources")
+    assert str(err.value).endswith(f"set data.path={datasets['books']} (the first source), or leave it out")
+    check_mixture(_config(tmp_path, f"data.path={datasets['web']}", spec))  # the same tokenizer: accepted

@@ -23,6 +23,7 @@ import pytest
 import torch
 from helpers import insert_task, one_family_mix, train_test_tokenizer
 
+from pipeline.data.mixture import with_tasks
 from pipeline.data.needle import (
     HOP_TEMPLATES,
     SYLLABLES,
@@ -401,7 +402,7 @@ def test_rank_batches_weigh_exactly_the_two_hop_answers(tiny_data, hop_model, sp
         if not with_needles:
             return RankBatches(stream, global_batch=batch, micro_batch=4, rank=0, world_size=1)
         return RankBatches(
-            stream,
+            with_tasks(stream, needles.fraction),
             global_batch=batch,
             micro_batch=4,
             rank=0,

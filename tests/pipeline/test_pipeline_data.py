@@ -6,6 +6,7 @@ import torch
 from helpers import one_family_mix
 
 from pipeline.data.mix import sentencepiece_codec
+from pipeline.data.mixture import with_tasks
 from pipeline.data.reader import MDSReader, PackedSequences, RankBatches
 
 SEQ, GLOBAL, MICRO = 64, 8, 2
@@ -119,7 +120,8 @@ def test_needles_are_deterministic_and_well_formed(reader, tiny_data):
     needles = one_family_mix(tiny_data / "tokenizer.model", SEQ * 2, 16, fraction=0.5)
     decode = sentencepiece_codec(tiny_data / "tokenizer.model").decode
     stream = PackedSequences(reader, seq_len=SEQ * 2, seed=0, shuffle=True, window=8, eos_id=None)
-    rb = RankBatches(stream, global_batch=GLOBAL, micro_batch=MICRO, rank=0, world_size=1, mix=needles, seed=9)
+    tasks = with_tasks(stream, needles.fraction)
+    rb = RankBatches(tasks, global_batch=GLOBAL, micro_batch=MICRO, rank=0, world_size=1, mix=needles, seed=9)
     batch = torch.cat(rb.next_step())
     assert batch.shape == (GLOBAL, SEQ * 2)
     marked = 0
@@ -131,5 +133,6 @@ def test_needles_are_deterministic_and_well_formed(reader, tiny_data):
             assert f"What is the pass key? The pass key is {key}" in text
     assert 0 < marked < GLOBAL
     stream2 = PackedSequences(reader, seq_len=SEQ * 2, seed=0, shuffle=True, window=8, eos_id=None)
-    rank1 = RankBatches(stream2, global_batch=GLOBAL, micro_batch=MICRO, rank=1, world_size=2, mix=needles, seed=9)
+    tasks2 = with_tasks(stream2, needles.fraction)
+    rank1 = RankBatches(tasks2, global_batch=GLOBAL, micro_batch=MICRO, rank=1, world_size=2, mix=needles, seed=9)
     assert torch.equal(torch.cat(rank1.next_step()), batch[GLOBAL // 2 :])

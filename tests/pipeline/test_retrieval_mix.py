@@ -21,7 +21,7 @@ import torch
 from helpers import train_test_tokenizer
 
 from pipeline.data.mix import RetrievalMix, sentencepiece_codec
-from pipeline.data.mixture import MixtureStream, Phase, Schedule, Source, exact_weights
+from pipeline.data.mixture import with_tasks
 from pipeline.data.needle import SYLLABLES, TEMPLATES, NeedleSpec, lay_out_needle, needle_parts
 from pipeline.data.reader import MDSReader, PackedSequences, RankBatches
 from pipeline.data.retrieval_tasks import DEFAULT_SHAPE, FAMILIES, FIXED_TEMPLATES, Codec, TaskShape, build_task
@@ -267,9 +267,7 @@ def test_a_resumed_stream_mixes_the_same_sequences(tiny_data, codec):
     mix = RetrievalMix(codec, seq_len=L, chunk_size=S, fraction=0.5, families={"single": 1.0, "multiquery": 1.0})
 
     def batches() -> RankBatches:
-        text = PackedSequences(reader, seq_len=L, seed=0, shuffle=True, window=4, eos_id=None)
-        sources = [Source("data", "text", 0), Source("retrieval", "retrieval", 0)]
-        stream = MixtureStream(sources, {0: text}, Schedule([Phase(0, exact_weights([0.5, 0.5]))]), None)
+        stream = with_tasks(PackedSequences(reader, seq_len=L, seed=0, shuffle=True, window=4, eos_id=None), 0.5)
         return RankBatches(stream, global_batch=4, micro_batch=2, rank=0, world_size=1, mix=mix, seed=5)
 
     first = batches()
