@@ -10,7 +10,7 @@ windows: the ``k``-th sequence of a source of weight ``w`` (``k`` = 1, 2, ... wi
 position ``p`` of the phase with ``floor((k - 1) / w) <= p < ceil(k / w)``. Since the weights sum to 1 that schedule
 always exists, and it keeps every prefix of the phase within one sequence of ``w * n`` for every source
 (Baruah et al., "Proportionate progress", 1996): the stratified mix every global batch reflects, with no random draw
-at the mix level. The weights are exact fractions (denominators up to 2**20), so the schedule is the same on every
+at the mix level. The weights are exact multiples of 2**-16 (`exact_weights`), so the schedule is the same on every
 machine.
 
 Each text source reads its own split in its own order (``pipeline.data.order``, seeded per source), one sequence
@@ -22,8 +22,8 @@ exactly on any number of ranks.
 
 from __future__ import annotations
 
-import functools
 import heapq
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -34,67 +34,86 @@ import numpy as np
 
 from pipeline.data.reader import SequenceStream
 
-MAX_DENOMINATOR = 1 << 20
-"""Weights become fractions with at most this denominator: 1e-6 resolution, exact arithmetic in the schedule."""
+RESOLUTION = 1 << 16
+"""Weights are whole multiples of ``1 / RESOLUTION``: the schedule repeats every ``RESOLUTION`` sequences at most."""
 MIXTURE_STATE_KEY = "mixture"
 """Where a data state of several text sources records the mixture (`MixtureStream.state_dict`)."""
 
 
 def exact_weights(weights: Sequence[float]) -> tuple[Fraction, ...]:
-    """``weights`` (finite, >= 0, some > 0) as exact fractions summing to 1."""
-    approx = [Fraction(w).limit_denominator(MAX_DENOMINATOR) for w in weights]
-    total = sum(approx, Fraction(0))
-    return tuple(w / total for w in approx)
-
-
-PERIOD_LIMIT = 1 << 20
-"""Longest schedule period built once and tiled; weights of a longer period are scheduled position by position."""
+    """``weights`` (finite, >= 0, some > 0) normalised to exact fractions of `RESOLUTION` that sum to 1: each the
+    nearest multiple of ``1 / RESOLUTION`` by the largest-remainder rule (so within ``1 / RESOLUTION`` of the
+    normalised value), and a weight above 0 never below ``1 / RESOLUTION``."""
+    total = sum(weights)
+    scaled = [w / total * RESOLUTION for w in weights]
+    units = [max(math.floor(x), 1) if w > 0 else 0 for w, x in zip(weights, scaled)]
+    by_remainder = sorted(range(len(units)), key=lambda i: (units[i] - scaled[i], i))
+    step = 1 if sum(units) < RESOLUTION else -1
+    for i in itertools.cycle(by_remainder if step == 1 else reversed(by_remainder)):
+        if sum(units) == RESOLUTION:
+            break
+        if step == 1 or units[i] > 1:
+            units[i] += step
+    return tuple(Fraction(u, RESOLUTION) for u in units)
 
 
 def interleave(weights: Sequence[Fraction], n: int) -> np.ndarray:
-    """The source of each of ``n`` consecutive positions of one phase (``int16``), by earliest deadline first over
-    the sources' Pfair windows (module docstring). ``weights`` sum to 1; a source of weight 0 is never chosen.
-
-    The schedule repeats with a period of the least common multiple ``L`` of the weights' denominators: after ``L``
-    positions every source has exactly ``w * L`` sequences (within one, and both are integers), so every window and
-    choice afterwards is the first period's shifted by ``L``. A period up to `PERIOD_LIMIT` is built once and tiled
-    (one source: a period of 1)."""
-    period = math.lcm(*(w.denominator for w in weights))
-    if period < n and period <= PERIOD_LIMIT:
-        return np.resize(_period(tuple(weights), period), n)
-    return _earliest_deadline_first(weights, n)
+    """The source of each of the first ``n`` positions of a phase of ``weights`` (`PhaseOrder`)."""
+    return PhaseOrder(weights).first(n)
 
 
-@functools.lru_cache(maxsize=16)
-def _period(weights: tuple[Fraction, ...], period: int) -> np.ndarray:
-    return _earliest_deadline_first(weights, period)
+class PhaseOrder:
+    """The source of each position of one phase (``int16``), by earliest deadline first over the sources' Pfair
+    windows (module docstring). ``weights`` sum to 1; a source of weight 0 is never chosen.
 
+    The schedule repeats with a period of the least common multiple ``L`` of the weights' denominators (at most
+    `RESOLUTION`): after ``L`` positions every source has exactly ``w * L`` sequences (within one, and both are
+    integers), so every window and choice afterwards is the first period's shifted by ``L``. The first period is
+    scheduled position by position when the order is made (at most `RESOLUTION` positions, about 0.1 s), then tiled
+    (one source: a period of 1).
 
-def _earliest_deadline_first(weights: Sequence[Fraction], n: int) -> np.ndarray:
-    out = np.empty(n, dtype=np.int16)
-    counts = [0] * len(weights)
+    Raises:
+        ValueError: weights that are not multiples of ``1 / RESOLUTION`` (not from `exact_weights`).
+    """
 
-    def window(source: int) -> tuple[int, int]:
+    def __init__(self, weights: Sequence[Fraction]) -> None:
+        self.weights = tuple(weights)
+        self.period = math.lcm(*(w.denominator for w in self.weights))
+        if RESOLUTION % self.period or sum(self.weights) != 1:
+            raise ValueError(f"weights {self.weights} are not multiples of 1/{RESOLUTION} summing to 1")
+        self._counts = [0] * len(self.weights)
+        self._numerators = [w.numerator for w in self.weights]
+        self._denominators = [w.denominator for w in self.weights]
+        self._waiting: list[tuple[int, int, int]] = []  # (release, deadline, source)
+        self._ready: list[tuple[int, int]] = []  # (deadline, source)
+        for source, w in enumerate(self.weights):
+            if w > 0:
+                heapq.heappush(self._waiting, (*self._window(source), source))
+        self._period = self._take(self.period)
+
+    def first(self, n: int) -> np.ndarray:
+        """The sources of positions ``[0, n)``."""
+        return np.resize(self._period, n)
+
+    def _window(self, source: int) -> tuple[int, int]:
         """(release, deadline) of the source's next sequence: floor(c / w), ceil((c + 1) / w)."""
-        w, c = weights[source], counts[source]
-        return (c * w.denominator) // w.numerator, -((-(c + 1) * w.denominator) // w.numerator)
+        p, q, c = self._numerators[source], self._denominators[source], self._counts[source]
+        return (c * q) // p, -((-(c + 1) * q) // p)
 
-    waiting: list[tuple[int, int, int]] = []  # (release, deadline, source)
-    ready: list[tuple[int, int]] = []  # (deadline, source)
-    for source, w in enumerate(weights):
-        if w > 0:
-            heapq.heappush(waiting, (*window(source), source))
-    for position in range(n):
-        while waiting and waiting[0][0] <= position:
-            _, deadline, source = heapq.heappop(waiting)
-            heapq.heappush(ready, (deadline, source))
-        # Weights summing to 1 keep a released sequence waiting at every position; the fallback only guards rounding.
-        deadline, source = heapq.heappop(ready) if ready else heapq.heappop(waiting)[1:]
-        out[position] = source
-        counts[source] += 1
-        release, deadline = window(source)
-        heapq.heappush(waiting, (release, deadline, source))
-    return out
+    def _take(self, n: int) -> np.ndarray:
+        out = np.empty(n, dtype=np.int16)
+        waiting, ready, start = self._waiting, self._ready, sum(self._counts)
+        for offset in range(n):
+            position = start + offset
+            while waiting and waiting[0][0] <= position:
+                _, deadline, source = heapq.heappop(waiting)
+                heapq.heappush(ready, (deadline, source))
+            # Weights summing to 1 keep a released sequence waiting at every position; the fallback guards rounding.
+            _, source = heapq.heappop(ready) if ready else heapq.heappop(waiting)[1:]
+            out[offset] = source
+            self._counts[source] += 1
+            heapq.heappush(waiting, (*self._window(source), source))
+        return out
 
 
 @dataclass(frozen=True)
@@ -112,15 +131,16 @@ class Schedule:
         if not phases or phases[0].start != 0 or any(a.start >= b.start for a, b in zip(phases, phases[1:])):
             raise ValueError("the phases must start at sequence 0 and in increasing order")
         self.phases = list(phases)
+        self._orders = [PhaseOrder(phase.weights) for phase in self.phases]
         self._sources = np.zeros(0, dtype=np.int16)
 
     def _build(self, end: int) -> None:
-        end = max(end, 2 * len(self._sources))  # amortised: a stream asks batch by batch
+        end = max(end, 2 * len(self._sources))  # amortised: a stream asks batch by batch; tiling is cheap
         parts = []
-        for phase, after in zip(self.phases, [*self.phases[1:], None]):
+        for phase, order, after in zip(self.phases, self._orders, [*self.phases[1:], None]):
             stop = end if after is None else min(after.start, end)
             if stop > phase.start:
-                parts.append(interleave(phase.weights, stop - phase.start))
+                parts.append(order.first(stop - phase.start))
         self._sources = np.concatenate(parts)
 
     def of(self, ids: np.ndarray) -> np.ndarray:
@@ -128,6 +148,12 @@ class Schedule:
         if len(ids) and int(ids.max()) >= len(self._sources):
             self._build(int(ids.max()) + 1)
         return self._sources[ids]
+
+    def range(self, start: int, n: int) -> np.ndarray:
+        """The sources of global sequences ``[start, start + n)``."""
+        if start + n > len(self._sources):
+            self._build(start + n)
+        return self._sources[start : start + n]
 
     def counts(self, end: int, num_sources: int) -> np.ndarray:
         """Sequences each source gives among global indices ``[0, end)``."""
@@ -180,6 +206,8 @@ class MixtureStream:
         self.sources, self.streams, self.schedule, self.record = list(sources), dict(streams), schedule, record
         self.consumed = 0
         """Global sequences drawn: the index of the next one."""
+        self._host_of = np.asarray([s.host for s in self.sources], dtype=np.int64)
+        self._task_of = np.asarray([s.task == "retrieval" for s in self.sources])
 
     @property
     def epoch(self) -> int:
@@ -191,23 +219,20 @@ class MixtureStream:
         return {self.sources[index].label: stream.epoch for index, stream in self.streams.items()}
 
     def next_labeled(self, n: int) -> Draw:
-        ids = np.arange(self.consumed, self.consumed + n, dtype=np.int64)
-        sources = self.schedule.of(ids).astype(np.int64)
-        hosts = np.asarray([s.host for s in self.sources], dtype=np.int64)[sources]
-        sequences = keys = None
-        for index, stream in self.streams.items():
-            rows = np.flatnonzero(hosts == index)
-            if not len(rows):
-                continue
-            seqs, ids_of = stream.next(len(rows))
-            if sequences is None or keys is None:
-                sequences = np.empty((n, seqs.shape[1]), dtype=np.int64)
-                keys = np.empty(n, dtype=np.int64)
-            sequences[rows], keys[rows] = seqs, ids_of
-        assert sequences is not None and keys is not None, "n >= 1 and every source has a host"
+        sources = self.schedule.range(self.consumed, n).astype(np.int64)
         self.consumed += n
-        tasks = np.asarray([s.task == "retrieval" for s in self.sources])[sources]
-        return Draw(sequences=sequences, keys=keys, sources=sources, tasks=tasks)
+        if len(self.streams) == 1:  # every sequence is the one text stream's next
+            (stream,) = self.streams.values()
+            sequences, keys = stream.next(n)
+            return Draw(sequences=sequences, keys=keys, sources=sources, tasks=self._task_of[sources])
+        hosts = self._host_of[sources]
+        by_host = np.argsort(hosts, kind="stable")  # each stream's rows, in order
+        counts = np.bincount(hosts, minlength=len(self.sources))
+        parts = [self.streams[index].next(int(counts[index])) for index in self.streams if counts[index]]
+        sequences, keys = np.empty((n, parts[0][0].shape[1]), dtype=np.int64), np.empty(n, dtype=np.int64)
+        sequences[by_host] = np.concatenate([seqs for seqs, _ in parts])
+        keys[by_host] = np.concatenate([ids for _, ids in parts])
+        return Draw(sequences=sequences, keys=keys, sources=sources, tasks=self._task_of[sources])
 
     def next(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         draw = self.next_labeled(n)
@@ -257,8 +282,7 @@ def with_tasks(stream: SequenceStream, fraction: float, label: str = "data") -> 
     """One text stream with the retrieval tasks over ``fraction`` of its sequences: the mixture ``data.path`` with
     ``data.retrieval_mix.fraction`` makes (``pipeline.train.sources``), for a stream built by hand."""
     sources = [Source(label, "text", 0), Source("retrieval", "retrieval", 0)]
-    share = Fraction(fraction).limit_denominator(MAX_DENOMINATOR)
-    return MixtureStream(sources, {0: stream}, Schedule([Phase(0, (1 - share, share))]), None)
+    return MixtureStream(sources, {0: stream}, Schedule([Phase(0, exact_weights([1 - fraction, fraction]))]), None)
 
 
 class MixtureResumeError(ValueError):

@@ -169,12 +169,14 @@ class BlockShuffledSequences:
     def next(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """The next ``n`` sequences ``[n, seq_len]`` (int64) and their global indices ``[n]``."""
         out = np.empty((n, self.seq_len), dtype=np.int64)
-        for row in range(n):
+        row = 0
+        while row < n:
             block = self._current_block()
-            position = int(block.sequence_order[self._taken]) * self.seq_len
-            out[row] = block.joined[position : position + self.seq_len]
-            self._taken += 1
-            self._emitted_this_epoch += 1
+            take = min(n - row, len(block.sequence_order) - self._taken)
+            rows = block.sequence_order[self._taken : self._taken + take]
+            sequences = block.joined[: len(block.sequence_order) * self.seq_len].reshape(-1, self.seq_len)
+            out[row : row + take] = sequences[rows]
+            row, self._taken, self._emitted_this_epoch = row + take, self._taken + take, self._emitted_this_epoch + take
         ids = np.arange(self._consumed, self._consumed + n, dtype=np.int64)
         self._consumed += n
         return out, ids

@@ -99,12 +99,23 @@ def test_every_prefix_holds_each_weight_within_one_sequence():
                 assert abs(counts[d] - w * n) < 1, (raw, n, d)
 
 
-def test_a_tiled_period_equals_the_schedule_built_position_by_position():
-    from pipeline.data.mixture import _earliest_deadline_first
+def test_a_tiled_period_and_a_schedule_built_in_pieces_equal_one_built_position_by_position():
+    import pipeline.data.mixture as mixture
 
-    for raw in ([0.5, 0.3, 0.2], [0.28, 0.28, 0.39, 0.05], [1 / 3, 2 / 3], [1.0], [0.1, 0.0, 0.9]):
+    for raw in ([0.5, 0.3, 0.2], [0.28, 0.28, 0.39, 0.05], [1 / 3, 2 / 3], [1.0], [0.1, 0.0, 0.9], [0.3571, 0.6429]):
         weights = exact_weights(raw)
-        assert (interleave(weights, 5000) == _earliest_deadline_first(weights, 5000)).all(), raw
+        reference = mixture.PhaseOrder(weights)._take(5000)  # position by position, one call, no tiling
+        assert (interleave(weights, 5000) == reference).all(), raw
+        pieces = mixture.PhaseOrder(weights)
+        assert (np.concatenate([pieces.first(n)[n - 7 : n] for n in range(7, 5001, 7)]) == reference[:4998]).all()
+
+
+def test_weights_become_multiples_of_the_resolution_nearest_the_normalised_value():
+    for raw in ([0.5, 0.3, 0.2], [801888, 743780, 697193], [1e-9, 1.0], [3.0, 0.0, 1.0], [1.0] * 7):
+        weights = exact_weights(raw)
+        assert sum(weights) == 1 and all((w * (1 << 16)).denominator == 1 for w in weights)
+        for w, r in zip(weights, raw):
+            assert (w > 0) == (r > 0) and abs(float(w) - r / sum(raw)) <= 2**-16
 
 
 def test_a_source_of_weight_zero_is_never_drawn_and_a_schedule_is_the_same_built_in_pieces():
@@ -315,7 +326,8 @@ def test_one_dataset_keeps_the_position_it_always_recorded(tmp_path, datasets):
 def test_the_retrieval_tasks_are_a_source_of_their_fraction_at_every_prefix(tmp_path, datasets):
     cfg = _config(tmp_path, f"data.path={datasets['books']}", "data.retrieval_mix.fraction=0.3")
     mixture = resolve_mixture(cfg)
-    assert mixture.labels == ["books", "retrieval"] and mixture.phases[0].weights[1] == Fraction(3, 10)
+    assert mixture.labels == ["books", "retrieval"]
+    assert abs(mixture.phases[0].weights[1] - Fraction(3, 10)) <= Fraction(1, 1 << 16)
     _, _, draws = _draws(cfg, 10)
     tasks = np.concatenate([d.tasks for d in draws])
     assert all(abs(tasks[:n].sum() - 0.3 * n) < 1 for n in range(1, len(tasks) + 1))
@@ -383,7 +395,7 @@ def test_the_documented_recipe_resolves_to_its_stated_shares():
     cfg = load_config(Path(__file__).parents[2] / "configs/train/gca_mix_16k.yaml", [], 8)
     mixture = resolve_mixture(cfg)
     assert mixture.labels == ["books", "code", "short", "retrieval"] and cfg.data.path == "data/books"
-    assert [float(w) for w in mixture.phases[0].weights] == [0.28, 0.28, 0.39, 0.05]
+    assert [float(w) for w in mixture.phases[0].weights] == pytest.approx([0.28, 0.28, 0.39, 0.05], abs=2**-16)
     assert [p.start for p in mixture.phases] == [0, 50000 * 32]
     assert [s.bucket for s in mixture.sources] == [(16384, None), (16384, None), (0, None), (0, None)]
     assert mixture.sources[3].host == "books"
