@@ -228,10 +228,16 @@ class MixtureStream:
         hosts = self._host_of[sources]
         by_host = np.argsort(hosts, kind="stable")  # each stream's rows, in order
         counts = np.bincount(hosts, minlength=len(self.sources))
-        parts = [self.streams[index].next(int(counts[index])) for index in self.streams if counts[index]]
-        sequences, keys = np.empty((n, parts[0][0].shape[1]), dtype=np.int64), np.empty(n, dtype=np.int64)
-        sequences[by_host] = np.concatenate([seqs for seqs, _ in parts])
-        keys[by_host] = np.concatenate([ids for _, ids in parts])
+        sequences = keys = None
+        at = 0
+        for index in sorted(self.streams):
+            if counts[index]:
+                seqs, ids = self.streams[index].next(int(counts[index]))
+                if sequences is None or keys is None:
+                    sequences, keys = np.empty((n, seqs.shape[1]), dtype=np.int64), np.empty(n, dtype=np.int64)
+                rows = by_host[at : at + len(ids)]
+                sequences[rows], keys[rows], at = seqs, ids, at + len(ids)
+        assert sequences is not None and keys is not None, "n >= 1 and every source has a host"
         return Draw(sequences=sequences, keys=keys, sources=sources, tasks=self._task_of[sources])
 
     def next(self, n: int) -> tuple[np.ndarray, np.ndarray]:
