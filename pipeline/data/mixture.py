@@ -223,12 +223,13 @@ class MixtureStream:
         self.consumed += n
         if len(self.streams) == 1:  # every sequence is the one text stream's next
             (stream,) = self.streams.values()
-            sequences, keys = stream.next(n)
-            return Draw(sequences=sequences, keys=keys, sources=sources, tasks=self._task_of[sources])
+            alone, alone_keys = stream.next(n)
+            return Draw(sequences=alone, keys=alone_keys, sources=sources, tasks=self._task_of[sources])
         hosts = self._host_of[sources]
         by_host = np.argsort(hosts, kind="stable")  # each stream's rows, in order
         counts = np.bincount(hosts, minlength=len(self.sources))
-        sequences = keys = None
+        sequences: np.ndarray | None = None
+        keys: np.ndarray | None = None
         at = 0
         for index in sorted(self.streams):
             if counts[index]:
