@@ -76,10 +76,10 @@ def resolve_mixture(cfg: TrainConfig) -> Mixture:
         label = _label_of(d.path) if isinstance(d.path, str) else "data"
         text = MixtureSource(label, "text", d.path, label, (0, None), None, "data.path")
         if settings.fraction == 0:
-            return Mixture([text], [Phase(0, (Fraction(1),))], declared=False)
+            return Mixture([text], [Phase(0, exact_weights([1.0]))], declared=False)
         task = MixtureSource(RETRIEVAL_LABEL, "retrieval", None, label, (0, None), None, "data.retrieval_mix")
-        fraction = Fraction(settings.fraction).limit_denominator(1 << 20)
-        return Mixture([text, task], [Phase(0, (1 - fraction, fraction))], declared=False)
+        weights = exact_weights([1 - settings.fraction, settings.fraction])
+        return Mixture([text, task], [Phase(0, weights)], declared=False)
     if settings.fraction > 0:
         key = "data.needle_mix" if d.needle_mix > 0 else "data.retrieval_mix.fraction"
         raise ConfigError(
