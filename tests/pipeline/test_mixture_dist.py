@@ -32,6 +32,7 @@ from helpers import TINY_TRAIN_OVERRIDES, free_port
 from torchrun_jobs import run_job, torchrun_cmd
 
 from data_prep import format as fmt
+from pipeline.data.mixture import exact_weights
 
 pytestmark = pytest.mark.dist
 
@@ -217,7 +218,8 @@ def test_a_phase_change_on_two_ranks_draws_the_new_weights_and_resumes_across_th
         assert drawn == NEW_WEIGHTS[label] * BATCH * (STEPS - PHASE_STEP) * SEQ_LEN, label
     phases = data_state(straight, STEPS)["mixture"]["phases"]
     assert [p["start"] for p in phases] == [0, PHASE_STEP * BATCH]
-    assert phases[1]["weights"] == {label: str(w) for label, w in NEW_WEIGHTS.items()}
+    recorded = exact_weights([1, 2, 3])  # 1/6 and 1/3 as the nearest multiples of 2^-16
+    assert phases[1]["weights"] == {label: str(w) for label, w in zip(NEW_WEIGHTS, recorded)}
 
     # SIGKILLed in the new phase, relaunched with the same command: it resumes before the boundary and crosses it.
     rc, out = launch("fsdp", 2, mixture_args(killed, sources, PHASES), fault=f"kill:step={PHASE_STEP + 1}:rank=1")
