@@ -150,6 +150,10 @@ class LengthHistogram:
     its `DOC_ID` as a decimal string, to its whole length in this split. A reader that lays out one shard at a time
     learns such a document's full length from here. At most one per shard boundary."""
 
+    def spanning_lengths(self) -> dict[int, int]:
+        """`spanning_documents` keyed by the integer `DOC_ID` a reader decodes."""
+        return {int(doc): length for doc, length in self.spanning_documents.items()}
+
 
 def _bucket_bounds(min_tokens: int | None, max_tokens: int | None) -> tuple[int, int | None]:
     """(lower bound, upper bound or None) of a length bucket, each a power of two or 0/None for no bound."""

@@ -59,61 +59,64 @@ def exact_weights(weights: Sequence[float]) -> tuple[Fraction, ...]:
 
 def interleave(weights: Sequence[Fraction], n: int) -> np.ndarray:
     """The source of each of the first ``n`` positions of a phase of ``weights`` (`PhaseOrder`)."""
-    return PhaseOrder(weights).first(n)
+    return PhaseOrder(weights).slice(0, n)
+
+
+def earliest_deadline_first(weights: Sequence[Fraction], n: int) -> np.ndarray:
+    """The sources of ``n`` positions, by earliest deadline first over the sources' Pfair windows (module
+    docstring): the ``k``-th sequence of a source of weight ``w = p / q`` is released at ``floor((k - 1) q / p)`` and
+    due by ``ceil(k q / p)``. ``weights`` sum to 1; a source of weight 0 is never chosen."""
+    out = np.empty(n, dtype=np.int16)
+    counts = [0] * len(weights)
+    numerators, denominators = [w.numerator for w in weights], [w.denominator for w in weights]
+
+    def window(source: int) -> tuple[int, int]:
+        p, q, c = numerators[source], denominators[source], counts[source]
+        return (c * q) // p, -((-(c + 1) * q) // p)
+
+    waiting = [(*window(source), source) for source, w in enumerate(weights) if w > 0]  # (release, deadline, source)
+    heapq.heapify(waiting)
+    ready: list[tuple[int, int]] = []  # (deadline, source)
+    for position in range(n):
+        while waiting and waiting[0][0] <= position:
+            _, deadline, source = heapq.heappop(waiting)
+            heapq.heappush(ready, (deadline, source))
+        # Weights summing to 1 keep a released sequence waiting at every position; the fallback guards rounding.
+        _, source = heapq.heappop(ready) if ready else heapq.heappop(waiting)[1:]
+        out[position] = source
+        counts[source] += 1
+        heapq.heappush(waiting, (*window(source), source))
+    return out
 
 
 class PhaseOrder:
-    """The source of each position of one phase (``int16``), by earliest deadline first over the sources' Pfair
-    windows (module docstring). ``weights`` sum to 1; a source of weight 0 is never chosen.
+    """The source of each position of one phase (`earliest_deadline_first`), held as one period.
 
     The schedule repeats with a period of the least common multiple ``L`` of the weights' denominators (at most
     `RESOLUTION`): after ``L`` positions every source has exactly ``w * L`` sequences (within one, and both are
     integers), so every window and choice afterwards is the first period's shifted by ``L``. The first period is
-    scheduled position by position when the order is made (at most `RESOLUTION` positions, about 0.1 s), then tiled
-    (one source: a period of 1).
+    scheduled when the order is made (at most `RESOLUTION` positions, about 0.1 s); any position is then a lookup.
 
     Raises:
-        ValueError: weights that are not multiples of ``1 / RESOLUTION`` (not from `exact_weights`).
+        ValueError: weights that are not multiples of ``1 / RESOLUTION`` summing to 1 (not from `exact_weights`).
     """
 
     def __init__(self, weights: Sequence[Fraction]) -> None:
-        self.weights = tuple(weights)
-        self.period = math.lcm(*(w.denominator for w in self.weights))
-        if RESOLUTION % self.period or sum(self.weights) != 1:
-            raise ValueError(f"weights {self.weights} are not multiples of 1/{RESOLUTION} summing to 1")
-        self._counts = [0] * len(self.weights)
-        self._numerators = [w.numerator for w in self.weights]
-        self._denominators = [w.denominator for w in self.weights]
-        self._waiting: list[tuple[int, int, int]] = []  # (release, deadline, source)
-        self._ready: list[tuple[int, int]] = []  # (deadline, source)
-        for source, w in enumerate(self.weights):
-            if w > 0:
-                heapq.heappush(self._waiting, (*self._window(source), source))
-        self._period = self._take(self.period)
+        length = math.lcm(*(w.denominator for w in weights))
+        if RESOLUTION % length or sum(weights) != 1:
+            raise ValueError(f"weights {tuple(weights)} are not multiples of 1/{RESOLUTION} summing to 1")
+        self.period = earliest_deadline_first(weights, length)
+        self.period_counts = np.bincount(self.period, minlength=len(weights)).astype(np.int64)
 
-    def first(self, n: int) -> np.ndarray:
-        """The sources of positions ``[0, n)``."""
-        return np.resize(self._period, n)
+    def slice(self, offset: int, n: int) -> np.ndarray:
+        """The sources of positions ``[offset, offset + n)`` of the phase."""
+        return self.period[np.arange(offset, offset + n) % len(self.period)]
 
-    def _window(self, source: int) -> tuple[int, int]:
-        """(release, deadline) of the source's next sequence: floor(c / w), ceil((c + 1) / w)."""
-        p, q, c = self._numerators[source], self._denominators[source], self._counts[source]
-        return (c * q) // p, -((-(c + 1) * q) // p)
-
-    def _take(self, n: int) -> np.ndarray:
-        out = np.empty(n, dtype=np.int16)
-        waiting, ready, start = self._waiting, self._ready, sum(self._counts)
-        for offset in range(n):
-            position = start + offset
-            while waiting and waiting[0][0] <= position:
-                _, deadline, source = heapq.heappop(waiting)
-                heapq.heappush(ready, (deadline, source))
-            # Weights summing to 1 keep a released sequence waiting at every position; the fallback guards rounding.
-            _, source = heapq.heappop(ready) if ready else heapq.heappop(waiting)[1:]
-            out[offset] = source
-            self._counts[source] += 1
-            heapq.heappush(waiting, (*self._window(source), source))
-        return out
+    def counts(self, n: int) -> np.ndarray:
+        """Sequences each source gives among the phase's first ``n`` positions."""
+        whole, rest = divmod(n, len(self.period))
+        partial = np.bincount(self.period[:rest], minlength=len(self.period_counts))
+        return whole * self.period_counts + partial
 
 
 @dataclass(frozen=True)
@@ -125,39 +128,36 @@ class Phase:
 
 
 class Schedule:
-    """The source of every global sequence index under ``phases`` (the first starts at 0), built as far as asked."""
+    """The source of every global sequence index under ``phases`` (the first starts at 0); memory: one period per
+    phase."""
 
     def __init__(self, phases: Sequence[Phase]) -> None:
         if not phases or phases[0].start != 0 or any(a.start >= b.start for a, b in zip(phases, phases[1:])):
             raise ValueError("the phases must start at sequence 0 and in increasing order")
         self.phases = list(phases)
         self._orders = [PhaseOrder(phase.weights) for phase in self.phases]
-        self._sources = np.zeros(0, dtype=np.int16)
+        self._ends = [after.start for after in self.phases[1:]] + [None]
 
-    def _build(self, end: int) -> None:
-        end = max(end, 2 * len(self._sources))  # amortised: a stream asks batch by batch; tiling is cheap
-        parts = []
-        for phase, order, after in zip(self.phases, self._orders, [*self.phases[1:], None]):
-            stop = end if after is None else min(after.start, end)
-            if stop > phase.start:
-                parts.append(order.first(stop - phase.start))
-        self._sources = np.concatenate(parts)
-
-    def of(self, ids: np.ndarray) -> np.ndarray:
-        """The source of each global sequence index in ``ids``."""
-        if len(ids) and int(ids.max()) >= len(self._sources):
-            self._build(int(ids.max()) + 1)
-        return self._sources[ids]
+    def _overlaps(self, start: int, end: int):
+        """Each phase's part of ``[start, end)``: (order, first position in the phase, global first, global end)."""
+        for phase, order, phase_end in zip(self.phases, self._orders, self._ends):
+            lo, hi = max(start, phase.start), end if phase_end is None else min(end, phase_end)
+            if lo < hi:
+                yield order, lo - phase.start, lo, hi
 
     def range(self, start: int, n: int) -> np.ndarray:
         """The sources of global sequences ``[start, start + n)``."""
-        if start + n > len(self._sources):
-            self._build(start + n)
-        return self._sources[start : start + n]
+        out = np.empty(n, dtype=np.int16)
+        for order, offset, lo, hi in self._overlaps(start, start + n):
+            out[lo - start : hi - start] = order.slice(offset, hi - lo)
+        return out
 
     def counts(self, end: int, num_sources: int) -> np.ndarray:
         """Sequences each source gives among global indices ``[0, end)``."""
-        return np.bincount(self.of(np.arange(end)), minlength=num_sources).astype(np.int64)
+        total = np.zeros(num_sources, dtype=np.int64)
+        for order, _, lo, hi in self._overlaps(0, end):
+            total += order.counts(hi - lo)
+        return total
 
 
 @dataclass(frozen=True)
@@ -252,28 +252,39 @@ class MixtureStream:
         streams = {self.sources[i].label: stream.state_dict() for i, stream in self.streams.items()}
         return {MIXTURE_STATE_KEY: {**self.record, "consumed": self.consumed, "streams": streams}}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.record is None:
-            if MIXTURE_STATE_KEY in state:
-                raise MixtureResumeError(
-                    "the checkpoint was written by a run with data.sources (a mixture); set the same data.sources "
-                    "to resume it"
-                )
-            (stream,) = self.streams.values()
-            stream.load_state_dict(state)
-            self.consumed = int(state["mixture_consumed"]) if "mixture_consumed" in state else _consumed_of(state)
-            return
-        if MIXTURE_STATE_KEY not in state:
+    def check_resume(self, state: dict[str, Any]) -> None:
+        """Whether the data state ``state`` of a checkpoint can continue in this mixture.
+
+        Raises:
+            MixtureResumeError: one line: one side declares ``data.sources`` and the other not, or
+                `check_mixture_resume` refuses the change.
+        """
+        saved = state.get(MIXTURE_STATE_KEY)
+        if self.record is None and saved is not None:
+            raise MixtureResumeError(
+                "the checkpoint was written by a run with data.sources (a mixture); set the same data.sources "
+                "to resume it"
+            )
+        if self.record is not None and saved is None:
             raise MixtureResumeError(
                 "the checkpoint was written by a run of one dataset (data.path); a mixture (data.sources) cannot "
                 "continue its position: start a new run from its weights (checkpoint.init_from)"
             )
+        if saved is not None and self.record is not None:
+            check_mixture_resume(saved, self.record, int(saved["consumed"]))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_resume(state)
+        if self.record is None:
+            (stream,) = self.streams.values()
+            stream.load_state_dict(state)
+            self.consumed = int(state["mixture_consumed"]) if "mixture_consumed" in state else _consumed_of(state)
+            return
         saved = state[MIXTURE_STATE_KEY]
-        streams = saved["streams"]
         for index, stream in self.streams.items():
             label = self.sources[index].label
-            if label in streams:
-                stream.load_state_dict(streams[label])
+            if label in saved["streams"]:
+                stream.load_state_dict(saved["streams"][label])
         self.consumed = int(saved["consumed"])
 
 
@@ -285,15 +296,15 @@ def _consumed_of(state: dict[str, Any]) -> int:
     return int(state["window_index"]) * int(state["window"]) + int(state["taken"])
 
 
+class MixtureResumeError(ValueError):
+    """A checkpoint's mixture cannot continue under this config; the message names the key."""
+
+
 def with_tasks(stream: SequenceStream, fraction: float, label: str = "data") -> MixtureStream:
     """One text stream with the retrieval tasks over ``fraction`` of its sequences: the mixture ``data.path`` with
     ``data.retrieval_mix.fraction`` makes (``pipeline.train.sources``), for a stream built by hand."""
     sources = [Source(label, "text", 0), Source("retrieval", "retrieval", 0)]
     return MixtureStream(sources, {0: stream}, Schedule([Phase(0, exact_weights([1 - fraction, fraction]))]), None)
-
-
-class MixtureResumeError(ValueError):
-    """A checkpoint's mixture cannot continue under this config; the message names the key."""
 
 
 def check_mixture_resume(saved: dict[str, Any], current: dict[str, Any], consumed: int) -> None:

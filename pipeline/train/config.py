@@ -486,16 +486,18 @@ def _check_finite(cfg: TrainConfig) -> None:
 
 
 def _check_outputs_outside_data(cfg: TrainConfig) -> None:
-    """The run writes to run_dir and the shard cache; neither may be inside the dataset, which is only read."""
-    if "://" in cfg.data.path:
-        return
-    data = Path(cfg.data.path)
-    for key, value in (("run_dir", cfg.run_dir), ("data.cache_dir", cfg.data.cache_dir)):
-        if value is not None and is_within(Path(value), data):
-            raise ConfigError(
-                f"{key}={value} is inside data.path={cfg.data.path}; the dataset is only ever read: "
-                f"put {key} outside it"
-            )
+    """The run writes to run_dir and the shard cache; neither may be inside a dataset (``data.path``, or any
+    source of ``data.sources``), which is only read."""
+    datasets = [("data.path", cfg.data.path)]
+    datasets += [(f"data.sources[{i}].path", s.path) for i, s in enumerate(cfg.data.sources) if s.path]
+    for data_key, path in datasets:
+        if "://" in path:
+            continue
+        for key, value in (("run_dir", cfg.run_dir), ("data.cache_dir", cfg.data.cache_dir)):
+            if value is not None and is_within(Path(value), Path(path)):
+                raise ConfigError(
+                    f"{key}={value} is inside {data_key}={path}; the dataset is only ever read: put {key} outside it"
+                )
 
 
 def _check_ranges(cfg: TrainConfig) -> None:

@@ -34,7 +34,7 @@ from pipeline.data.reader import UnsafeDatasetError, eos_id_of, is_remote, read_
 from pipeline.train.checkpoint import OWNER_FILE, foreign_leftovers
 from pipeline.train.config import HF_INIT_PREFIX, ConfigError, TrainConfig, mix_settings
 from pipeline.train.metrics import resolve_wandb_mode
-from pipeline.train.sources import Mixture, check_mixture
+from pipeline.train.sources import Mixture, check_mixture, declared_retrieval_share, resolve_mixture
 from pipeline.train.wandb_online import online_refusal
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ def build_mix(cfg: TrainConfig, tokenizer: TokenizerFiles | None) -> RetrievalMi
             is no tokenizer to write its texts with (a remote ``data.path``).
     """
     settings = mix_settings(cfg.data)
-    fraction = settings.fraction or _declared_retrieval_weight(cfg)
+    fraction = settings.fraction or declared_retrieval_share(resolve_mixture(cfg))
     if fraction == 0:
         return None
     if tokenizer is None:
@@ -143,15 +143,6 @@ def build_mix(cfg: TrainConfig, tokenizer: TokenizerFiles | None) -> RetrievalMi
         )
     except ValueError as err:
         raise ConfigError(str(err)) from None
-
-
-def _declared_retrieval_weight(cfg: TrainConfig) -> float:
-    """The first phase's share of a ``task: retrieval`` source of ``data.sources`` (0 without one): what the mix's
-    record calls its fraction."""
-    weights = [s.weight for s in cfg.data.sources]
-    total = sum(weights)
-    share = sum(s.weight for s in cfg.data.sources if s.task == "retrieval")
-    return share / total if share and total > 0 else 0.0
 
 
 def split_mismatch(root: Path, split: str, manifest: fmt.Manifest) -> str | None:
@@ -369,7 +360,7 @@ def validation_sources(cfg: TrainConfig, mixture: Mixture) -> tuple[list[ValSour
                 f"bucket, less than one sequence of train.seq_len={cfg.train.seq_len}"
             )
             continue
-        spanning = {int(k): int(v) for k, v in histogram.spanning_documents.items()}
+        spanning = histogram.spanning_lengths()
         kept.append(ValSource(s.label, s.key, s.path, s.bucket, spanning))
     if not kept:
         raise ConfigError(

@@ -120,6 +120,14 @@ def resolve_mixture(cfg: TrainConfig) -> Mixture:
     return Mixture(resolved, phases, declared=True)
 
 
+def declared_retrieval_share(mixture: Mixture) -> float:
+    """The first phase's share of the ``task: retrieval`` sources of a declared mixture (0 without one): what the
+    retrieval mix records as its fraction."""
+    if not mixture.declared:
+        return 0.0
+    return float(sum(w for s, w in zip(mixture.sources, mixture.phases[0].weights) if s.task == "retrieval"))
+
+
 def _label_of(path: str) -> str:
     name = Path(path.rstrip("/")).name
     cleaned = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:64]
@@ -191,9 +199,9 @@ class SourceBudget:
         return None if self.tokens is None else self.read * seq_len / max(1, self.tokens)
 
 
-def budgets(cfg: TrainConfig, mixture: Mixture) -> list[SourceBudget]:
-    """Per source: weights, tokens available and sequences drawn over ``train.max_steps`` (exactly, from the
-    schedule).
+def budgets(cfg: TrainConfig, mixture: Mixture, manifests: dict[str, fmt.Manifest]) -> list[SourceBudget]:
+    """Per source: weights, tokens available (from its manifest in ``manifests``, by label; none: unknown) and
+    sequences drawn over ``train.max_steps`` (exactly, from the schedule).
 
     Raises:
         ConfigError: a bucket over a dataset whose manifest has no length histogram.
@@ -205,26 +213,25 @@ def budgets(cfg: TrainConfig, mixture: Mixture) -> list[SourceBudget]:
         hosted = sum(
             int(counts[j]) for j, o in enumerate(mixture.sources) if o.task == "retrieval" and o.host == s.label
         )
-        tokens = _available_tokens(cfg, s) if s.task == "text" else None
+        tokens = _available_tokens(cfg, s, manifests.get(s.label)) if s.task == "text" else None
         read = int(counts[i]) + (hosted if s.task == "text" else 0)
         out.append(SourceBudget(s.label, [float(p.weights[i]) for p in mixture.phases], tokens, int(counts[i]), read))
     return out
 
 
-def _available_tokens(cfg: TrainConfig, source: MixtureSource) -> int | None:
-    assert source.path is not None
-    if is_remote(source.path) or not (Path(source.path) / fmt.MANIFEST_FILENAME).is_file():
+def _available_tokens(cfg: TrainConfig, source: MixtureSource, manifest: fmt.Manifest | None) -> int | None:
+    if manifest is None:  # a remote dataset
         if source.bucket != (0, None):
             raise ConfigError(
                 f"{source.key}: a length bucket needs data prep's manifest.json in {source.path} (its length histogram)"
             )
         return None
-    split = fmt.read_manifest(source.path).splits.get(cfg.data.train_split)
+    split = manifest.splits.get(cfg.data.train_split)
     if split is None:
         return 0
     if source.bucket == (0, None):
         return split.tokens + split.documents
-    histogram = getattr(split, "length_histogram", None)
+    histogram = split.length_histogram
     if histogram is None:
         raise ConfigError(
             f"{source.key}: a length bucket needs the length histogram data prep records in manifest.json, and "
@@ -244,7 +251,7 @@ def check_mixture(cfg: TrainConfig) -> Mixture:
     mixture = resolve_mixture(cfg)
     if not mixture.declared:
         return mixture
-    tokenizers: dict[str, str] = {}
+    manifests: dict[str, fmt.Manifest] = {}
     for s in mixture.sources:
         if s.task != "text" or s.path is None or is_remote(s.path):
             continue
@@ -254,10 +261,10 @@ def check_mixture(cfg: TrainConfig) -> Mixture:
                 "make prep (launch/prep.py)"
             )
         try:
-            manifest = fmt.read_manifest(s.path)
+            manifests[s.label] = fmt.read_manifest(s.path)
         except (OSError, ValueError, fmt.IncompleteDatasetError) as err:
             raise ConfigError(f"{s.key}.path={s.path}: {err}") from None
-        tokenizers[s.label] = manifest.tokenizer.sha256
+    tokenizers = {label: manifest.tokenizer.sha256 for label, manifest in manifests.items()}
     first = next(iter(tokenizers.items()), None)
     for label, sha in tokenizers.items():
         if first is not None and sha != first[1]:
@@ -268,7 +275,7 @@ def check_mixture(cfg: TrainConfig) -> Mixture:
             )
     _check_primary_tokenizer(cfg, mixture, tokenizers)
     seq_len = cfg.train.seq_len
-    rows = budgets(cfg, mixture)
+    rows = budgets(cfg, mixture, manifests)
     for s, row in zip(mixture.sources, rows):
         if s.task != "text" or row.tokens is None:
             continue
@@ -378,7 +385,7 @@ def _order_stream(
             split = fmt.read_manifest(str(s.path)).splits[d.train_split]
             histogram = split.length_histogram
             assert histogram is not None, "check_mixture refused a bucket without a histogram"
-            spanning = {int(k): int(v) for k, v in histogram.spanning_documents.items()}
+            spanning = histogram.spanning_lengths()
         return BlockShuffledSequences(
             reader,
             seq_len=cfg.train.seq_len,

@@ -32,7 +32,7 @@ from data_prep.safe_write import UnsafeWriteError
 from kernels.cpu_math import flush_denormals, retain_freed_memory
 from model import build_model, count_parameters
 from model.flops import flops_per_token, matmul_params
-from pipeline.data.mixture import MIXTURE_STATE_KEY, MixtureResumeError, MixtureStream, check_mixture_resume
+from pipeline.data.mixture import MixtureResumeError, MixtureStream
 from pipeline.data.order import epochs_needed
 from pipeline.data.reader import (
     DataFingerprintError,
@@ -397,18 +397,14 @@ class Trainer:
         self.callbacks.on_save_point(self, self.step, point)
 
     def _check_mixture(self, path: Path, data: dict[str, Any]) -> None:
-        """The checkpoint's position fits this run's mixture (``pipeline.data.mixture.check_mixture_resume``).
+        """The checkpoint's position fits this run's mixture (``MixtureStream.check_resume``).
 
         Raises:
             ResumeRefusedError: one line naming what changed."""
         stream = self.batches.stream
         assert isinstance(stream, MixtureStream)
-        saved = data.get(MIXTURE_STATE_KEY)
         try:
-            if (saved is None) != (stream.record is None):
-                stream.load_state_dict(data)  # raises the one line that says which side declares data.sources
-            if saved is not None and stream.record is not None:
-                check_mixture_resume(saved, stream.record, int(saved["consumed"]))
+            stream.check_resume(data)
         except MixtureResumeError as err:
             raise ResumeRefusedError(f"cannot resume {path}: {err}") from None
 

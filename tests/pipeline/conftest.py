@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import hashlib
 import json
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -74,10 +76,39 @@ def split_stats(root: Path, split: str) -> fmt.SplitStats:
     )
 
 
-def prepared_copy(tmp_path: Path, tiny_data: Path, vocab: int = 64) -> Path:
-    """A copy of ``tiny_data`` with the manifest and completion marker data prep writes."""
-    root = tmp_path / "data"
-    shutil.copytree(tiny_data, root)
+def length_histogram(root: Path, split: str) -> fmt.LengthHistogram:
+    """The length histogram data prep records of ``root/split``, counted from its samples (a document is all its
+    pieces, whichever shards hold them)."""
+    from pipeline.data.reader import MDSReader
+
+    reader = MDSReader(str(root), split, cache_dir=None)
+    lengths: dict[int, int] = {}
+    shards: dict[int, set[int]] = {}
+    for shard in range(reader.num_shards):
+        for index in range(int(reader.samples_per_shard[shard])):
+            tokens, doc = reader.sample(shard, index)
+            lengths[doc] = lengths.get(doc, 0) + len(tokens)
+            shards.setdefault(doc, set()).add(shard)
+    bins = max(fmt.length_bin(n) for n in lengths.values()) + 1
+    documents, tokens = [0] * bins, [0] * bins
+    for n in lengths.values():
+        documents[fmt.length_bin(n)] += 1
+        tokens[fmt.length_bin(n)] += n
+    spanning = {str(doc): lengths[doc] for doc, where in shards.items() if len(where) > 1}
+    return fmt.LengthHistogram(documents=documents, tokens=tokens, spanning_documents=spanning)
+
+
+def seal_prepared(root: Path, vocab: int = 64, histograms: bool = False) -> Path:
+    """Write the manifest and completion marker data prep writes for the splits and tokenizer in ``root`` (a split
+    that is not there is recorded empty; ``histograms``: each split's length histogram too)."""
+    empty = fmt.SplitStats(documents=0, pieces=0, tokens=0, index_sha256=fmt.EMPTY_SPLIT_SHA256)
+
+    def stats(split: str) -> fmt.SplitStats:
+        if not (root / split).is_dir():
+            return empty
+        histogram = length_histogram(root, split) if histograms else None
+        return dataclasses.replace(split_stats(root, split), length_histogram=histogram)
+
     manifest = fmt.Manifest(
         format_version=fmt.FORMAT_VERSION,
         token_dtype="uint16",
@@ -91,7 +122,7 @@ def prepared_copy(tmp_path: Path, tiny_data: Path, vocab: int = 64) -> Path:
             eos_id=1,
             pad_id=-1,
         ),
-        splits={s: split_stats(root, s) for s in fmt.SPLITS},
+        splits={s: stats(s) for s in fmt.SPLITS},
         skipped={},
         inputs=[],
         config={},
@@ -100,6 +131,25 @@ def prepared_copy(tmp_path: Path, tiny_data: Path, vocab: int = 64) -> Path:
     (root / fmt.MANIFEST_FILENAME).write_bytes(data)
     (root / fmt.COMPLETE_MARKER).write_text(hashlib.sha256(data).hexdigest() + "\n")
     return root
+
+
+def prepared_copy(tmp_path: Path, tiny_data: Path, vocab: int = 64) -> Path:
+    """A copy of ``tiny_data`` with the manifest and completion marker data prep writes."""
+    root = tmp_path / "data"
+    shutil.copytree(tiny_data, root)
+    return seal_prepared(root, vocab)
+
+
+def prepared_dataset(
+    root: Path, tokenizer: bytes, train: Iterable, val: Iterable | None, histograms: bool = False
+) -> Path:
+    """A prepared dataset at ``root`` from ``(doc_id, piece, tokens)`` rows (`write_mds_split`, 4 KB shards):
+    its splits (no ``val``: recorded empty), the tokenizer, the manifest and its marker (`seal_prepared`)."""
+    write_mds_split(root / "train", train, size_limit=4096, hashes=("xxh64",))
+    if val is not None:
+        write_mds_split(root / "val", val, size_limit=4096, hashes=("xxh64",))
+    (root / fmt.TOKENIZER_FILENAME).write_bytes(tokenizer)
+    return seal_prepared(root, VOCAB, histograms)
 
 
 def tiny_overrides(run_dir: Path, data: Path, **extra: object) -> list[str]:

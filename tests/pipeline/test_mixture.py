@@ -4,8 +4,6 @@ that continue each source where it stopped, exact resume, and the one-line refus
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import logging
 import math
 from fractions import Fraction
@@ -13,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import EOS, _tokenizer_bytes, prepared_copy
-from helpers import TINY_TRAIN_OVERRIDES, train_test_tokenizer, write_mds_split
+from conftest import EOS, _tokenizer_bytes, prepared_dataset
+from helpers import TINY_TRAIN_OVERRIDES, train_test_tokenizer
 
 from data_prep import format as fmt
 from pipeline.data.mixture import (
@@ -44,14 +42,10 @@ def _documents(n_docs: int, low: int, high: int, seed: int):
             yield doc, piece, part
 
 
-def _dataset(tmp_path: Path, name: str, n_docs: int, seed: int, tokenizer: bytes) -> Path:
-    source = tmp_path / f"src_{name}"
+def _dataset(tmp_path: Path, name: str, n_docs: int, seed: int, tokenizer: bytes, histograms: bool = False) -> Path:
     low, high = RANGES[name]
-    write_mds_split(source / "train", _documents(n_docs, low, high, seed), size_limit=2048, hashes=("xxh64",))
-    write_mds_split(source / "val", _documents(5, low, high, seed + 1), size_limit=2048, hashes=("xxh64",))
-    (source / fmt.TOKENIZER_FILENAME).write_bytes(tokenizer)
-    (tmp_path / f"tmp_{name}").mkdir()
-    return prepared_copy(tmp_path / f"tmp_{name}", source).rename(tmp_path / name)
+    train, val = _documents(n_docs, low, high, seed), _documents(5, low, high, seed + 1)
+    return prepared_dataset(tmp_path / name, tokenizer, train, val, histograms)
 
 
 @pytest.fixture(scope="module")
@@ -99,15 +93,16 @@ def test_every_prefix_holds_each_weight_within_one_sequence():
                 assert abs(counts[d] - w * n) < 1, (raw, n, d)
 
 
-def test_a_tiled_period_and_a_schedule_built_in_pieces_equal_one_built_position_by_position():
-    import pipeline.data.mixture as mixture
+def test_a_tiled_period_equals_the_schedule_built_position_by_position():
+    from pipeline.data.mixture import PhaseOrder, earliest_deadline_first
 
     for raw in ([0.5, 0.3, 0.2], [0.28, 0.28, 0.39, 0.05], [1 / 3, 2 / 3], [1.0], [0.1, 0.0, 0.9], [0.3571, 0.6429]):
         weights = exact_weights(raw)
-        reference = mixture.PhaseOrder(weights)._take(5000)  # position by position, one call, no tiling
-        assert (interleave(weights, 5000) == reference).all(), raw
-        pieces = mixture.PhaseOrder(weights)
-        assert (np.concatenate([pieces.first(n)[n - 7 : n] for n in range(7, 5001, 7)]) == reference[:4998]).all()
+        reference = earliest_deadline_first(weights, 30000)
+        order = PhaseOrder(weights)
+        assert (order.slice(0, 30000) == reference).all(), raw
+        assert (np.concatenate([order.slice(a, 7) for a in range(0, 29995, 7)]) == reference[:29995]).all()
+        assert (order.counts(29999) == np.bincount(reference[:29999], minlength=len(raw))).all()
 
 
 def test_weights_become_multiples_of_the_resolution_nearest_the_normalised_value():
@@ -120,9 +115,10 @@ def test_weights_become_multiples_of_the_resolution_nearest_the_normalised_value
 
 def test_a_source_of_weight_zero_is_never_drawn_and_a_schedule_is_the_same_built_in_pieces():
     phases = [Phase(0, exact_weights([0.5, 0.0, 0.5])), Phase(30, exact_weights([0.0, 1.0, 3.0]))]
-    whole = Schedule(phases).of(np.arange(100))
-    pieces = Schedule(phases)
-    assert (np.concatenate([pieces.of(np.arange(a, a + 7)) for a in range(0, 100, 7)])[:100] == whole).all()
+    schedule = Schedule(phases)
+    whole = schedule.range(0, 100)
+    assert (np.concatenate([schedule.range(a, 7) for a in range(0, 100, 7)])[:100] == whole).all()
+    assert all((schedule.counts(n, 3) == np.bincount(whole[:n], minlength=3)).all() for n in range(101))
     assert 1 not in whole[:30] and 0 not in whole[30:]
     assert (np.bincount(whole[30:], minlength=3) == [0, 17, 53]).all()  # 70 x 1/4 = 17.5, 70 x 3/4 = 52.5
 
@@ -152,7 +148,6 @@ def test_three_datasets_give_their_shares_at_every_prefix_and_the_same_order_twi
     _, _, again = _draws(cfg, 20)
     first = b"".join(d.sequences.tobytes() for d in draws)
     assert first == b"".join(d.sequences.tobytes() for d in again)
-    assert hashlib.sha256(first).hexdigest() != hashlib.sha256(np.sort(np.frombuffer(first, np.int64)).tobytes())
 
 
 def test_each_source_reads_its_own_stream_in_order_across_a_phase_change(tmp_path, datasets):
@@ -337,41 +332,18 @@ def test_the_retrieval_tasks_are_a_source_of_their_fraction_at_every_prefix(tmp_
 # ---------------------------------------------------------------- length buckets
 
 
-def _with_histogram(root: Path) -> dict[int, np.ndarray]:
-    """Record the train split's length histogram in ``root``'s manifest, counted here from the samples (a document
-    is all its pieces, whichever shards hold them), and reseal it; returns each document's tokens."""
-    reader = MDSReader(str(root), "train", cache_dir=None)
-    pieces: dict[int, list[np.ndarray]] = {}
-    shards_of: dict[int, set[int]] = {}
-    for shard in range(reader.num_shards):
-        for index in range(int(reader.samples_per_shard[shard])):
-            tokens, doc = reader.sample(shard, index)
-            pieces.setdefault(doc, []).append(tokens.astype(np.int64))
-            shards_of.setdefault(doc, set()).add(shard)
-    documents_of = {doc: np.concatenate(parts) for doc, parts in pieces.items()}
-    lengths = [len(tokens) for tokens in documents_of.values()]
-    bins = max(fmt.length_bin(n) for n in lengths) + 1
-    documents, tokens = [0] * bins, [0] * bins
-    for n in lengths:
-        documents[fmt.length_bin(n)] += 1
-        tokens[fmt.length_bin(n)] += n
-    spanning = {str(doc): len(documents_of[doc]) for doc, shards in shards_of.items() if len(shards) > 1}
-    assert spanning, "the test needs documents that cross shards"
-    manifest = fmt.read_manifest(root)
-    histogram = fmt.LengthHistogram(documents=documents, tokens=tokens, spanning_documents=spanning)
-    splits = {**manifest.splits, "train": dataclasses.replace(manifest.splits["train"], length_histogram=histogram)}
-    data = dataclasses.replace(manifest, splits=splits).to_json().encode()
-    (root / fmt.MANIFEST_FILENAME).write_bytes(data)
-    (root / fmt.COMPLETE_MARKER).write_text(hashlib.sha256(data).hexdigest() + "\n")
-    return documents_of
-
-
 def test_a_length_bucket_takes_whole_documents_of_its_lengths_only(tmp_path):
     """A source over the documents of 64 to 127 tokens: one epoch holds the tokens of exactly those documents, each
     with its EOS, less than one sequence short (a document that crosses shards is judged by its whole length, not by
     its pieces), and nothing of any other document (the EOS aside: one per piece of a document)."""
-    data = _dataset(tmp_path, "books", 150, 3, _tokenizer_bytes())
-    documents = _with_histogram(data)
+    data = _dataset(tmp_path, "books", 150, 3, _tokenizer_bytes(), histograms=True)
+    reader = MDSReader(str(data), "train", cache_dir=None)
+    pieces: dict[int, list[np.ndarray]] = {}
+    for shard in range(reader.num_shards):
+        for index in range(int(reader.samples_per_shard[shard])):
+            tokens, doc = reader.sample(shard, index)
+            pieces.setdefault(doc, []).append(tokens.astype(np.int64))
+    documents = {doc: np.concatenate(parts) for doc, parts in pieces.items()}
     in_bucket = [tokens for tokens in documents.values() if 64 <= len(tokens) < 128]
     assert any(
         len(documents[int(d)]) in range(64, 128)
@@ -443,3 +415,19 @@ def test_a_base_config_s_data_path_of_another_tokenizer_is_refused(tmp_path, dat
     assert str(err.value).startswith(f"data.path={other} was tokenized with another tokenizer than the sources")
     assert str(err.value).endswith(f"set data.path={datasets['books']} (the first source), or leave it out")
     check_mixture(_config(tmp_path, f"data.path={datasets['web']}", spec))  # the same tokenizer: accepted
+
+
+def test_no_run_output_may_go_inside_any_source_dataset(tmp_path, datasets):
+    """Every source is a dataset that is only read: a run_dir or cache inside one (also through a symlink to it) is
+    refused at load, naming the source, before anything is written."""
+    spec = _spec(datasets, {"books": 0.5, "code": 0.5})
+    inside = datasets["code"] / "runs" / "x"
+    with pytest.raises(ConfigError, match=rf"run_dir={inside} is inside data\.sources\[1\]\.path="):
+        _config(tmp_path, spec, f"run_dir={inside}")
+    link = tmp_path / "code_link"
+    link.symlink_to(datasets["code"])
+    with pytest.raises(ConfigError, match=r"data\.cache_dir=.* is inside data\.sources\[1\]\.path="):
+        _config(tmp_path, spec, f"data.cache_dir={link / 'cache'}")
+    with pytest.raises(ConfigError, match=r"run_dir=.* is inside data\.path="):
+        _config(tmp_path, f"data.path={datasets['books']}", f"run_dir={datasets['books'] / 'run'}")
+    assert not inside.exists() and not (datasets["code"] / "cache").exists()

@@ -5,8 +5,6 @@ of uniform random tokens, whose loss stays near ln(62) however long it trains.""
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import logging
 import math
@@ -16,10 +14,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import EOS, VOCAB, _tokenizer_bytes, split_stats
-from helpers import TINY_TRAIN_OVERRIDES, markov_pieces, write_mds_split
+from conftest import EOS, VOCAB, _tokenizer_bytes, prepared_dataset
+from helpers import TINY_TRAIN_OVERRIDES, markov_pieces
 
-from data_prep import format as fmt
 from model.io import load_pretrained
 from pipeline.data.reader import MDSReader, PackedSequences
 from pipeline.train import dist
@@ -58,63 +55,6 @@ def _short_and_long(n_docs: int, seed: int):
             yield doc, piece, part
 
 
-def _histogram(root: Path, split: str) -> fmt.LengthHistogram:
-    """The length histogram data prep records of ``root/split``, read back from its samples."""
-    reader = MDSReader(str(root), split, cache_dir=None)
-    lengths: dict[int, int] = {}
-    shards: dict[int, set[int]] = {}
-    for shard in range(reader.num_shards):
-        for i in range(int(reader.samples_per_shard[shard])):
-            tokens, doc = reader.sample(shard, i)
-            lengths[doc] = lengths.get(doc, 0) + len(tokens)
-            shards.setdefault(doc, set()).add(shard)
-    bins = max(length.bit_length() for length in lengths.values())
-    documents, tokens = [0] * bins, [0] * bins
-    for length in lengths.values():
-        documents[length.bit_length() - 1] += 1
-        tokens[length.bit_length() - 1] += length
-    spanning = {str(doc): lengths[doc] for doc, where in shards.items() if len(where) > 1}
-    return fmt.LengthHistogram(documents=documents, tokens=tokens, spanning_documents=spanning)
-
-
-def _prepared(root: Path, tokenizer: bytes, train, val, histograms: bool = False) -> Path:
-    """A prepared dataset at ``root`` (train split, optionally a val split, the tests' tokenizer, a manifest and
-    its completion marker, as data prep writes them; no val: the manifest records it empty; ``histograms``: with
-    each split's length histogram)."""
-    write_mds_split(root / "train", train, size_limit=4096, hashes=("xxh64",))
-    if val is not None:
-        write_mds_split(root / "val", val, size_limit=4096, hashes=("xxh64",))
-    (root / fmt.TOKENIZER_FILENAME).write_bytes(tokenizer)
-    empty = fmt.SplitStats(documents=0, pieces=0, tokens=0, index_sha256=fmt.EMPTY_SPLIT_SHA256)
-    manifest = fmt.Manifest(
-        format_version=fmt.FORMAT_VERSION,
-        token_dtype="uint16",
-        tokenizer=fmt.TokenizerInfo(
-            sha256=hashlib.sha256(tokenizer).hexdigest(),
-            vocab_size=VOCAB,
-            model_type="bpe",
-            trained=True,
-            unk_id=0,
-            bos_id=-1,
-            eos_id=1,
-            pad_id=-1,
-        ),
-        splits={
-            s: dataclasses.replace(split_stats(root, s), length_histogram=_histogram(root, s) if histograms else None)
-            if (root / s).is_dir()
-            else empty
-            for s in fmt.SPLITS
-        },
-        skipped={},
-        inputs=[],
-        config={},
-    )
-    data = manifest.to_json().encode()
-    (root / fmt.MANIFEST_FILENAME).write_bytes(data)
-    (root / fmt.COMPLETE_MARKER).write_text(hashlib.sha256(data).hexdigest() + "\n")
-    return root
-
-
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Three prepared datasets of one tokenizer: ``chain`` and ``chain2`` (the Markov chain, other documents) and
@@ -122,11 +62,13 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     ``lengths``: `_short_and_long`, with the length histograms a bucket needs."""
     root, tok = tmp_path_factory.mktemp("telemetry"), _tokenizer_bytes()
     return {
-        "chain": _prepared(root / "chain", tok, markov_pieces(120, 11), markov_pieces(12, 12)),
-        "chain2": _prepared(root / "chain2", tok, markov_pieces(120, 21), markov_pieces(12, 22)),
-        "noise": _prepared(root / "noise", tok, _random_pieces(120, 31), _random_pieces(12, 32)),
-        "noval": _prepared(root / "noval", tok, markov_pieces(60, 41), None),
-        "lengths": _prepared(root / "lengths", tok, _short_and_long(60, 51), _short_and_long(8, 52), histograms=True),
+        "chain": prepared_dataset(root / "chain", tok, markov_pieces(120, 11), markov_pieces(12, 12)),
+        "chain2": prepared_dataset(root / "chain2", tok, markov_pieces(120, 21), markov_pieces(12, 22)),
+        "noise": prepared_dataset(root / "noise", tok, _random_pieces(120, 31), _random_pieces(12, 32)),
+        "noval": prepared_dataset(root / "noval", tok, markov_pieces(60, 41), None),
+        "lengths": prepared_dataset(
+            root / "lengths", tok, _short_and_long(60, 51), _short_and_long(8, 52), histograms=True
+        ),
     }
 
 
