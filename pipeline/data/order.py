@@ -41,6 +41,8 @@ class _Block:
     """The block's documents in this epoch's order, each followed by EOS (the dataset's token dtype)."""
     sequence_order: np.ndarray
     """The block's sequences in the order they are emitted (their positions in `joined`, in sequences)."""
+    sequences: np.ndarray
+    """`joined` cut into its whole sequences, ``[len(sequence_order), seq_len]`` (a view)."""
 
 
 class BlockShuffledSequences:
@@ -83,6 +85,11 @@ class BlockShuffledSequences:
         self._emitted_this_epoch = 0
         self._block: _Block | None = None
         self._blocks_of = (-1, [np.zeros(0, dtype=np.int64)])
+
+    @property
+    def token_dtype(self) -> np.dtype:
+        """The dataset's token dtype (``fill`` writes it without widening into an ``out`` of that dtype)."""
+        return self.reader.token_dtype
 
     def blocks(self, epoch: int) -> list[np.ndarray]:
         """The shards of each block of ``epoch``, in the order they are read."""
@@ -132,7 +139,12 @@ class BlockShuffledSequences:
             begin, length = int(start_of[segment]), int(length_of[segment])
             joined[at : at + length] = tokens[int(slot_of[segment])][begin : begin + length]
             at += length + eos
-        return _Block(joined=joined, sequence_order=rng.permutation(len(joined) // self.seq_len))
+        count = len(joined) // self.seq_len
+        return _Block(
+            joined=joined,
+            sequence_order=rng.permutation(count),
+            sequences=joined[: count * self.seq_len].reshape(count, self.seq_len),
+        )
 
     def _in_bucket(self, docs: np.ndarray, segment_lengths: np.ndarray) -> np.ndarray:
         """Which segments belong to a document of the length bucket: a segment is its whole document within one
@@ -169,17 +181,26 @@ class BlockShuffledSequences:
     def next(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """The next ``n`` sequences ``[n, seq_len]`` (int64) and their global indices ``[n]``."""
         out = np.empty((n, self.seq_len), dtype=np.int64)
-        row = 0
-        while row < n:
+        return out, self.fill(out, None)[0]
+
+    def fill(self, out: np.ndarray, rows: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """Write the next sequences into rows ``rows`` of ``out`` (``None``: every row, in order); their global
+        indices and epochs. A mixture's sources write straight into the global batch this way, with no copy of
+        their own."""
+        n = len(out) if rows is None else len(rows)
+        epochs = np.empty(n, dtype=np.int64)
+        done = 0
+        while done < n:
             block = self._current_block()
-            take = min(n - row, len(block.sequence_order) - self._taken)
-            rows = block.sequence_order[self._taken : self._taken + take]
-            sequences = block.joined[: len(block.sequence_order) * self.seq_len].reshape(-1, self.seq_len)
-            out[row : row + take] = sequences[rows]
-            row, self._taken, self._emitted_this_epoch = row + take, self._taken + take, self._emitted_this_epoch + take
+            take = min(n - done, len(block.sequence_order) - self._taken)
+            picked = block.sequences[block.sequence_order[self._taken : self._taken + take]]
+            out[slice(done, done + take) if rows is None else rows[done : done + take]] = picked
+            epochs[done : done + take] = self.epoch
+            done, self._taken = done + take, self._taken + take
+            self._emitted_this_epoch += take
         ids = np.arange(self._consumed, self._consumed + n, dtype=np.int64)
         self._consumed += n
-        return out, ids
+        return ids, epochs
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -183,6 +183,8 @@ class MDSReader:
         for shard in self.shards:
             shard.validate(allow_unsafe_types=False)  # streaming's own pickle check, behind check_index
         self.samples_per_shard = np.asarray([s.samples for s in self.shards], dtype=np.int64)
+        self.token_dtype = _token_dtype(index["shards"][0]) if index["shards"] else np.dtype(np.int64)
+        """The tokens column's dtype as the index records it (``ndarray:uint16``; int64 when it names none)."""
         if int(self.samples_per_shard.sum()) == 0:
             raise EmptySplitError(
                 f"data split {self.remote or self.split_dir} holds no samples ({len(self.shards)} "
@@ -377,6 +379,15 @@ class MDSReader:
         return np.asarray(sample[fmt.TOKENS]), int(sample[fmt.DOC_ID])
 
 
+def _token_dtype(shard: dict[str, Any]) -> np.dtype:
+    """The unsigned integer dtype data prep names for the tokens column (``ndarray:uint16``); int64 for anything
+    else, which holds every token id (the column's decoding, not this, checks what the samples hold)."""
+    names, encodings = shard.get("column_names", []), shard.get("column_encodings", [])
+    encoding = str(encodings[names.index(fmt.TOKENS)]) if fmt.TOKENS in names else ""
+    named = encoding.split(":")[1] if encoding.count(":") >= 1 else ""
+    return np.dtype(named) if named in ("uint16", "uint32") else np.dtype(np.int64)
+
+
 def read_tokenizer(data_path: str) -> TokenizerFiles | None:
     """The tokenizer next to a local dataset (``tokenizer.model``, or ``tokenizer.json`` with its config), read as
     regular files only (a link or FIFO planted there is refused, never followed or blocked on); None when there is
@@ -527,6 +538,23 @@ class PackedSequences:
                 self._taken, self._buffer, self._buffer_ids = 0, None, None
         return np.concatenate(seqs), np.concatenate(ids)
 
+    token_dtype = np.dtype(np.int64)
+    """What `fill` writes: this order widens every token to int64 as it reads."""
+
+    def fill(self, out: np.ndarray, rows: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """Write the next sequences into rows ``rows`` of ``out`` (``None``: every row, in order); their ids, and
+        each one's `epoch` as a call of `next` that ended with it would leave it."""
+        n = len(out) if rows is None else len(rows)
+        ids, epochs = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+        done = 0
+        while done < n:
+            take = min(n - done, self.window - self._taken)
+            seqs, ids[done : done + take] = self.next(take)
+            out[slice(done, done + take) if rows is None else rows[done : done + take]] = seqs
+            epochs[done : done + take] = self.epoch
+            done += take
+        return ids, epochs
+
     @property
     def epoch(self) -> int:
         """The epoch the current window starts in."""
@@ -561,7 +589,7 @@ class PackedSequences:
 
 
 class SequenceStream(Protocol):
-    """A global sequence stream: `PackedSequences` or ``pipeline.data.order.BlockShuffledSequences``."""
+    """A global sequence stream: what `RankBatches` reads (one source's stream, or a mixture of them)."""
 
     @property
     def epoch(self) -> int: ...
@@ -571,6 +599,20 @@ class SequenceStream(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class SourceStream(SequenceStream, Protocol):
+    """One text source's stream: `PackedSequences` or ``pipeline.data.order.BlockShuffledSequences``, which can
+    also write its sequences into given rows of a mixture's global batch."""
+
+    seq_len: int
+
+    @property
+    def token_dtype(self) -> np.dtype:
+        """The dtype `fill` writes without widening (its tokens' own)."""
+        ...
+
+    def fill(self, out: np.ndarray, rows: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]: ...
 
 
 class RankBatches:
@@ -641,7 +683,7 @@ class RankBatches:
         seqs, keys, sources, tasks = self._draw()
         per_rank = self.global_batch // self.world_size
         mine = slice(self.rank * per_rank, (self.rank + 1) * per_rank)
-        rows, row_keys = seqs[mine].copy(), keys[mine]
+        rows, row_keys = seqs[mine].astype(np.int64), keys[mine]  # a copy the tasks write into, widened for torch
         self.step_sources, self.rank_sources = sources, sources[mine]
         weights = np.ones(rows.shape, dtype=np.float32) if self.answer_weight != 1.0 else None
         for row in np.flatnonzero(tasks[mine]):

@@ -396,13 +396,15 @@ def _format_of(state_path: Path) -> int | None:
 def _check_data_position(data: Fields) -> None:
     """The data position (``pipeline.data.mixture.MixtureStream.state_dict``): for one text source its stream's
     position plus ``mixture_consumed`` (absent before mixtures); for several, the ``mixture`` record with each
-    source's position. The readers take them without checks."""
+    source's position at global sequence ``streams_at`` (at or before ``consumed``, the position itself). The
+    readers take them without checks."""
     if MIXTURE_STATE_KEY not in data.obj:
         data.integer("mixture_consumed", low=0, high=_INT64_MAX, default=0)
         _check_stream_position(data)
         return
     mixture = data.nested(MIXTURE_STATE_KEY)
-    mixture.integer("consumed", low=0, high=_INT64_MAX)
+    consumed = mixture.integer("consumed", low=0, high=_INT64_MAX)
+    mixture.integer("streams_at", low=0, high=consumed, default=consumed)  # absent: written before read-ahead
     for label, definition in mixture.mapping("sources").items():
         if not isinstance(definition, dict):
             raise JsonFileError(f"{data.where}: field 'data.mixture.sources.{label}' is not an object")

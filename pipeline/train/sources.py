@@ -20,7 +20,7 @@ from typing import Any, Literal
 from data_prep import format as fmt
 from pipeline.data.mixture import MixtureStream, Phase, Schedule, Source, exact_weights, phase_record
 from pipeline.data.order import BlockShuffledSequences
-from pipeline.data.reader import MDSReader, PackedSequences, SequenceStream, dataset_fingerprint, is_remote
+from pipeline.data.reader import MDSReader, PackedSequences, SourceStream, dataset_fingerprint, is_remote
 from pipeline.train.config import ConfigError, TrainConfig, mix_settings
 
 log = logging.getLogger(__name__)
@@ -352,7 +352,7 @@ def build_stream(
     Every declared text source is one ``MDSReader`` with its own order stream; the record a checkpoint keeps names
     each source's definition and dataset fingerprint, and each phase's start and exact weights."""
     d = cfg.data
-    streams: dict[int, SequenceStream] = {}
+    streams: dict[int, SourceStream] = {}
     definitions: dict[str, dict[str, Any]] = {}
     primary: dict[str, Any] | None = None
     for i, s in enumerate(mixture.sources):
@@ -375,9 +375,7 @@ def build_stream(
     return MixtureStream(sources, streams, Schedule(mixture.phases), record), primary
 
 
-def _order_stream(
-    cfg: TrainConfig, reader: MDSReader, seed: int, eos_id: int | None, s: MixtureSource
-) -> SequenceStream:
+def _order_stream(cfg: TrainConfig, reader: MDSReader, seed: int, eos_id: int | None, s: MixtureSource) -> SourceStream:
     d = cfg.data
     if d.order() == "blocks":
         spanning: dict[int, int] = {}

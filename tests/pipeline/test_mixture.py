@@ -15,6 +15,7 @@ from conftest import EOS, _tokenizer_bytes, prepared_dataset
 from helpers import TINY_TRAIN_OVERRIDES, train_test_tokenizer
 
 from data_prep import format as fmt
+from pipeline.data import mixture as mixture_module
 from pipeline.data.mixture import (
     MixtureResumeError,
     Phase,
@@ -184,6 +185,60 @@ def test_a_resumed_stream_gives_the_uninterrupted_batches_on_any_number_of_ranks
         rows.append([np.concatenate([t.numpy() for t in batches.next_step()]) for _ in range(5)])
     for step in range(5):
         assert (np.concatenate([r[step] for r in rows]) == straight[4 + step].sequences).all()
+
+
+def _standalone(cfg, mixture, datasets, label: str) -> BlockShuffledSequences:
+    """Source ``label``'s order stream alone, as the mixture seeds it."""
+    reader = MDSReader(str(datasets[label]), "train", cache_dir=None)
+    return BlockShuffledSequences(
+        reader, seq_len=SEQ, seed=source_seed(cfg.seed, label, mixture), block_mib=64, eos_id=EOS
+    )
+
+
+def test_drawing_ahead_changes_no_sequence_epoch_or_resume(tmp_path, datasets, monkeypatch):
+    """The mixture reads its sources ahead of the position (``READ_AHEAD_TOKENS``), here 3 steps at a time: the
+    sequences equal those drawn in one read-ahead of the whole run; each source's epoch after every step equals its
+    own stream's after as many sequences; and a state saved after any step, inside a read-ahead or at its end,
+    resumes to the uninterrupted steps and epochs."""
+    steps = 100  # every source passes its first epoch (books: about 230 sequences, drawn 300 times)
+    cfg = _config(tmp_path, _spec(datasets, {"books": 0.5, "code": 0.3, "web": 0.2}))
+    mixture, _, whole = _draws(cfg, steps)
+    monkeypatch.setattr(mixture_module, "READ_AHEAD_TOKENS", 3 * BATCH * SEQ)
+    stream, _ = build_stream(cfg, mixture, EOS, cache=str(tmp_path / "cache"))
+    states, epochs = [], []
+    for step in range(steps):
+        states.append(stream.state_dict())
+        draw = stream.next_labeled(BATCH)
+        assert (draw.sequences == whole[step].sequences).all() and (draw.keys == whole[step].keys).all(), step
+        epochs.append(stream.epochs())
+    counts = np.cumsum([np.bincount(d.sources, minlength=3) for d in whole], axis=0)
+    for index, label in enumerate(mixture.labels):
+        alone = _standalone(cfg, mixture, datasets, label)
+        expected, drawn = [], 0
+        for step in range(steps):
+            if counts[step, index] > drawn:
+                alone.next(int(counts[step, index]) - drawn)
+                drawn = int(counts[step, index])
+            expected.append(alone.epoch)
+        assert [e[label] for e in epochs] == expected, label
+        assert max(expected) >= 1, label  # the epochs did change
+    at = [s["mixture"]["streams_at"] for s in states]
+    assert at[:7] == [0, 0, 0, 18, 18, 18, 36]  # inside a read-ahead: its start; at its end: the position itself
+    for step in list(range(8)) + [31, 47]:
+        resumed, _ = build_stream(cfg, mixture, EOS, cache=str(tmp_path / "cache"))
+        resumed.load_state_dict(states[step])
+        for later in range(step, min(step + 5, steps)):
+            assert (resumed.next_labeled(BATCH).sequences == whole[later].sequences).all(), (step, later)
+            assert resumed.epochs() == epochs[later], (step, later)
+
+
+def test_a_mixture_position_whose_streams_stand_past_it_is_refused():
+    from data_prep.json_file import Fields, JsonFileError
+    from pipeline.train.checkpoint import _check_data_position
+
+    state = {"mixture": {"consumed": 12, "streams_at": 13, "sources": {}, "phases": [], "streams": {}}}
+    with pytest.raises(JsonFileError, match=r"field 'data.mixture.streams_at' is 13, expected an integer in \[0, 12\]"):
+        _check_data_position(Fields(state, "state.json", "data."))
 
 
 # ---------------------------------------------------------------- refusals
