@@ -24,9 +24,12 @@ load other jobs put on the machine between rounds cancels); the same with this p
     python -m pipeline.bench.mixture [--data data/default] [--seq-len 1024] [--batch 16] [--epochs 10 | --batches N]
         [--repeats 7] [--out bench_mixture.json]
 
-The mixture's own work is mostly per step (one order stream called per source, the schedule of each sequence's
-source), so its share depends on the step's size: it shows at the default 16 sequences of 1,024 tokens (the shape
-of ``make bench-reader``) and weighs less at the paper's ``--batch 32 --seq-len 16384``.
+The mixture's own work is per read-ahead (``pipeline.data.mixture.READ_AHEAD_TOKENS``: each source's stream
+called once, writing its rows into the global batch) and per epoch of each source (a part holds a third of the
+input, so it turns over its epochs three times as often); what it saves is the widening to int64, left to the copy
+``RankBatches`` makes anyway. Both show most at the default 16 sequences of 1,024 tokens (the shape of ``make
+bench-reader``) and on a small input at the paper's ``--batch 32 --seq-len 16384``, where a part holds a few
+global batches.
 """
 
 from __future__ import annotations

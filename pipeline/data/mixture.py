@@ -41,8 +41,8 @@ MIXTURE_STATE_KEY = "mixture"
 READ_AHEAD_TOKENS = 1 << 18
 """A mixture of several text sources draws at least this many tokens' sequences at a time (a whole number of
 requests, at least one): each source's stream is then called once per 256K tokens instead of once per step, where
-its fixed cost (some microseconds per source) was a fifth of reading a step of 16 x 1K tokens. Memory: up to 2 MiB
-of int64 tokens beyond one global batch."""
+its fixed cost (some microseconds per source) was a fifth of reading a step of 16 x 1K tokens. Memory: one global
+batch, or this many tokens when a batch is smaller, in the sources' token dtype (512 KiB of uint16)."""
 
 
 def exact_weights(weights: Sequence[float]) -> tuple[Fraction, ...]:
