@@ -495,6 +495,13 @@ _LENGTH_BYTES_MIN, _LENGTH_BYTES_MAX = 1, 4
 """Fewest and most bytes the length of one `TOKENS` array takes (a piece is shorter than 2**32 tokens)."""
 
 
+def index_token_dtype(shard: dict[str, Any]) -> str | None:
+    """The token dtype (``uint16``/``uint32``) of a checked index entry whose columns are prep's (`mds_columns`);
+    None for another layout."""
+    columns = dict(zip(shard["column_names"], shard["column_encodings"], strict=True))
+    return next((dtype for dtype in _TOKEN_BYTES if columns == mds_columns(dtype)), None)
+
+
 def _layout(shard: dict[str, Any], known: dict[str, tuple[str | None, int]]) -> tuple[str | None, int]:
     """The token dtype of a checked index entry laid out as prep writes its shards (`mds_columns`; None for another
     layout: the token count is derived from prep's layout only), and the bytes of the writer's config, which the
@@ -502,8 +509,7 @@ def _layout(shard: dict[str, Any], known: dict[str, tuple[str | None, int]]) -> 
     one config, and an index may list 100,000 of them."""
     key = repr([shard[name] for name in CONFIG_KEYS])
     if key not in known:
-        columns = dict(zip(shard["column_names"], shard["column_encodings"], strict=True))
-        dtype = next((dtype for dtype in _TOKEN_BYTES if columns == mds_columns(dtype)), None)
+        dtype = index_token_dtype(shard)
         config = json.dumps({name: shard[name] for name in CONFIG_KEYS}, sort_keys=True)
         known[key] = dtype, len(config.encode())
     return known[key]

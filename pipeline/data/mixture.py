@@ -247,6 +247,8 @@ class MixtureStream:
         self._host_of = np.asarray([s.host for s in self.sources], dtype=np.int64)
         self._task_of = np.asarray([s.task == "retrieval" for s in self.sources])
         self._ordered = sorted(self.streams.items())
+        self._labels = [self.sources[index].label for index, _ in self._ordered]
+        """Each text source's label, in `_ordered`'s order."""
         self._seq_len = self._ordered[0][1].seq_len
         self._ahead: _Ahead | None = None
         self._drawn = 0
@@ -261,11 +263,11 @@ class MixtureStream:
         """Each text source's epoch (that of its last sequence drawn), by label."""
         ahead = self._ahead
         if ahead is None or self.consumed == ahead.start:
-            return {self.sources[index].label: stream.epoch for index, stream in self._ordered}
+            return {label: stream.epoch for label, (_, stream) in zip(self._labels, self._ordered)}
         if ahead.epochs is None:
             return dict(ahead.epochs_after)
         row = ahead.epochs[self.consumed - 1 - ahead.start]
-        return {self.sources[index].label: int(row[j]) for j, (index, _) in enumerate(self._ordered)}
+        return {label: int(epoch) for label, epoch in zip(self._labels, row)}
 
     def next_labeled(self, n: int) -> Draw:
         if len(self.streams) == 1:  # every sequence is the one text stream's next
@@ -291,7 +293,7 @@ class MixtureStream:
         past the position, `READ_AHEAD_TOKENS` at least, each source writing straight into the global rows."""
         start = self._drawn
         size = max(n * max(1, READ_AHEAD_TOKENS // (n * self._seq_len)), self.consumed - start + n)
-        anchor = {self.sources[index].label: stream.state_dict() for index, stream in self._ordered}
+        anchor = {label: stream.state_dict() for label, (_, stream) in zip(self._labels, self._ordered)}
         sources = self.schedule.range(start, size)
         hosts = self._host_of[sources]
         by_host = np.argsort(hosts, kind="stable")  # each text source's rows, in order
@@ -317,8 +319,7 @@ class MixtureStream:
                 column[rows] = row_epochs
                 epochs[:, j] = np.maximum.accumulate(column)
         draw = Draw(sequences=sequences, keys=keys, sources=sources, tasks=self._task_of[sources])
-        labels = [self.sources[index].label for index, _ in self._ordered]
-        self._ahead = _Ahead(start, draw, epochs, dict(zip(labels, after)), anchor)
+        self._ahead = _Ahead(start, draw, epochs, dict(zip(self._labels, after)), anchor)
         self._drawn = start + size
 
     def next(self, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -333,7 +334,7 @@ class MixtureStream:
         if ahead is not None and self.consumed < ahead.end:  # the streams have read past the position
             streams, at = ahead.anchor, ahead.start
         else:
-            streams = {self.sources[index].label: stream.state_dict() for index, stream in self._ordered}
+            streams = {label: stream.state_dict() for label, (_, stream) in zip(self._labels, self._ordered)}
             at = self._drawn
         return {MIXTURE_STATE_KEY: {**self.record, "consumed": self.consumed, "streams_at": at, "streams": streams}}
 

@@ -183,8 +183,9 @@ class MDSReader:
         for shard in self.shards:
             shard.validate(allow_unsafe_types=False)  # streaming's own pickle check, behind check_index
         self.samples_per_shard = np.asarray([s.samples for s in self.shards], dtype=np.int64)
-        self.token_dtype = _token_dtype(index["shards"][0]) if index["shards"] else np.dtype(np.int64)
-        """The tokens column's dtype as the index records it (``ndarray:uint16``; int64 when it names none)."""
+        named = fmt.index_token_dtype(index["shards"][0]) if index["shards"] else None
+        self.token_dtype = np.dtype(named or np.int64)
+        """The tokens' dtype as the index records prep's columns (int64 for another layout: it holds any id)."""
         if int(self.samples_per_shard.sum()) == 0:
             raise EmptySplitError(
                 f"data split {self.remote or self.split_dir} holds no samples ({len(self.shards)} "
@@ -377,15 +378,6 @@ class MDSReader:
         begin, end = np.frombuffer(data, np.uint32, count=2, offset=4 * (1 + int(index)))
         sample = reader.decode_sample(data[begin:end])
         return np.asarray(sample[fmt.TOKENS]), int(sample[fmt.DOC_ID])
-
-
-def _token_dtype(shard: dict[str, Any]) -> np.dtype:
-    """The unsigned integer dtype data prep names for the tokens column (``ndarray:uint16``); int64 for anything
-    else, which holds every token id (the column's decoding, not this, checks what the samples hold)."""
-    names, encodings = shard.get("column_names", []), shard.get("column_encodings", [])
-    encoding = str(encodings[names.index(fmt.TOKENS)]) if fmt.TOKENS in names else ""
-    named = encoding.split(":")[1] if encoding.count(":") >= 1 else ""
-    return np.dtype(named) if named in ("uint16", "uint32") else np.dtype(np.int64)
 
 
 def read_tokenizer(data_path: str) -> TokenizerFiles | None:

@@ -224,6 +224,15 @@ def test_drawing_ahead_changes_no_sequence_epoch_or_resume(tmp_path, datasets, m
         assert max(expected) >= 1, label  # the epochs did change
     at = [s["mixture"]["streams_at"] for s in states]
     assert at[:7] == [0, 0, 0, 18, 18, 18, 36]  # inside a read-ahead: its start; at its end: the position itself
+    uneven, _ = build_stream(cfg, mixture, EOS, cache=str(tmp_path / "cache"))
+    sizes = [5, 7, 1, 11, 6, 13, 2, 9]  # requests that end inside a read-ahead and ones that cross into the next
+    drawn = [uneven.next_labeled(size) for size in sizes]
+    everything = np.concatenate([d.sequences for d in whole])[: sum(sizes)]
+    assert (np.concatenate([d.sequences for d in drawn]) == everything).all()
+    assert (
+        np.concatenate([d.sources for d in drawn]).tolist()
+        == np.concatenate([d.sources for d in whole])[: sum(sizes)].tolist()
+    )
     for step in list(range(8)) + [31, 47]:
         resumed, _ = build_stream(cfg, mixture, EOS, cache=str(tmp_path / "cache"))
         resumed.load_state_dict(states[step])
