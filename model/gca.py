@@ -43,8 +43,10 @@ from model.lm import CausalLM
 from model.retrieval import (
     ChunkDocuments,
     DeferredRow,
+    NeedleLabels,
     Picks,
     RetrievalRows,
+    needle_loss,
     record_picks,
     retrieval_stats,
     retrieve,
@@ -211,6 +213,14 @@ class GCAForCausalLM(CausalLM):
     def _cp_step(self, input_ids: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
         return self._step(input_ids, None, cp=cp)
 
+    def _needle_step(self, input_ids: torch.Tensor, needle: NeedleLabels, *, hidden: bool) -> torch.Tensor:
+        if self.cfg.retrieval_scope == "document" or self.cfg.retrieval == "random":
+            raise ValueError(
+                "retrieval_labels supervise the learned retriever over the whole sequence: not with "
+                "model.retrieval=random or model.retrieval_scope=document"
+            )
+        return self._step(input_ids, None, hidden=hidden, needle=needle)
+
     def _step(
         self,
         input_ids: torch.Tensor,
@@ -219,9 +229,11 @@ class GCAForCausalLM(CausalLM):
         memory_only: bool = False,
         cp: ContextParallel | None = None,
         hidden: bool = False,
+        needle: NeedleLabels | None = None,
     ) -> torch.Tensor:
         """``cp``: run one rank's span of a sequence under context parallelism (``model.context_parallel``): the
-        step starts after ``cp.n_prev`` tokens and takes from the other ranks what ``state`` would hold."""
+        step starts after ``cp.n_prev`` tokens and takes from the other ranks what ``state`` would hold.
+        ``needle`` (a whole sequence): each group's ``needle_loss`` is added to it."""
         cfg = self.cfg
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens]; got shape {tuple(input_ids.shape)}")
@@ -256,7 +268,7 @@ class GCAForCausalLM(CausalLM):
             if memory_only:
                 self._skip_upper_layers(group, x, layout, state)
                 break
-            memory = self._retrieve(g, group, x, readable, layout, state, cp, docs)
+            memory = self._retrieve(g, group, x, readable, layout, state, cp, docs, needle)
             for layer in group.layers:
                 x = layer(x, caches.pop(0), memory, layout, pos)
 
@@ -330,6 +342,7 @@ class GCAForCausalLM(CausalLM):
         state: StreamState | None,
         cp: ContextParallel | None,
         docs: ChunkDocuments | None,
+        needle: NeedleLabels | None = None,
     ) -> RetrievedMemory | None:
         """Rows for every chunk this step touches: chunk ``c`` uses the row of landmark ``c - 1``; ``docs``: only
         chunks of the reader's document are visible (``model.retrieval_scope=document``)."""
@@ -362,6 +375,8 @@ class GCAForCausalLM(CausalLM):
             return rows
 
         queries = group.query_norm(x[:, layout.landmark_pos])  # [B, n_landmarks, d_model]
+        if needle is not None:
+            needle.terms.append(needle_loss(queries, keys, needle.labels, scale=self.retrieval_scale))
         previous = state.rows[g] if state is not None else None
         if cp is not None:  # the row before the span is scored here from the previous rank's last query
             queries, previous = cp.previous_row(queries)

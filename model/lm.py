@@ -17,6 +17,7 @@ from model.chunk_store import ChunkStore
 from model.chunked_loss import chunked_lm_loss, chunked_lm_loss_and_token_losses, shifted_targets
 from model.config import GCAConfig
 from model.context_parallel import ContextParallel
+from model.retrieval import NeedleLabels
 from model.stream import StreamState
 
 
@@ -36,6 +37,9 @@ class CausalLMOutput(NamedTuple):
     token_loss: torch.Tensor | None = None
     """With ``forward(..., token_loss=True)`` and labels: each position's own next-token cross-entropy ``[B, T]``
     (fp32, detached; `token_losses`' layout), the terms ``loss`` averages. Else ``None``."""
+    needle_loss: torch.Tensor | None = None
+    """With ``forward(..., retrieval_labels=...)``: the retriever's supervised loss (``model.retrieval.needle_loss``,
+    per sequence, averaged over the retrieval groups), not included in ``loss``. Else ``None``."""
 
 
 def lm_loss(
@@ -92,6 +96,10 @@ def count_parameters(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+def _mean(needle: NeedleLabels | None) -> torch.Tensor | None:
+    return None if needle is None else needle.mean()
+
+
 class CausalLM(nn.Module):
     """Base of the language models: ``forward(input_ids, labels)`` over a whole sequence, the streaming interface
     the evaluation drives (``new_stream_state``, ``forward_stream``, ``window_reach``) and parameter counting.
@@ -113,6 +121,7 @@ class CausalLM(nn.Module):
         cp: ContextParallel | None = None,
         return_logits: bool = True,
         token_loss: bool = False,
+        retrieval_labels: torch.Tensor | None = None,
     ) -> CausalLMOutput:
         """Logits for every token of ``input_ids [B, T]``; the mean next-token loss (``lm_loss``) when ``labels``
         (aligned with ``input_ids``, ``-100`` ignored) are given.
@@ -128,26 +137,45 @@ class CausalLM(nn.Module):
 
         ``token_loss`` (with ``labels``): also return each position's cross-entropy (``CausalLMOutput.token_loss``),
         from the same pass; the loss and its gradients are unchanged.
+
+        ``retrieval_labels [B, C]`` (a whole sequence, no ``cp``): also return the retriever's supervised loss on
+        the retrieval tasks they mark (``CausalLMOutput.needle_loss``; ``model.retrieval.needle_loss``).
         """
+        needle = None if retrieval_labels is None else NeedleLabels(retrieval_labels)
+        if needle is not None and cp is not None:
+            raise ValueError("retrieval_labels need the whole sequence: not under context parallelism")
         if cp is None and labels is not None and not return_logits:
-            hidden = self._step(input_ids, None, hidden=True)
+            hidden = self._whole(input_ids, needle, hidden=True)
             per_token = None
             if token_loss:
                 loss, per_token = chunked_lm_loss_and_token_losses(hidden, self.head_weight, labels)
             else:
                 loss = chunked_lm_loss(hidden, self.head_weight, labels)
             empty = loss.new_empty(input_ids.shape[0], 0, self.cfg.vocab_size)
-            return CausalLMOutput(logits=empty, loss=loss, token_loss=per_token)
+            return CausalLMOutput(logits=empty, loss=loss, token_loss=per_token, needle_loss=_mean(needle))
         if cp is None:
-            logits = self._step(input_ids, None)
+            logits = self._whole(input_ids, needle, hidden=False)
         elif labels is not None:
             raise ValueError("a context-parallel span is scored by cp_loss, which needs the peers' labels: no labels")
         else:
             logits = self._cp_step(input_ids, cp)
         if labels is None:
-            return CausalLMOutput(logits=logits)
+            return CausalLMOutput(logits=logits, needle_loss=_mean(needle))
         per_token = token_losses(logits, labels) if token_loss else None
-        return CausalLMOutput(logits=logits, loss=lm_loss(logits, labels), token_loss=per_token)
+        return CausalLMOutput(
+            logits=logits, loss=lm_loss(logits, labels), token_loss=per_token, needle_loss=_mean(needle)
+        )
+
+    def _whole(self, input_ids: torch.Tensor, needle: NeedleLabels | None, *, hidden: bool) -> torch.Tensor:
+        """``_step`` over a whole sequence, collecting ``needle_loss`` terms into ``needle`` when it is given."""
+        if needle is None:
+            return self._step(input_ids, None, hidden=hidden)
+        return self._needle_step(input_ids, needle, hidden=hidden)
+
+    def _needle_step(self, input_ids: torch.Tensor, needle: NeedleLabels, *, hidden: bool) -> torch.Tensor:
+        """``_step`` of a whole sequence that also adds each retrieval group's ``needle_loss`` to ``needle``; only
+        a model with a retriever has one."""
+        raise ValueError(f"{type(self).__name__} has no retriever to supervise (retrieval_labels need model.arch=gca)")
 
     def _step(self, input_ids: torch.Tensor, state: StreamState | None, *, hidden: bool = False) -> torch.Tensor:
         """Logits of ``input_ids`` continuing ``state`` (``None``: a whole sequence); with ``hidden`` the final

@@ -8,7 +8,7 @@ chunk ``i + 1``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -173,6 +173,62 @@ def retrieve(
     if not grad:
         weights = weights.detach()
     return RetrievalRows(torch.where(valid, index, torch.zeros_like(index)), weights)
+
+
+NEEDLE_QUERY, NEEDLE_CHUNK = 2, 1
+"""Marks of a retrieval label row ``[C]`` (``needle_loss``): the landmark whose retrieval serves a task's answer, and
+the chunks holding the needles it asks for; every other chunk is 0."""
+
+
+@dataclass
+class NeedleLabels:
+    """What a whole-sequence forward needs for ``needle_loss`` and what it collects: one term per retrieval group."""
+
+    labels: torch.Tensor
+    """``[B, C]`` int64 marks per chunk (``NEEDLE_QUERY``, ``NEEDLE_CHUNK``, else 0)."""
+    terms: list[torch.Tensor] = field(default_factory=list)
+    """Each group's summed loss over the labelled rows."""
+
+    def mean(self) -> torch.Tensor:
+        """The loss per sequence of the batch (unlabelled ones count 0), averaged over the groups: a mean over rows,
+        so that equal micro-batches average to the global batch's mean as the LM loss does."""
+        return torch.stack(self.terms).mean() / self.labels.shape[0]
+
+
+def needle_loss(queries: torch.Tensor, keys: torch.Tensor, labels: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """The retriever's supervised loss on retrieval tasks whose needles are known: for each row of ``labels`` that
+    marks a query landmark ``q`` (``NEEDLE_QUERY``), minus the log of the softmax mass that ``q``'s scores over
+    *every* visible chunk ``j < q`` (not only its top-k) put on the asked needles' chunks (``NEEDLE_CHUNK``).
+
+    The language-model loss reaches a score only through the chunks a row picked, so a needle the retriever does
+    not pick yet gets no gradient from it (and none at all while the GCA output is zero, as after a dense
+    conversion); this loss gives every needle score a gradient from the first step.
+
+    Args:
+        queries: ``[B, C, d_model]`` normalised landmark states of chunks ``0 .. C-1`` (a whole sequence).
+        keys: ``[B, Cm, d_model]`` landmark keys of chunks ``0 .. Cm-1``.
+        labels: ``[B, >= C]`` marks per chunk; rows without a query mark, or whose needles are not visible from
+            it, contribute nothing.
+        scale: the retrieval score scale.
+
+    Returns:
+        The summed loss over the labelled rows (fp32 scalar).
+    """
+    C, Cm = queries.shape[1], keys.shape[1]
+    labels = labels[:, :C]
+    is_query = labels == NEEDLE_QUERY
+    query = is_query.long().argmax(1)  # [B]
+    rows = torch.arange(labels.shape[0], device=labels.device)
+    with torch.autocast(keys.device.type, enabled=False):
+        scores = torch.einsum("bd,bmd->bm", queries[rows, query].float(), keys.float()) * scale  # [B, Cm]
+        visible = torch.arange(Cm, device=keys.device)[None, :] < query[:, None]
+        target = visible & (labels[:, :Cm] == NEEDLE_CHUNK)
+        used = is_query.any(1) & target.any(1)
+        # An unlabelled row scores every chunk on both sides: its term is exactly 0 with a zero (not NaN) gradient.
+        unused = ~used[:, None]
+        every = torch.logsumexp(scores.masked_fill(~(visible | unused), float("-inf")), 1)
+        asked = torch.logsumexp(scores.masked_fill(~(target | unused), float("-inf")), 1)
+        return (every - asked).sum()
 
 
 def _random_rows(visible: torch.Tensor, top_k: int, uniform: torch.Tensor | None) -> RetrievalRows:

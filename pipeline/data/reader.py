@@ -61,9 +61,11 @@ from data_prep.safe_files import (
 )
 from data_prep.safe_write import move
 from data_prep.streaming_compat import ensure_streaming_importable
+from model.retrieval import NEEDLE_CHUNK, NEEDLE_QUERY
 
 if TYPE_CHECKING:
     from pipeline.data.mix import RetrievalMix
+    from pipeline.data.retrieval_tasks import TaskSample
 
 log = logging.getLogger(__name__)
 
@@ -620,6 +622,8 @@ class RankBatches:
             seeded with the sequence's key in its text source (so the same sequence gets the same task on any world
             size and after a resume).
         answer_weight: loss weight of the tasks' answer tokens (1: no weights are produced).
+        needle_labels: also mark, per micro-batch, where each task's answer retrieves and its needles are
+            (``retrieval_labels``, for the retriever's supervised loss ``model.retrieval.needle_loss``).
     """
 
     def __init__(
@@ -633,6 +637,7 @@ class RankBatches:
         mix: RetrievalMix | None = None,
         seed: int = 0,
         answer_weight: float = 1.0,
+        needle_labels: bool = False,
     ) -> None:
         self.stream, self.global_batch, self.micro_batch = stream, global_batch, micro_batch
         self.rank, self.world_size = rank, world_size
@@ -649,6 +654,11 @@ class RankBatches:
         """The source index of each sequence of the last global batch (all ranks'; 0 for a stream of one source)."""
         self.rank_sources = np.zeros(0, dtype=np.int64)
         """The source index of each of this rank's sequences of the last step, in micro-batch order."""
+        self.needle_labels = needle_labels
+        self.retrieval_labels: list[torch.Tensor] = []
+        """With ``needle_labels``: the last step's ``[micro_batch, seq_len // chunk_size]`` int64 marks per
+        micro-batch (``model.retrieval.NEEDLE_QUERY`` at the landmark whose retrieval serves a task's answer,
+        ``NEEDLE_CHUNK`` at the chunks of the needles it asks for, 0 elsewhere and on sequences without a task)."""
 
     @property
     def epoch(self) -> int:
@@ -678,6 +688,9 @@ class RankBatches:
         rows, row_keys = seqs[mine].astype(np.int64), keys[mine]  # a copy the tasks write into, widened for torch
         self.step_sources, self.rank_sources = sources, sources[mine]
         weights = np.ones(rows.shape, dtype=np.float32) if self.answer_weight != 1.0 else None
+        labels = None
+        if self.needle_labels and self.mix is not None:
+            labels = np.zeros((len(rows), rows.shape[1] // self.mix.chunk_size), dtype=np.int64)
         for row in np.flatnonzero(tasks[mine]):
             if self.mix is None:
                 raise ValueError("the stream asks for a retrieval task but no retrieval mix was given")
@@ -686,6 +699,9 @@ class RankBatches:
             self.families[sample.family] += 1
             if weights is not None:
                 weights[row, sample.answer] = self.answer_weight
+            if labels is not None:
+                mark_needles(labels[row], sample, self.mix.chunk_size)
+        self.retrieval_labels = [] if labels is None else list(torch.from_numpy(labels).split(self.micro_batch))
         tokens = torch.from_numpy(rows).split(self.micro_batch)
         if weights is None:
             return [(t, None) for t in tokens]
@@ -704,6 +720,17 @@ class RankBatches:
         if before != now:
             # The text of the sequences is unchanged; only which carry a task, and which, differs from here on.
             log.warning("data.retrieval_mix changed since the checkpoint: %s -> %s, from this step on", before, now)
+
+
+def mark_needles(labels: np.ndarray, sample: TaskSample, chunk_size: int) -> None:
+    """Write ``sample``'s retrieval label into its row ``labels [C]``: its question's landmark
+    (``TaskSample.question_row``) and, as targets, the asked needles' chunks."""
+    row = sample.question_row(chunk_size)
+    if row >= 0:
+        labels[row] = NEEDLE_QUERY
+    for chunk in sample.asked_chunks:
+        if chunk < len(labels):
+            labels[chunk] = NEEDLE_CHUNK
 
 
 MIX_STATE_KEY = "retrieval_mix"

@@ -208,6 +208,12 @@ class TaskSample:
     def answer(self) -> slice:
         return slice(self.answer_start, self.answer_start + self.answer_len)
 
+    def question_row(self, chunk_size: int) -> int:
+        """The landmark whose retrieval serves the answer: the first answer token is predicted at the question's
+        last token, which opens a chunk ``c`` (the layout's rule), and chunk ``c`` reads the row of landmark
+        ``c - 1``."""
+        return (self.answer_start - 1) // chunk_size - 1
+
 
 def default_spec(family: str, shape: TaskShape) -> NeedleSpec:
     """The texts of a ``family`` sample of ``shape``: the family's own (``NeedleSpec.template``; multikey's say

@@ -297,7 +297,7 @@ def retrieval_checks(
         return sample.hop.followed(picks)
     if not sample.asked_chunks or sample.family in AGGREGATION_FAMILIES:  # a word list's words are no needles
         return {}
-    row = (sample.answer_start - 1) // chunk_size - 1
+    row = sample.question_row(chunk_size)
     return {
         f"g{group}": {"asked_needle": bool(sample.asked_chunks & set(picks[(group, query)][0]))}
         for group, query in sorted(picks)

@@ -85,6 +85,11 @@ class RetrievalMixConfig:
     answer_weight: float = 1.0
     """Loss weight of a task's answer tokens relative to every other token (the loss is the weighted mean). 1 is
     the plain LM loss; a larger weight strengthens the retrieval signal of short runs."""
+    retriever_loss: float = 0.0
+    """Weight of the retriever's supervised loss, added to the LM loss: on every task sequence, the question's
+    landmark scores every earlier chunk and is trained to put its softmax mass on the asked needles' chunks
+    (``model.retrieval.needle_loss``). 0: the retriever learns from the LM loss alone. It reaches needles the
+    retriever does not pick yet, and trains the retriever while a dense conversion's GCA output is still zero."""
     needles: int = 4
     """multikey, multiquery: needles per sample (distinct names)."""
     values: int = 3
@@ -109,6 +114,7 @@ class MixSettings:
     families: dict[str, float]
     shape: TaskShape
     answer_weight: float
+    retriever_loss: float = 0.0
 
 
 def mix_settings(data: DataConfig) -> MixSettings:
@@ -128,6 +134,7 @@ def mix_settings(data: DataConfig) -> MixSettings:
             needles=m.needles, values=m.values, queries=m.queries, hops=m.hops, chains=m.chains, value_kind=m.value_kind
         ),
         answer_weight=m.answer_weight,
+        retriever_loss=m.retriever_loss,
     )
 
 
@@ -686,6 +693,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             "or data.needle_mix > 0): its tasks are written over packed text that may cross documents, and a needle "
             "before an end-of-document token would be hidden from its question; use one or the other"
         )
+    _check_retriever_loss(cfg)
     if not 0 <= p.zero_stage <= 3:
         raise ConfigError(f"parallel.zero_stage must be 0, 1, 2 or 3; got {p.zero_stage}")
     if p.engine != "deepspeed" and (p.zero_stage or p.offload_optimizer or p.offload_params):
@@ -726,6 +734,36 @@ def _check_trainable(cfg: TrainConfig) -> None:
             raise ConfigError(f"optim.lr_scale.{role} must be a finite number > 0; got {scale}")
 
 
+def _check_retriever_loss(cfg: TrainConfig) -> None:
+    """``data.retrieval_mix.retriever_loss > 0`` needs tasks to supervise and a learned retriever over whole
+    sequences."""
+    weight, m = cfg.data.retrieval_mix.retriever_loss, cfg.model
+    if weight == 0:
+        return
+    key = f"data.retrieval_mix.retriever_loss={weight}"
+    tasks = mix_settings(cfg.data).fraction > 0 or any(s.task == "retrieval" for s in cfg.data.sources)
+    rules = (
+        (
+            not tasks,
+            "needs retrieval tasks (data.retrieval_mix.fraction > 0 or a data.sources entry with task: retrieval)",
+        ),
+        (m.arch != "gca", f"needs model.arch=gca (a retriever); got {m.arch}"),
+        (m.retrieval == "random", "supervises a learned retriever; got model.retrieval=random"),
+        (not m.retrieval_grad, "trains the retriever; got model.retrieval_grad=false"),
+        (
+            m.retrieval_scope == "document",
+            "scores every earlier chunk of the sequence; got model.retrieval_scope=document",
+        ),
+        (
+            cfg.parallel.context_parallel > 1,
+            f"scores whole sequences; got parallel.context_parallel={cfg.parallel.context_parallel}",
+        ),
+    )
+    for broken, why in rules:
+        if broken:
+            raise ConfigError(f"{key} {why}")
+
+
 def _check_mix(data: DataConfig) -> None:
     """The mix keys' values and that only one spelling is used; whether ``train.seq_len`` holds each family's
     sample needs the tokenizer and is checked with the inputs (``pipeline.train.inputs``)."""
@@ -739,6 +777,8 @@ def _check_mix(data: DataConfig) -> None:
     ):
         if not value > 0:
             raise ConfigError(f"{key} must be > 0; got {value}")
+    if not 0 <= m.retriever_loss < float("inf"):
+        raise ConfigError(f"data.retrieval_mix.retriever_loss must be a finite weight >= 0; got {m.retriever_loss}")
     if data.needle_variant not in FAMILIES:
         raise ConfigError(f"data.needle_variant must be one of {list(FAMILIES)}; got {data.needle_variant!r}")
     if data.needle_mix > 0:

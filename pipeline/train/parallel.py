@@ -15,6 +15,7 @@ import contextlib
 import logging
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -24,7 +25,7 @@ import torch.nn as nn
 
 from data_prep.safe_write import replacing
 from model.context_parallel import cp_loss, cp_loss_and_token_losses
-from model.lm import lm_loss, scored_positions, weighted_lm_loss
+from model.lm import CausalLMOutput, lm_loss, scored_positions, weighted_lm_loss
 from pipeline.train.config import TrainConfig, check_grad_reduce_dtype
 from pipeline.train.dist import DistInfo
 from pipeline.train.optim import build_optimizer
@@ -126,8 +127,28 @@ def _clean(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return {k.replace(_WRAPPED, ""): v.detach().cpu() for k, v in state.items()}
 
 
+@dataclass(frozen=True)
+class Needles:
+    """A micro-batch's retrieval labels (``RankBatches.retrieval_labels``) and the weight of the retriever's
+    supervised loss (``data.retrieval_mix.retriever_loss``), which the training objective adds to the LM loss."""
+
+    labels: torch.Tensor
+    weight: float
+
+
+def _with_needles(loss: torch.Tensor, out: CausalLMOutput, needles: Needles | None) -> torch.Tensor:
+    if needles is None:
+        return loss
+    assert out.needle_loss is not None  # the model returns it whenever retrieval_labels were passed
+    return loss + needles.weight * out.needle_loss
+
+
 def next_token_loss(
-    model: nn.Module, x: torch.Tensor, weights: torch.Tensor | None, weight_norm: torch.Tensor | None = None
+    model: nn.Module,
+    x: torch.Tensor,
+    weights: torch.Tensor | None,
+    weight_norm: torch.Tensor | None = None,
+    needles: Needles | None = None,
 ) -> torch.Tensor:
     """Next-token loss of ``x`` (``model.lm_loss``): the model's own mean loss, or with ``weights [B, T]``
     (aligned with ``x`` as labels) ``sum(w * ce)`` over the predicted positions divided by ``weight_norm``, by
@@ -136,24 +157,34 @@ def next_token_loss(
     The weights stay outside the model's forward: FSDP's mixed precision would cast a floating-point forward
     argument to bf16. Without them the model computes the loss from its final hidden states in slices
     (``return_logits=False``, ``model.chunked_loss``): the ``[B, T, vocab]`` logits are never held whole.
+    ``needles``: the objective adds the retriever's supervised loss, from the same forward.
     """
+    labels = None if needles is None else needles.labels
     if weights is None:
-        return model(x, labels=x, return_logits=False).loss
-    return lm_loss(model(x).logits, x, weights, weight_norm)
+        out = model(x, labels=x, return_logits=False, retrieval_labels=labels)
+        return _with_needles(out.loss, out, needles)
+    out = model(x, retrieval_labels=labels)
+    return _with_needles(lm_loss(out.logits, x, weights, weight_norm), out, needles)
 
 
 def next_token_loss_rows(
-    model: nn.Module, x: torch.Tensor, weights: torch.Tensor | None, weight_norm: torch.Tensor | None = None
+    model: nn.Module,
+    x: torch.Tensor,
+    weights: torch.Tensor | None,
+    weight_norm: torch.Tensor | None = None,
+    needles: Needles | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`next_token_loss` (the same number and gradients) and the micro-batch's `row_stats`, from the same forward:
     per row the *unweighted* next-token cross-entropy whatever ``weights`` (the per-source losses report how well
     each source is modelled, not the training objective's weighting)."""
+    labels = None if needles is None else needles.labels
     if weights is None:
-        out = model(x, labels=x, return_logits=False, token_loss=True)
+        out = model(x, labels=x, return_logits=False, token_loss=True, retrieval_labels=labels)
         loss, per_token = out.loss, out.token_loss
     else:
-        loss, per_token = weighted_lm_loss(model(x).logits, x, weights, weight_norm)
-    return loss, row_stats(per_token, scored_positions(x))
+        out = model(x, retrieval_labels=labels)
+        loss, per_token = weighted_lm_loss(out.logits, x, weights, weight_norm)
+    return _with_needles(loss, out, needles), row_stats(per_token, scored_positions(x))
 
 
 def row_stats(token_loss: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
@@ -234,12 +265,13 @@ class TorchEngine:
         weights: torch.Tensor | None = None,
         weight_norm: torch.Tensor | None = None,
         rows: list[torch.Tensor] | None = None,
+        needles: Needles | None = None,
     ) -> torch.Tensor:
         """The micro-batch's loss (``next_token_loss``); with ``rows``, its `row_stats` are appended to it."""
         with torch.autocast(self.info.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             if rows is None:
-                return next_token_loss(self.model, x, weights, weight_norm)
-            loss, stats = next_token_loss_rows(self.model, x, weights, weight_norm)
+                return next_token_loss(self.model, x, weights, weight_norm, needles)
+            loss, stats = next_token_loss_rows(self.model, x, weights, weight_norm, needles)
         rows.append(stats)
         return loss
 
@@ -251,17 +283,24 @@ class TorchEngine:
         weights: torch.Tensor | None = None,
         weight_norm: torch.Tensor | None = None,
         rows: list[torch.Tensor] | None = None,
+        needles: Needles | None = None,
     ) -> torch.Tensor:
         """Forward and backward of one micro-batch; returns its loss over whole sequences (what one process
         computes), also under context parallelism. ``weight_norm``: what the weighted loss divides by
         (``next_token_loss``; the trainer's global normaliser). ``rows``: where to append the micro-batch's
-        `row_stats` (under context parallelism, of this rank's span of each row), from the same forward."""
+        `row_stats` (under context parallelism, of this rank's span of each row), from the same forward.
+        ``needles``: add the retriever's supervised loss (whole sequences: the config refuses it with context
+        parallelism)."""
         if self.kind == "fsdp" and last:
             self.model.set_requires_gradient_sync(True)  # type: ignore[operator]
         if self.cp_group is not None:
+            if needles is not None:
+                raise ValueError(
+                    "the retriever's supervised loss scores whole sequences: not under context parallelism"
+                )
             return self._cp_micro_step(x, accum, last, weights, weight_norm, rows)
         with self._sync_context(last):
-            loss = self.loss(x, weights, weight_norm, rows)
+            loss = self.loss(x, weights, weight_norm, rows, needles)
             (loss / accum).backward()
         return loss.detach()
 
@@ -432,10 +471,11 @@ class DeepSpeedEngine:
         weights: torch.Tensor | None = None,
         weight_norm: torch.Tensor | None = None,
         rows: list[torch.Tensor] | None = None,
+        needles: Needles | None = None,
     ) -> torch.Tensor:
         if rows is None:
-            return next_token_loss(self.model, x, weights, weight_norm)
-        loss, stats = next_token_loss_rows(self.model, x, weights, weight_norm)
+            return next_token_loss(self.model, x, weights, weight_norm, needles)
+        loss, stats = next_token_loss_rows(self.model, x, weights, weight_norm, needles)
         rows.append(stats)
         return loss
 
@@ -447,9 +487,10 @@ class DeepSpeedEngine:
         weights: torch.Tensor | None = None,
         weight_norm: torch.Tensor | None = None,
         rows: list[torch.Tensor] | None = None,
+        needles: Needles | None = None,
     ) -> torch.Tensor:
         """As ``TorchEngine.micro_step`` (no context parallelism)."""
-        loss = self.loss(x, weights, weight_norm, rows)
+        loss = self.loss(x, weights, weight_norm, rows, needles)
         self.model.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself
         if not last:
             self.model.step()  # off the accumulation boundary this only advances DeepSpeed's counters

@@ -74,7 +74,7 @@ from pipeline.train.inputs import (
 from pipeline.train.memory_estimate import check_device_memory, check_host_memory
 from pipeline.train.metrics import MetricsWriteError, memory_gb, peak_flops, setup_logging
 from pipeline.train.optim import freeze_for_stage, lr_at, set_lr
-from pipeline.train.parallel import build_engine
+from pipeline.train.parallel import Needles, build_engine
 from pipeline.train.preflight import version_mismatches
 from pipeline.train.resume_check import ResumeRefusedError, check_data_settings, check_resume, config_record
 from pipeline.train.run_files import check_run_files
@@ -127,6 +127,7 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         check_run_files(self.run_dir)  # before any work: a link planted in run_dir is refused now, not at the end
         self.accum = cfg.grad_accum(info.world_size)
+        self.retriever_loss = mix_settings(cfg.data).retriever_loss
         self.bf16 = use_bf16(cfg, info.device)
         resolve_document_eos(cfg)  # the model needs its document separator (a Trainer may be built without main)
         dist.seed_all(cfg.seed)  # the same initial weights on every rank and every world size
@@ -173,6 +174,7 @@ class Trainer:
             mix=mix,
             seed=cfg.seed,
             answer_weight=mix_settings(cfg.data).answer_weight,
+            needle_labels=mix_settings(cfg.data).retriever_loss > 0,
         )
         return batches, fingerprint
 
@@ -246,6 +248,7 @@ class Trainer:
         weight_norm = dist.mean_weight_sum(weights, self.info.device) / self.accum if weights else None
         self._phase = "forward/backward (with the data-parallel gradient reduction)"
         rows: list[torch.Tensor] | None = [] if len(self.mixture.labels) > 1 else None  # per-source losses
+        needles = self.batches.retrieval_labels if self.retriever_loss > 0 else []
         losses = [
             eng.micro_step(
                 x.to(self.info.device),
@@ -254,6 +257,7 @@ class Trainer:
                 weights=None if w is None else w.to(self.info.device),
                 weight_norm=weight_norm,
                 rows=rows,
+                needles=Needles(needles[i].to(self.info.device), self.retriever_loss) if needles else None,
             )
             for i, (x, w) in enumerate(micro)
         ]

@@ -20,6 +20,7 @@ import pytest
 import torch
 from helpers import train_test_tokenizer
 
+from model.retrieval import NEEDLE_CHUNK, NEEDLE_QUERY
 from pipeline.data.mix import RetrievalMix, sentencepiece_codec
 from pipeline.data.mixture import with_tasks
 from pipeline.data.needle import SYLLABLES, TEMPLATES, NeedleSpec, lay_out_needle, needle_parts
@@ -410,3 +411,63 @@ def test_a_needle_longer_than_a_chunk_ends_with_a_chunk(depth, codec):
         assert all(end % S == 0 for end in ends), ends
         assert sample.needle_start + sample.needle_len in ends
         assert 0 <= sample.needle_start - round(depth * sample.room) < S
+
+
+# ---------------------------------------------------------------- the retriever's supervised loss
+
+
+def test_the_retriever_loss_labels_each_tasks_question_landmark_and_needle_chunks(
+    tmp_path, tiny_data, tokenizer, overrides
+):
+    """``data.retrieval_mix.retriever_loss``: every task sequence's label marks the landmark the eval reads the
+    question's retrieval from (``TaskSample.question_row``) and the chunks holding the asked key, decoded back from
+    the sequence; sequences without a task are unlabelled."""
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    shutil.copyfile(tokenizer, data / "tokenizer.model")
+    S = 16
+    extra = {
+        "model.vocab_size": 512,
+        "train.seq_len": 512,
+        "model.chunk_size": S,
+        "data.retrieval_mix.fraction": 0.5,
+        "data.retrieval_mix.families": "{single: 1}",
+        "data.retrieval_mix.retriever_loss": 2.0,
+    }
+    trainer = Trainer(load_config(None, overrides(tmp_path / "run", data, **extra)), dist.init_distributed("none"))
+    assert trainer.retriever_loss == 2.0
+    decode = sentencepiece_codec(tokenizer).decode
+    labelled = 0
+    for _ in range(3):
+        tokens = torch.cat(trainer.batches.next_step()).numpy()
+        labels = torch.cat(trainer.batches.retrieval_labels).numpy()
+        assert labels.shape == (len(tokens), 512 // S)
+        for row, marks in zip(tokens, labels):
+            query = np.flatnonzero(marks == NEEDLE_QUERY)
+            text = decode(row.tolist())
+            if not len(query):
+                assert not marks.any() and "What is the pass key?" not in text
+                continue
+            labelled += 1
+            (question_landmark,) = query
+            reader_start = (question_landmark + 1) * S  # the chunk that reads the row opens with the question's end
+            assert QUESTION_RX["single"].search(decode(row[: reader_start + 1].tolist()).rstrip())
+            needle_text = decode(row[np.repeat(marks == NEEDLE_CHUNK, S)].tolist())
+            answer = re.match(r"\s*(\d+)", decode(row[reader_start + 1 :].tolist()))
+            needle = NEEDLE_RX["single"].search(needle_text)
+            assert answer and needle and needle.group(1) == answer.group(1)  # the marked chunks hold the asked key
+    assert labelled == sum(trainer.batches.families.values()) > 0
+
+
+def test_the_retriever_loss_is_refused_where_it_cannot_apply(tmp_path):
+    base = [f"run_dir={tmp_path / 'run'}", f"data.path={tmp_path / 'data'}", "data.retrieval_mix.retriever_loss=1"]
+    refused = [
+        ([], r"retriever_loss=1\.0 needs retrieval tasks"),
+        (["data.retrieval_mix.fraction=0.5", "model.arch=swa"], "needs model.arch=gca"),
+        (["data.retrieval_mix.fraction=0.5", "model.retrieval=random"], "supervises a learned retriever"),
+        (["data.retrieval_mix.fraction=0.5", "model.retrieval_grad=false"], "trains the retriever"),
+        (["data.retrieval_mix.fraction=0.5", "data.retrieval_mix.retriever_loss=-1"], "finite weight >= 0; got -1"),
+    ]
+    for extra, message in refused:
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, [*base, *extra])
