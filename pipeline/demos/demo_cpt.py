@@ -2,9 +2,9 @@
 
 A tiny dense ``transformers`` ``LlamaForCausalLM`` (built offline from a config, ``pipeline.demos.dense_llama``) is
 trained on the corpus of ``make demo-lm`` (the standard library without the held-out packages, the same
-tokenizer), converted into a GCA model by the trainer itself (``checkpoint.init_from=hf:<dense dir>``, stage 1:
-``optim.trainable=new``, the retrieval-task mix) and trained on (stage 2: ``optim.trainable=all`` from stage 1's
-export, a lower LR). The models are then compared on the same held-out tokens:
+tokenizer), converted into a GCA model by the trainer itself (``checkpoint.init_from=hf:<dense dir>``) and trained
+on in two stages with the retrieval-task mix (each stage's keys: the config's ``stage1`` and ``stage2``; stage 2
+starts from stage 1's export). The models are then compared on the same held-out tokens:
 
 * ``dense``: the dense model, as a conversion whose sliding window spans the longest context it is evaluated at
   (``dense_max_length``): with hidden landmarks and a zero GCA output it computes the dense logits exactly (a
@@ -14,9 +14,9 @@ export, a lower LR). The models are then compared on the same held-out tokens:
 * ``stage1``, ``stage2``: after each training stage.
 
 Every model gets perplexity by context (``--task ppl``, the last ``score_len`` tokens of each held-out document
-with 1K..64K of context) and the passkey (``--task passkey``, streamed with the chunk memory, 1K..1M; the dense
-model up to ``dense_max_length``). Stages are commands a user could type, skipped when their output exists
-(``pipeline.demos.runner``), so an interrupted run continues.
+with 512..64K of context) and the passkey (``--task passkey``, streamed with the chunk memory, 1K..1M; the dense
+model up to ``dense_max_length``); the ``ruler_models`` also RULER's tasks (``--task ruler``). Stages are commands
+a user could type, skipped when their output exists (``pipeline.demos.runner``), so an interrupted run continues.
 """
 
 from __future__ import annotations
@@ -93,9 +93,9 @@ class DemoCPTConfig:
     ranks: int = 2
     dense: DenseSpec = field(default_factory=DenseSpec)
     stage1: list[str] = field(default_factory=list)
-    """``key=value`` overrides of stage 1 (converted from the dense folder, ``optim.trainable=new``)."""
+    """``key=value`` overrides of stage 1 (converted from the dense folder)."""
     stage2: list[str] = field(default_factory=list)
-    """``key=value`` overrides of stage 2 (from stage 1's export, ``optim.trainable=all``)."""
+    """``key=value`` overrides of stage 2 (from stage 1's export)."""
     train_overrides: list[str] = field(default_factory=list)
     """Overrides of both stages (a shorter smoke run)."""
     holdout: list[str] = field(default_factory=list)
@@ -109,6 +109,13 @@ class DemoCPTConfig:
     """The passkey haystack (``--task passkey data=``); stdlib holds ~10M tokens, enough for 1M."""
     check_tokens: int = 2048
     """Tokens of one held-out document on which the ``dense`` export is compared with ``transformers``."""
+    ruler_lengths: list[int] = field(default_factory=list)
+    """``--task ruler`` of the ``ruler_models`` at these lengths (empty: no RULER stage), on ``haystack``."""
+    ruler_samples: int = 1
+    """RULER samples per (task, length)."""
+    ruler_tasks: list[str] = field(default_factory=list)
+    """The RULER tasks (``pipeline.evaluation.ruler.RULER_TASKS``; empty: all of them)."""
+    ruler_models: list[str] = field(default_factory=lambda: ["stage2"])
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -135,6 +142,16 @@ class DemoCPTConfig:
             raise ValueError(f"config key 'check_tokens' has a wrong value {self.check_tokens}: 1 to dense_max_length")
         if self.ranks < 1:
             raise ValueError(f"config key 'ranks' has a wrong value {self.ranks}: must be >= 1")
+        from pipeline.evaluation.ruler import RULER_TASKS
+
+        unknown = sorted(set(self.ruler_tasks) - set(RULER_TASKS)) + sorted(set(self.ruler_models) - set(MODELS))
+        if unknown:
+            raise ValueError(
+                f"config key 'ruler_tasks' or 'ruler_models' has a wrong value: {unknown} are not among "
+                f"{list(RULER_TASKS)} / {list(MODELS)}"
+            )
+        if self.ruler_samples < 1:
+            raise ValueError(f"config key 'ruler_samples' has a wrong value: {self.ruler_samples} must be >= 1")
 
 
 def load_demo_cpt_config(path: str | Path, overrides: list[str]) -> tuple[DemoCPTConfig, dict[str, str]]:
@@ -285,7 +302,7 @@ def run_demo_cpt(config: str, overrides: list[str]) -> None:
 
 
 def evaluate(stages: StageRunner, cfg: DemoCPTConfig, model: str, run_dir: Path) -> None:
-    """Stages ``ppl-<model>`` and ``passkey-<model>-<i>`` (one per passkey slice)."""
+    """Stages ``ppl-<model>``, ``passkey-<model>-<i>`` (one per passkey slice) and ``ruler-<model>``."""
     export = run_dir / model / "export"
     ppl_lengths, slices = eval_lengths(model, cfg)
     out = run_dir / "eval" / model
@@ -310,3 +327,13 @@ def evaluate(stages: StageRunner, cfg: DemoCPTConfig, model: str, run_dir: Path)
         slice_out = out / f"passkey_{i}"
         cmd, env = eval_command(export, "passkey", slice_out, keys)
         stages.run(f"passkey-{model}-{i}", cmd, slice_out / "passkey.json", env)
+    if cfg.ruler_lengths and model in cfg.ruler_models:
+        keys = [
+            f"lengths={cfg.ruler_lengths}",
+            f"samples={cfg.ruler_samples}",
+            f"seed={cfg.seed}",
+            f"data={cfg.haystack}",
+            *([f"ruler_tasks=[{','.join(cfg.ruler_tasks)}]"] if cfg.ruler_tasks else []),
+        ]
+        cmd, env = eval_command(export, "ruler", out / "ruler", keys)
+        stages.run(f"ruler-{model}", cmd, out / "ruler" / "ruler.json", env)

@@ -7,14 +7,16 @@ import json
 from pathlib import Path
 
 from data_prep.safe_write import write_text
+from pipeline.demos.demo_report import collect_ruler
+from pipeline.evaluation.report import ruler_section
 from pipeline.train.metrics import processor
 
 MODELS = ("dense", "converted", "stage1", "stage2")
 DESCRIPTIONS = {
     "dense": "the dense Llama (full attention; as an export whose window spans the context)",
     "converted": "converted to GCA, before any training",
-    "stage1": "after stage 1 (new parameters only)",
-    "stage2": "after stage 2 (everything)",
+    "stage1": "after stage 1 (the config's stage1 keys)",
+    "stage2": "after stage 2 (the config's stage2 keys, from stage 1's export)",
 }
 
 
@@ -37,7 +39,12 @@ def passkey_rows(run_dir: Path) -> list[dict]:
     for model in MODELS:
         for path in sorted((run_dir / "eval" / model).glob("passkey_*/passkey.json")):
             for row in json.loads(path.read_text())["results"]:
-                acc = pooled.setdefault((model, row["length"]), {"hits": 0.0, "exact": 0.0, "n": 0, "seconds": 0.0})
+                acc = pooled.setdefault(
+                    (model, row["length"]), {"hits": 0.0, "exact": 0.0, "n": 0, "seconds": 0.0, "fetched": None}
+                )
+                asked = row.get("retrieval", {}).get("g0", {}).get("asked_needle")
+                if asked is not None:  # a model with a retriever
+                    acc["fetched"] = (acc["fetched"] or 0) + asked["hits"]
                 acc["hits"] += row["accuracy"] * row["n"]
                 acc["exact"] += row["exact_match"] * row["n"]
                 acc["n"] += row["n"]
@@ -49,6 +56,7 @@ def passkey_rows(run_dir: Path) -> list[dict]:
             "accuracy": p["hits"] / p["n"],
             "exact_match": p["exact"] / p["n"],
             "n": p["n"],
+            "fetched": p["fetched"],
             "seconds": round(p["seconds"], 1),
         }
         for (model, length), p in pooled.items()
@@ -106,7 +114,11 @@ def ppl_table(rows: list[dict]) -> str:
 def passkey_table(rows: list[dict]) -> str:
     lengths = sorted({r["length"] for r in rows})
     cell = {
-        (r["model"], r["length"]): f"{100 * r['accuracy']:.0f}% ({100 * r['exact_match']:.0f}%, n={r['n']})"
+        (r["model"], r["length"]): (
+            f"{100 * r['accuracy']:.0f}% ({100 * r['exact_match']:.0f}%, n={r['n']}"
+            + ("" if r["fetched"] is None else f"; fetched {r['fetched']}")
+            + ")"
+        )
         for r in rows
     }
     models = [m for m in MODELS if any(r["model"] == m for r in rows)]
@@ -121,12 +133,20 @@ def _k(n: int) -> str:
 def write_demo_cpt_report(run_dir: Path, timings: dict[str, float]) -> str:
     """Write ``results.json`` and ``results.md`` from whatever finished; return the markdown."""
     ppl, passkey, training = ppl_rows(run_dir), passkey_rows(run_dir), training_summary(run_dir)
+    ruler = collect_ruler(run_dir, list(MODELS))
     check_path = run_dir / "dense_check.json"
     check = json.loads(check_path.read_text()) if check_path.is_file() else None
     write_text(
         run_dir / "results.json",
         json.dumps(
-            {"ppl": ppl, "passkey": passkey, "training": training, "dense_check": check, "timings": timings},
+            {
+                "ppl": ppl,
+                "passkey": passkey,
+                "ruler": ruler,
+                "training": training,
+                "dense_check": check,
+                "timings": timings,
+            },
             indent=2,
         ),
     )
@@ -160,8 +180,12 @@ def write_demo_cpt_report(run_dir: Path, timings: dict[str, float]) -> str:
             "",
             "## Passkey, accuracy of the first answer token (all answer tokens)",
             "",
+            "`fetched`: samples whose question's retrieval held the asked needle's chunk.",
+            "",
             passkey_table(passkey),
         ]
+    if ruler:
+        parts += ["", "## RULER", "", *ruler_section(ruler, [m for m in MODELS if any(r["model"] == m for r in ruler)])]
     if timings:
         parts += ["", "## Stage wall times (s)", ""]
         parts.append(_table(["stage", "seconds"], [[k, f"{v:.0f}"] for k, v in timings.items()]))

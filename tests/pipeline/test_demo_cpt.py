@@ -46,13 +46,16 @@ def test_the_shipped_configs_load_and_cap_the_dense_model():
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("ppl_lengths=[512,4096]", r"'ppl_lengths' has a wrong value \[512, 4096\]: each must exceed score_len=512"),
+        ("ppl_lengths=[256,4096]", r"'ppl_lengths' has a wrong value \[256, 4096\]: each must exceed score_len=256"),
         ("dense_max_length=100", r"'dense_max_length' has a wrong value 100"),
         ("passkey=[{lengths: [1024], models: [gpt]}]", r"'passkey' names unknown models \['gpt'\]"),
         ("passkey=[{lengths: []}]", r"'passkey' needs slices with lengths"),
         ("depths=[1.5]", r"'depths' has a wrong value \[1.5\]"),
         ("holdout=[]", r"'holdout' must name at least one"),
         ("check_tokens=0", r"'check_tokens' has a wrong value 0"),
+        ("ruler_tasks=[niah_single_9]", r"'ruler_tasks' or 'ruler_models' has a wrong value: \['niah_single_9'\]"),
+        ("ruler_models=[gpt]", r"'ruler_tasks' or 'ruler_models' has a wrong value: \['gpt'\]"),
+        ("ruler_samples=0", r"'ruler_samples' has a wrong value: 0"),
     ],
 )
 def test_a_bad_config_value_is_one_line_naming_the_key(override, message):
@@ -131,13 +134,17 @@ def _write(path: Path, payload: dict) -> None:
     path.write_text(json.dumps(payload))
 
 
+FETCHED = {"retrieval": {"g0": {"asked_needle": {"hits": 2, "n": 2}}}}
+MISSED = {"retrieval": {"g0": {"asked_needle": {"hits": 0, "n": 1}}}}
+
+
 def test_the_report_pools_passkey_depths_by_samples_and_marks_what_is_missing(tmp_path):
     _write(
         tmp_path / "eval/stage2/passkey_0/passkey.json",
         {
             "results": [
-                {"length": 1024, "depth": 0.25, "accuracy": 1.0, "exact_match": 0.5, "n": 2, "seconds": 1.0},
-                {"length": 1024, "depth": 0.75, "accuracy": 0.0, "exact_match": 0.0, "n": 1, "seconds": 2.0},
+                {"length": 1024, "depth": 0.25, "accuracy": 1.0, "exact_match": 0.5, "n": 2, "seconds": 1.0, **FETCHED},
+                {"length": 1024, "depth": 0.75, "accuracy": 0.0, "exact_match": 0.0, "n": 1, "seconds": 2.0, **MISSED},
             ]
         },
     )
@@ -160,7 +167,7 @@ def test_the_report_pools_passkey_depths_by_samples_and_marks_what_is_missing(tm
     markdown = write_demo_cpt_report(tmp_path, {"train-dense": 12.0})
     assert "| dense | 50.00 | — |" in markdown
     assert "| stage2 | 40.00 | 41.50 |" in markdown
-    assert "| stage2 | 67% (33%, n=3) | 100% (100%, n=1) |" in markdown
+    assert "| stage2 | 67% (33%, n=3; fetched 2) | 100% (100%, n=1) |" in markdown  # the 1M row has no record
     assert "1.50e-06" in markdown and "| train-dense | 12 |" in markdown
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["dense_check"]["max_abs_diff"] == 1.5e-6 and len(saved["passkey"]) == 2
