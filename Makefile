@@ -276,8 +276,9 @@ demo-lm: install ds-warmup
 demo-lm-smoke: install ds-warmup
 	$(PY) launch/demo_lm.py --config configs/demo_lm/smoke.yaml $(ARGS)
 
-# Continued pretraining (docs/cpt.md): a tiny dense Llama trained -> converted into GCA -> two training stages with
-# the retrieval-task mix -> passkey 1K..1M and perplexity by context against the dense model ->
+# Continued pretraining (docs/cpt.md): a tiny dense Llama trained -> converted into GCA -> trained with the
+# retrieval-task mix and the retriever's supervised loss -> passkey 1K..1M, RULER and perplexity by context against
+# the dense model ->
 # runs/demo_cpt/results.md. Interrupted? Run it again: it continues.
 ## continued pretraining: a dense Llama converted into GCA -> runs/demo_cpt/results.md
 demo-cpt: install ds-warmup

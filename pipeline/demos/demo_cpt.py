@@ -53,8 +53,7 @@ MODELS = ("dense", "converted", "stage1", "stage2")
 """What is evaluated, in the order it exists."""
 LAYOUT_KEYS = ("n_lower_layers", "groups", "n_encoder_layers", "chunk_size", "top_k", "window")
 """The GCA layout keys ``train_config`` chooses; the conversions take them from there (one source)."""
-EVAL_ORDER = ("stage2", "dense", "converted", "stage1")
-"""The final model's numbers first: an interrupted run has the headline comparison soonest."""
+
 DENSE_CHECK = "dense_check.json"
 
 
@@ -79,8 +78,8 @@ class DenseSpec:
 class PasskeySlice:
     lengths: list[int] = field(default_factory=list)
     samples: int = 1
-    models: list[str] = field(default_factory=lambda: list(MODELS))
-    """The models evaluated on this slice (the longest lengths cost minutes per model)."""
+    models: list[str] = field(default_factory=list)
+    """The models evaluated on this slice (empty: every one; the longest lengths cost minutes per model)."""
 
 
 @dataclass
@@ -94,8 +93,9 @@ class DemoCPTConfig:
     dense: DenseSpec = field(default_factory=DenseSpec)
     stage1: list[str] = field(default_factory=list)
     """``key=value`` overrides of stage 1 (converted from the dense folder)."""
-    stage2: list[str] = field(default_factory=list)
-    """``key=value`` overrides of stage 2 (from stage 1's export)."""
+    stage2: list[str] | None = None
+    """``key=value`` overrides of stage 2 (from stage 1's export); ``null``: no stage 2, stage 1's model is the
+    final one."""
     train_overrides: list[str] = field(default_factory=list)
     """Overrides of both stages (a shorter smoke run)."""
     holdout: list[str] = field(default_factory=list)
@@ -115,7 +115,8 @@ class DemoCPTConfig:
     """RULER samples per (task, length)."""
     ruler_tasks: list[str] = field(default_factory=list)
     """The RULER tasks (``pipeline.evaluation.ruler.RULER_TASKS``; empty: all of them)."""
-    ruler_models: list[str] = field(default_factory=lambda: ["stage2"])
+    ruler_models: list[str] = field(default_factory=list)
+    """The models RULER evaluates (empty: the final one)."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -133,9 +134,9 @@ class DemoCPTConfig:
             )
         if not self.passkey or any(not s.lengths or s.samples < 1 for s in self.passkey):
             raise ValueError("config key 'passkey' needs slices with lengths and samples >= 1")
-        stray = sorted({m for s in self.passkey for m in s.models} - set(MODELS))
+        stray = sorted({m for s in self.passkey for m in s.models} - set(self.models))
         if stray:
-            raise ValueError(f"config key 'passkey' names unknown models {stray}: use some of {list(MODELS)}")
+            raise ValueError(f"config key 'passkey' names unknown models {stray}: use some of {list(self.models)}")
         if not self.depths or any(not 0.0 <= d <= 1.0 for d in self.depths):
             raise ValueError(f"config key 'depths' has a wrong value {self.depths}: fractions in [0, 1]")
         if not 1 <= self.check_tokens <= self.dense_max_length:
@@ -144,14 +145,25 @@ class DemoCPTConfig:
             raise ValueError(f"config key 'ranks' has a wrong value {self.ranks}: must be >= 1")
         from pipeline.evaluation.ruler import RULER_TASKS
 
-        unknown = sorted(set(self.ruler_tasks) - set(RULER_TASKS)) + sorted(set(self.ruler_models) - set(MODELS))
+        unknown = sorted(set(self.ruler_tasks) - set(RULER_TASKS)) + sorted(set(self.ruler_models) - set(self.models))
         if unknown:
             raise ValueError(
                 f"config key 'ruler_tasks' or 'ruler_models' has a wrong value: {unknown} are not among "
-                f"{list(RULER_TASKS)} / {list(MODELS)}"
+                f"{list(RULER_TASKS)} / {list(self.models)}"
             )
         if self.ruler_samples < 1:
             raise ValueError(f"config key 'ruler_samples' has a wrong value: {self.ruler_samples} must be >= 1")
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """The models this demo makes: ``MODELS``, less ``stage2`` when there is no stage 2."""
+        return MODELS if self.stage2 is not None else MODELS[:-1]
+
+    @property
+    def eval_order(self) -> tuple[str, ...]:
+        """The final model's numbers first: an interrupted run has the headline comparison soonest."""
+        final = self.models[-1]
+        return (final, *(m for m in self.models if m != final))
 
 
 def load_demo_cpt_config(path: str | Path, overrides: list[str]) -> tuple[DemoCPTConfig, dict[str, str]]:
@@ -191,7 +203,7 @@ def eval_lengths(model: str, cfg: DemoCPTConfig) -> tuple[list[int], list[Passke
     slices = [
         PasskeySlice([n for n in s.lengths if cap is None or n <= cap], s.samples, [model])
         for s in cfg.passkey
-        if model in s.models and any(cap is None or n <= cap for n in s.lengths)
+        if (not s.models or model in s.models) and any(cap is None or n <= cap for n in s.lengths)
     ]
     return ppl, slices
 
@@ -287,14 +299,14 @@ def run_demo_cpt(config: str, overrides: list[str]) -> None:
             convert_command(dense_dir, exports["converted"], layout),
             exports["converted"] / "model.safetensors",
         )
-        for stage, init, extra in (
-            ("stage1", f"hf:{dense_dir}", cfg.stage1),
-            ("stage2", str(exports["stage1"]), cfg.stage2),
-        ):
+        stages_to_train = [("stage1", f"hf:{dense_dir}", cfg.stage1)]
+        if cfg.stage2 is not None:
+            stages_to_train.append(("stage2", str(exports["stage1"]), cfg.stage2))
+        for stage, init, extra in stages_to_train:
             keys = [f"run_dir={run_dir / stage}", f"data.path={data}", f"checkpoint.init_from={init}"]
             cmd, env = train_command(cfg.ranks, cfg.train_config, [*keys, *extra, *cfg.train_overrides])
             stages.run(f"train-{stage}", cmd, exports[stage] / "model.safetensors", env)
-        for model in EVAL_ORDER:
+        for model in cfg.eval_order:
             evaluate(stages, cfg, model, run_dir)
     except StageError as err:
         raise DemoCPTError(f"{err}; run the same command again to continue") from None
@@ -327,7 +339,7 @@ def evaluate(stages: StageRunner, cfg: DemoCPTConfig, model: str, run_dir: Path)
         slice_out = out / f"passkey_{i}"
         cmd, env = eval_command(export, "passkey", slice_out, keys)
         stages.run(f"passkey-{model}-{i}", cmd, slice_out / "passkey.json", env)
-    if cfg.ruler_lengths and model in cfg.ruler_models:
+    if cfg.ruler_lengths and model in (cfg.ruler_models or [cfg.models[-1]]):
         keys = [
             f"lengths={cfg.ruler_lengths}",
             f"samples={cfg.ruler_samples}",

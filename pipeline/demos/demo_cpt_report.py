@@ -151,7 +151,7 @@ def write_demo_cpt_report(run_dir: Path, timings: dict[str, float]) -> str:
         ),
     )
     parts = ["# make demo-cpt", "", f"Measured on a {processor()}.", ""]
-    parts += [f"- `{m}`: {DESCRIPTIONS[m]}" for m in MODELS]
+    parts += [f"- `{m}`: {DESCRIPTIONS[m]}" for m in MODELS if (run_dir / "eval" / m).is_dir() or m in training]
     if check:
         parts += [
             "",

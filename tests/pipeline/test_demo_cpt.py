@@ -36,8 +36,9 @@ def test_the_shipped_configs_load_and_cap_the_dense_model():
     ppl, slices = eval_lengths("dense", cfg)
     assert ppl == [n for n in cfg.ppl_lengths if n <= cfg.dense_max_length] and ppl
     assert all(n <= cfg.dense_max_length for s in slices for n in s.lengths)
-    # 256K and 1M belong to the final model only; every GCA model gets the 1K..64K slice
-    final = [n for s in eval_lengths("stage2", cfg)[1] for n in s.lengths]
+    # 256K and 1M belong to the final model only (stage 1: the recipe has one stage); every GCA model gets 1K..64K
+    assert cfg.stage2 is None and cfg.models == ("dense", "converted", "stage1") and cfg.eval_order[0] == "stage1"
+    final = [n for s in eval_lengths("stage1", cfg)[1] for n in s.lengths]
     assert max(final) == 1048576 and min(final) == 1024
     assert max(n for s in eval_lengths("converted", cfg)[1] for n in s.lengths) == 65536
     assert eval_lengths("converted", cfg)[0] == cfg.ppl_lengths
@@ -55,6 +56,7 @@ def test_the_shipped_configs_load_and_cap_the_dense_model():
         ("check_tokens=0", r"'check_tokens' has a wrong value 0"),
         ("ruler_tasks=[niah_single_9]", r"'ruler_tasks' or 'ruler_models' has a wrong value: \['niah_single_9'\]"),
         ("ruler_models=[gpt]", r"'ruler_tasks' or 'ruler_models' has a wrong value: \['gpt'\]"),
+        ("ruler_models=[stage2]", r"wrong value: \['stage2'\] are not among .* \['dense', 'converted', 'stage1'\]"),
         ("ruler_samples=0", r"'ruler_samples' has a wrong value: 0"),
     ],
 )
