@@ -55,8 +55,9 @@ class RetrievalMix:
         seq_len: length of the sequences it receives (and returns).
         chunk_size: the model's chunk size (tokens), which every layout aligns to.
         fraction: share of the sequences that get a task (recorded; the mixture's schedule applies it).
-        families: weight per family (``retrieval_tasks.FAMILIES``); families of weight 0 are never drawn.
+        families: weight per family (``retrieval_tasks.FAMILIES``) or variant; those of weight 0 are never drawn.
         shape: needles, values, queries, hops and chains per sample.
+        variants: name -> (family, shape) of samples drawn under that name with a shape of their own.
 
     Raises:
         ValueError: an unknown family, a bad weight, or ``seq_len`` cannot hold a family's sample (checked at once
@@ -72,14 +73,19 @@ class RetrievalMix:
         fraction: float,
         families: Mapping[str, float],
         shape: TaskShape = DEFAULT_SHAPE,
+        variants: Mapping[str, tuple[str, TaskShape]] | None = None,
     ) -> None:
-        unknown = sorted(set(families) - set(FAMILIES))
+        self.variants = dict(variants or {})
+        unknown = sorted(set(families) - set(FAMILIES) - set(self.variants))
         if unknown:
-            raise ValueError(f"data.retrieval_mix.families: unknown {unknown}; the families are {list(FAMILIES)}")
+            raise ValueError(
+                f"data.retrieval_mix.families: unknown {unknown}; the families are {list(FAMILIES)}"
+                + (f" and the variants {list(self.variants)}" if self.variants else "")
+            )
         bad = {name: w for name, w in families.items() if not w >= 0 or w == float("inf")}
         if bad:
             raise ValueError(f"data.retrieval_mix.families: weights must be finite and >= 0; got {bad}")
-        self.families = [name for name in FAMILIES if families.get(name, 0) > 0]
+        self.families = [name for name in [*FAMILIES, *self.variants] if families.get(name, 0) > 0]
         if not self.families:
             raise ValueError(f"data.retrieval_mix.families={dict(families)} gives no family a weight above 0")
         total = sum(families[name] for name in self.families)
@@ -92,18 +98,24 @@ class RetrievalMix:
                 for seed in range(DRY_RUN_SEEDS):
                     self.insert(np.zeros(seq_len, dtype=np.int64), np.random.default_rng(seed), family)
             except ValueError as err:
+                what = f"variant {family}" if family in self.variants else f"family {family}"
                 raise ValueError(
-                    f"train.seq_len={seq_len} is too short for the retrieval family {family} "
+                    f"train.seq_len={seq_len} is too short for the retrieval {what} "
                     f"(data.retrieval_mix, {self._shape_of(family)}): {err}"
                 ) from None
 
     def describe(self) -> dict[str, Any]:
         """The settings that decide every mixed sequence; a checkpoint records them and a resume compares."""
-        return {
+        described = {
             "fraction": self.fraction,
             "families": dict(zip(self.families, self.probabilities)),
             "shape": asdict(self.shape),
         }
+        if self.variants:  # only then: the settings of a mix without variants read as they always did
+            described["variants"] = {
+                name: {"family": family, "shape": asdict(shape)} for name, (family, shape) in self.variants.items()
+            }
+        return described
 
     def task_for(self, seq: np.ndarray, rng: np.random.Generator) -> TaskSample:
         """The task written over ``seq`` for the sequence whose own generator is ``rng`` (seeded by the caller from
@@ -117,7 +129,8 @@ class RetrievalMix:
         return self.insert(seq, rng, family)
 
     def insert(self, seq: np.ndarray, rng: np.random.Generator, family: str, depth: float | None = None) -> TaskSample:
-        """A ``family`` sample over a copy of ``seq``, drawn again up to ``DRAWS`` times when it does not fit.
+        """A ``family`` (or variant) sample over a copy of ``seq``, drawn again up to ``DRAWS`` times when it does
+        not fit.
 
         Raises:
             ValueError: the last draw's reason, when none fit.
@@ -129,10 +142,12 @@ class RetrievalMix:
                 continue
         return self._build(seq, rng, family, depth)
 
-    def _build(self, seq: np.ndarray, rng: np.random.Generator, family: str, depth: float | None) -> TaskSample:
-        return build_task(family, seq, self.codec, rng, chunk_size=self.chunk_size, shape=self.shape, depth=depth)
+    def _build(self, seq: np.ndarray, rng: np.random.Generator, name: str, depth: float | None) -> TaskSample:
+        family, shape = self.variants.get(name, (name, self.shape))
+        return build_task(family, seq, self.codec, rng, chunk_size=self.chunk_size, shape=shape, depth=depth)
 
-    def _shape_of(self, family: str) -> str:
+    def _shape_of(self, name: str) -> str:
+        family, shape = self.variants.get(name, (name, self.shape))
         fields = {
             "multikey": ("needles",),
             "multivalue": ("values",),
@@ -140,4 +155,6 @@ class RetrievalMix:
             "vt": ("chains", "hops"),
             "multihop": ("chains",),
         }.get(family, ())
-        return ", ".join(f"{name}={getattr(self.shape, name)}" for name in fields) or "one needle"
+        if name in self.variants:
+            fields = (*fields, "value_kind")
+        return ", ".join(f"{key}={getattr(shape, key)}" for key in fields) or "one needle"

@@ -103,7 +103,17 @@ class RetrievalMixConfig:
     top_k``, fetching every key needle always brings the asked one; more chains make that shortcut fail."""
     value_kind: str = "number"
     """Every family's values: ``number`` (5 digits) or ``uuid`` (random UUIDs, 8-4-4-4-12 hex digits, as in RULER's
-    ``niah_single_3``; multikey needles then say "uuid" where they say "number"). One kind per training stage."""
+    ``niah_single_3``; multikey needles then say "uuid" where they say "number"). One kind per training stage;
+    ``variants`` mix kinds."""
+    variants: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Named samples of their own shape, drawn like families with their weight in ``families``: each names its
+    ``family`` and the shape keys (``needles``, ``values``, ``queries``, ``hops``, ``chains``, ``value_kind``) that
+    differ from this section's, e.g. ``{uuid_single: {family: multikey, needles: 1, queries: 1, value_kind: uuid}}``
+    (RULER's ``niah_single_3``) beside 4-needle number samples of the same family."""
+
+
+SHAPE_KEYS = ("needles", "values", "queries", "hops", "chains", "value_kind")
+"""The ``data.retrieval_mix`` keys that make a sample's ``TaskShape`` (a variant may set each)."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +125,36 @@ class MixSettings:
     shape: TaskShape
     answer_weight: float
     retriever_loss: float = 0.0
+    variants: dict[str, tuple[str, TaskShape]] = field(default_factory=dict)
+    """Variant name -> (its family, its shape)."""
+
+
+def mix_variants(m: RetrievalMixConfig, shape: TaskShape) -> dict[str, tuple[str, TaskShape]]:
+    """``data.retrieval_mix.variants`` read into (family, shape) pairs, each shape ``shape`` with the variant's keys.
+
+    Raises:
+        ConfigError: a variant named like a family, without a known ``family``, or with a key that is not a shape key
+            or a value its shape refuses (one line naming the variant and key).
+    """
+    out = {}
+    for name, keys in m.variants.items():
+        where = f"data.retrieval_mix.variants.{name}"
+        if name in FAMILIES:
+            raise ConfigError(f"{where}: a variant cannot take a family's name ({list(FAMILIES)})")
+        keys = dict(keys)
+        family = keys.pop("family", None)
+        if family not in FAMILIES:
+            raise ConfigError(f"{where}.family must be one of {list(FAMILIES)}; got {family!r}")
+        unknown = sorted(set(keys) - set(SHAPE_KEYS))
+        if unknown:
+            raise ConfigError(f"{where}: {unknown} are not shape keys; a variant sets only family and {SHAPE_KEYS}")
+        try:
+            variant = dataclasses.replace(shape, **keys)
+            variant.check()
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"{where}: {err}") from None
+        out[name] = (family, variant)
+    return out
 
 
 def mix_settings(data: DataConfig) -> MixSettings:
@@ -127,14 +167,14 @@ def mix_settings(data: DataConfig) -> MixSettings:
             answer_weight=data.needle_answer_weight,
         )
     m = data.retrieval_mix
+    shape = TaskShape(**{key: getattr(m, key) for key in SHAPE_KEYS})
     return MixSettings(
         fraction=m.fraction,
         families=dict(m.families) or dict(DEFAULT_MIX_FAMILIES),
-        shape=TaskShape(
-            needles=m.needles, values=m.values, queries=m.queries, hops=m.hops, chains=m.chains, value_kind=m.value_kind
-        ),
+        shape=shape,
         answer_weight=m.answer_weight,
         retriever_loss=m.retriever_loss,
+        variants=mix_variants(m, shape),
     )
 
 
@@ -798,9 +838,19 @@ def _check_mix(data: DataConfig) -> None:
         raise ConfigError(
             f"data.{key} applies only with data.needle_mix > 0; with data.retrieval_mix set data.retrieval_mix.{new}"
         )
-    unknown = sorted(set(m.families) - set(FAMILIES))
+    variants = mix_variants(m, TaskShape(**{key: getattr(m, key) for key in SHAPE_KEYS}))
+    unknown = sorted(set(m.families) - set(FAMILIES) - set(variants))
     if unknown:
-        raise ConfigError(f"data.retrieval_mix.families: unknown {unknown}; the families are {list(FAMILIES)}")
+        raise ConfigError(
+            f"data.retrieval_mix.families: unknown {unknown}; the families are {list(FAMILIES)}"
+            + (f" and the variants {list(variants)}" if variants else "")
+        )
+    unused = sorted(set(variants) - set(m.families))
+    if unused:
+        raise ConfigError(
+            f"data.retrieval_mix.variants: {unused} have no weight in data.retrieval_mix.families, so they are never "
+            "drawn; give each a weight there"
+        )
     for name, weight in m.families.items():
         if not 0 <= weight < float("inf"):
             raise ConfigError(f"data.retrieval_mix.families.{name} must be a finite weight >= 0; got {weight}")

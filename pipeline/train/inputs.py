@@ -140,6 +140,7 @@ def build_mix(cfg: TrainConfig, tokenizer: TokenizerFiles | None) -> RetrievalMi
             fraction=fraction,
             families=settings.families,
             shape=settings.shape,
+            variants=settings.variants,
         )
     except ValueError as err:
         raise ConfigError(str(err)) from None

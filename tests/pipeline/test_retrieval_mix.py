@@ -342,6 +342,76 @@ def test_uuid_values_in_the_mix_read_back_as_rulers_niah_single_3(tmp_path):
     assert numbers.shape.value_kind == "number"  # the default: 5-digit values, as before
 
 
+def test_a_variant_draws_its_own_shape_beside_its_familys(tmp_path, codec):
+    """``data.retrieval_mix.variants``: one-needle UUID multikey samples (RULER's niah_single_3) beside the section's
+    4-needle number multikey samples, each drawn by its weight; a mix without variants describes itself as before,
+    so older checkpoints resume against the same settings."""
+    base = [f"run_dir={tmp_path / 'run'}", f"data.path={tmp_path / 'data'}", "data.retrieval_mix.fraction=1"]
+    keys = [
+        "data.retrieval_mix.families={multikey: 1, uuid_single: 1}",
+        "data.retrieval_mix.variants={uuid_single: {family: multikey, needles: 1, queries: 1, value_kind: uuid}}",
+    ]
+    settings = mix_settings(load_config(None, [*base, *keys]).data)
+    L, S, n = 512, 16, 200
+    mix = RetrievalMix(
+        codec,
+        seq_len=L,
+        chunk_size=S,
+        fraction=1.0,
+        families=settings.families,
+        shape=settings.shape,
+        variants=settings.variants,
+    )
+    seq = haystack(codec, L, 0)
+    kinds = Counter()
+    for gid in range(n):
+        sample = mix.task_for(seq, np.random.default_rng([5, 2, gid]))
+        assert sample.family == "multikey"
+        is_uuid = re.fullmatch(r"[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}", sample.key) is not None
+        text = codec.decode(sample.ids[: sample.answer_start].tolist())
+        # the variant: one needle, a UUID; the family's own shape: four needles, 5-digit numbers
+        assert text.count("One of the special magic") == (1 if is_uuid else 4)
+        assert is_uuid or re.fullmatch(r"\d{5}", sample.key)
+        kinds[is_uuid] += 1
+    assert abs(kinds[True] - n / 2) < 4 * math.sqrt(n / 4), kinds
+    described = mix.describe()
+    assert described["families"] == {"multikey": 0.5, "uuid_single": 0.5}
+    assert described["variants"]["uuid_single"]["shape"]["value_kind"] == "uuid"
+    plain = RetrievalMix(codec, seq_len=L, chunk_size=S, fraction=1.0, families={"multikey": 1.0})
+    assert set(plain.describe()) == {"fraction", "families", "shape"}
+    with pytest.raises(ValueError, match=r"too short for the retrieval variant uuid_single .*value_kind=uuid"):
+        RetrievalMix(
+            codec,
+            seq_len=96,
+            chunk_size=S,
+            fraction=1.0,
+            families={"uuid_single": 1.0},
+            variants=settings.variants,
+        )
+
+
+@pytest.mark.parametrize(
+    "variants,families,error",
+    [
+        ("{single: {family: multikey}}", "{single: 1}", "variants.single: a variant cannot take a family's name"),
+        ("{u: {family: multi}}", "{u: 1}", "variants.u.family must be one of"),
+        ("{u: {family: multikey, needle: 1}}", "{u: 1}", "variants.u: ['needle'] are not shape keys"),
+        ("{u: {family: multikey, needles: 0}}", "{u: 1}", "variants.u: needles=0 must be >= 1"),
+        ("{u: {family: multikey, value_kind: hex}}", "{u: 1}", "variants.u: value_kind='hex' is not one of"),
+        ("{u: {family: multikey}}", "{single: 1}", "variants: ['u'] have no weight in data.retrieval_mix.families"),
+        ("{}", "{u: 1}", "families: unknown ['u']"),
+    ],
+)
+def test_bad_variants_are_one_line_naming_the_key(tmp_path, variants, families, error):
+    keys = [f"data.retrieval_mix.variants={variants}", f"data.retrieval_mix.families={families}"]
+    with pytest.raises(ConfigError) as err:
+        load_config(
+            None,
+            [f"run_dir={tmp_path / 'run'}", f"data.path={tmp_path / 'data'}", "data.retrieval_mix.fraction=1", *keys],
+        )
+    assert error in str(err.value) and "\n" not in str(err.value)
+
+
 def test_the_trainer_writes_the_mix_into_its_sequences_and_weighs_the_answers(
     tmp_path, tiny_data, tokenizer, overrides
 ):
