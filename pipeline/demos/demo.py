@@ -45,6 +45,17 @@ class EvalSlice:
 
 
 @dataclass
+class RulerSlice:
+    """One more ``--task ruler`` run after the main one (``ruler_lengths``): its own lengths, samples and tasks."""
+
+    lengths: list[int]
+    samples: int
+    """Samples per (task, length)."""
+    tasks: list[str] = field(default_factory=list)
+    """The RULER tasks (empty: ``ruler_tasks``)."""
+
+
+@dataclass
 class TrainStage:
     name: str
     overrides: list[str] = field(default_factory=list)
@@ -107,6 +118,11 @@ class DemoConfig:
     """RULER samples per (task, length)."""
     ruler_tasks: list[str] = field(default_factory=list)
     """The RULER tasks (``pipeline.evaluation.ruler.RULER_TASKS``; empty: all of them)."""
+    ruler_slices: list[RulerSlice] = field(default_factory=list)
+    """More RULER runs of every model after the main one, each into ``eval/<model>/ruler_<i>`` (``make
+    demo-ruler``: the needle tasks at 1M with fewer samples); their rows join the main run's in ``ruler.json``."""
+    seed_ruler: bool = False
+    """The runs of ``seeds`` also run the RULER stages, and the report shows every task's spread over the seeds."""
     seeds: list[int] = field(default_factory=list)
     """More training seeds of the GCA model (``make demo-seeds``): each trains through ``train_stages`` with
     ``seed=<N>`` under ``<run_dir>/seeds/seed<N>`` and reads the ``passkey`` slices as the main run does, so the
@@ -126,11 +142,23 @@ class DemoConfig:
             )
         from pipeline.evaluation.ruler import RULER_TASKS
 
-        unknown_tasks = [name for name in self.ruler_tasks if name not in RULER_TASKS]
-        if unknown_tasks:
-            raise ValueError(
-                f"config key 'ruler_tasks' has a wrong value: {unknown_tasks} are not among {list(RULER_TASKS)}"
-            )
+        for key, tasks in (
+            ("ruler_tasks", self.ruler_tasks),
+            *((f"ruler_slices[{i}].tasks", piece.tasks) for i, piece in enumerate(self.ruler_slices)),
+        ):
+            unknown_tasks = [name for name in tasks if name not in RULER_TASKS]
+            if unknown_tasks:
+                raise ValueError(
+                    f"config key '{key}' has a wrong value: {unknown_tasks} are not among {list(RULER_TASKS)}"
+                )
+        for i, piece in enumerate(self.ruler_slices):
+            if piece.samples < 1 or not piece.lengths or min(piece.lengths) < 1:
+                raise ValueError(
+                    f"config key 'ruler_slices[{i}]' has a wrong value: lengths={piece.lengths} must be a non-empty "
+                    f"list of positive lengths and samples={piece.samples} >= 1"
+                )
+        if self.seed_ruler and not (self.ruler_lengths or self.ruler_slices):
+            raise ValueError("config key 'seed_ruler' needs a RULER stage (ruler_lengths or ruler_slices)")
         for key in ("seeds", "prose"):
             if getattr(self, key) and "gca" not in self.models:
                 raise ValueError(f"config key '{key}' needs the gca model among models={self.models}")
@@ -234,17 +262,28 @@ class Stages:
         ]
         cmd, env = eval_command(export, "ppl", out, keys)
         self.run(f"ppl-{model}", cmd, out / "ppl.json", env)
-        if cfg.ruler_lengths:
-            out = self.run_dir / "eval" / model / "ruler"
+        self.ruler(model, export)
+
+    def ruler(self, model: str, export: Path, part: str = "") -> None:
+        """``--task ruler`` of the main slice (``ruler_lengths``) into ``<run_dir>/<part>/eval/<model>/ruler``, then
+        of every ``ruler_slices`` entry into ``.../ruler_<i>``."""
+        cfg = self.cfg
+        main = [RulerSlice(cfg.ruler_lengths, cfg.ruler_samples)] if cfg.ruler_lengths else []
+        for i, piece in enumerate([*main, *cfg.ruler_slices]):
+            index = i - len(main)
+            folder = "ruler" if index < 0 else f"ruler_{index}"
+            out = self.run_dir / part / "eval" / model / folder
+            tasks = piece.tasks or cfg.ruler_tasks
             keys = [
-                f"lengths={cfg.ruler_lengths}",
-                f"samples={cfg.ruler_samples}",
+                f"lengths={piece.lengths}",
+                f"samples={piece.samples}",
                 f"seed={cfg.seed}",
                 f"data={cfg.haystack}",
-                *([f"ruler_tasks=[{','.join(cfg.ruler_tasks)}]"] if cfg.ruler_tasks else []),
+                *([f"ruler_tasks=[{','.join(tasks)}]"] if tasks else []),
             ]
             cmd, env = eval_command(export, "ruler", out, keys)
-            self.run(f"ruler-{model}", cmd, out / "ruler.json", env)
+            name = "-".join(filter(None, ["ruler", part, model, None if index < 0 else str(index)]))
+            self.run(name, cmd, out / "ruler.json", env)
 
 
 SEEDS_DIR = "seeds"
@@ -252,9 +291,10 @@ SEEDS_DIR = "seeds"
 
 
 def run_seeds(stages: Stages, main_export: Path) -> dict[int, tuple[Path, Path]]:
-    """Train and passkey-evaluate the GCA model once per extra seed, then read the prose slices with every seed's
-    model (the main run's too). Returns ``{seed: (run directory, prose directory)}``, the main run's seed first,
-    each directory holding ``eval/gca/passkey_<i>`` as the main run's holds its own."""
+    """Train and passkey-evaluate (with ``seed_ruler``, also RULER-evaluate) the GCA model once per extra seed,
+    then read the prose slices with every seed's model (the main run's too). Returns ``{seed: (run directory,
+    prose directory)}``, the main run's seed first, each directory holding ``eval/gca/passkey_<i>`` (and
+    ``ruler*``) as the main run's holds its own."""
     cfg = stages.cfg
     main_seed = int(OmegaConf.load(main_export.parent / "config.yaml").seed)
     exports = {main_seed: main_export}
@@ -264,6 +304,8 @@ def run_seeds(stages: Stages, main_export: Path) -> dict[int, tuple[Path, Path]]
             part = f"{SEEDS_DIR}/seed{seed}"
             exports[seed] = stages.train("gca", part=part, extra=[f"seed={seed}"])
             stages.passkey("gca", exports[seed], cfg.passkey, part)
+            if cfg.seed_ruler:
+                stages.ruler("gca", exports[seed], part)
             runs[seed] = stages.run_dir / part
     prose = {seed: f"{SEEDS_DIR}/seed{seed}/prose" for seed in exports}
     if cfg.prose:

@@ -159,14 +159,22 @@ def _multihop_section(run_dir: Path, models: list[str]) -> list[str]:
     ]
 
 
+def _ruler_results(model_dir: Path) -> list[dict]:
+    """The rows of a model's RULER runs: ``ruler`` (the main one), then ``ruler_0``, ``ruler_1``, ...
+    (``ruler_slices``)."""
+    extra = sorted(model_dir.glob("ruler_*/ruler.json"), key=lambda p: int(p.parent.name.split("_")[1]))
+    paths = [model_dir / "ruler" / "ruler.json", *extra]
+    return [row for path in paths if path.is_file() for row in read_result(path, "ruler")["results"]]
+
+
 def collect_ruler(run_dir: Path, models: list[str]) -> list[dict]:
     """Every model's ``--task ruler`` rows, each with a "model" key (models without a RULER result left out)."""
-    rows = []
-    for model in models:
-        path = run_dir / "eval" / model / "ruler" / "ruler.json"
-        if path.is_file():
-            rows += [{"model": model, **r} for r in read_result(path, "ruler")["results"]]
-    return rows
+    return [{"model": model, **r} for model in models for r in _ruler_results(run_dir / "eval" / model)]
+
+
+def collect_seed_ruler(seed_runs: dict[int, tuple[Path, Path]]) -> list[dict]:
+    """The GCA model's RULER rows of every training seed that has them, each with ``seed``."""
+    return [{"seed": seed, **r} for seed, (run, _) in seed_runs.items() for r in _ruler_results(run / "eval" / "gca")]
 
 
 def collect_seeds(seed_runs: dict[int, tuple[Path, Path]]) -> list[dict]:
@@ -222,6 +230,28 @@ def _seeds_section(rows: list[dict]) -> list[str]:
     return [*lines, ""]
 
 
+def _seed_ruler_section(rows: list[dict]) -> list[str]:
+    """Per RULER task and length, each training seed's score and the minimum and maximum over the seeds."""
+    seeds = list(dict.fromkeys(r["seed"] for r in rows))
+    if len(seeds) < 2:
+        return []
+    cells = list(dict.fromkeys((r["task"], r["length"]) for r in rows))
+    score = {(r["seed"], r["task"], r["length"]): r for r in rows}
+    lines = [
+        "RULER of the GCA model across training seeds (`seed_ruler`): each task's score x 100 per seed (samples in "
+        "brackets), then the minimum and maximum over the seeds.",
+        "",
+        "| task | length | " + " | ".join(f"seed {s}" for s in seeds) + " | min-max |",
+        "|---|---:" + "|---:" * (len(seeds) + 1) + "|",
+    ]
+    for task, length in cells:
+        got = [score.get((seed, task, length)) for seed in seeds]
+        text = ["–" if r is None else f"{100 * r['score']:.0f} ({r['n']})" for r in got]
+        spread = _span([r["score"] for r in got if r is not None])
+        lines.append(f"| {task} | {short_length(length)} | " + " | ".join(text) + f" | {spread} |")
+    return [*lines, ""]
+
+
 def write_report(
     run_dir: Path,
     models: list[str],
@@ -232,7 +262,8 @@ def write_report(
     """Write the merged JSONs, plots and ``results.md``; return the markdown (also printed by the demo).
     ``multihop_models``: the two-hop part's models (a section of its own when they have results). ``seed_runs``:
     ``{training seed: (run directory, prose directory)}`` of the GCA model's runs (``demo.run_seeds``), merged
-    into ``seeds.json`` and a table of the spread over seeds."""
+    into ``seeds.json`` (with their RULER rows under ``ruler`` when they have some) and tables of the spread over
+    seeds."""
     passkey, train_len = collect_passkey(run_dir, models)
     ppl = collect_ppl(run_dir, models)
     ruler = collect_ruler(run_dir, models)
@@ -246,8 +277,15 @@ def write_report(
         by_model = {model: [r for r in ppl if r["model"] == model] for model in models}
         plot_ppl_models(by_model, train_len, "perplexity of the same tokens vs context", run_dir / "ppl.png")
     seeds = collect_seeds(seed_runs or {})
-    if seeds:
-        write_text(run_dir / "seeds.json", json.dumps({"train_seq_len": train_len, "results": seeds}, indent=2))
+    seed_ruler = collect_seed_ruler(seed_runs or {})
+    if seeds or seed_ruler:
+        write_text(
+            run_dir / "seeds.json",
+            json.dumps(
+                {"train_seq_len": train_len, "results": seeds, **({"ruler": seed_ruler} if seed_ruler else {})},
+                indent=2,
+            ),
+        )
     timing_lines = [f"| {name} | {seconds:.0f} s |" for name, seconds in timings.items()]
     report = "\n".join(
         [
@@ -258,6 +296,7 @@ def write_report(
             *_passkey_tables(passkey, models, train_len),
             *_seeds_section(seeds),
             *ruler_section(ruler, models),
+            *_seed_ruler_section(seed_ruler),
             *ppl_table(ppl, models, "windows of the validation split", "whole windows"),
             *_multihop_section(run_dir, multihop_models or []),
             "Stage timings.",

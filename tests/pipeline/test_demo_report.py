@@ -418,3 +418,56 @@ def test_a_missing_prose_folder_is_one_line_before_any_stage(tmp_path, monkeypat
         _recorded_demo(tmp_path, monkeypatch, [f"prose={tmp_path / 'no-books'}"])
     assert "\n" not in str(err.value)
     assert not (tmp_path / "run" / "gca").exists()
+
+
+def test_ruler_slices_and_seed_ruler_run_after_the_main_ruler_stage(tmp_path, monkeypatch):
+    _main_run_config(tmp_path / "run")
+    slices = "ruler_slices=[{lengths: [1048576], samples: 4, tasks: [niah_single_1, niah_multivalue]}]"
+    calls = _recorded_demo(tmp_path, monkeypatch, [slices, "seeds=[1]", "seed_ruler=true"])
+    run = tmp_path / "run"
+    ruler = [name for name in calls if name.startswith("ruler")]
+    assert ruler == ["ruler-gca", "ruler-gca-0", "ruler-seeds/seed1-gca", "ruler-seeds/seed1-gca-0"]
+    long_ = calls["ruler-gca-0"]
+    assert {"lengths=[1048576]", "samples=4", "ruler_tasks=[niah_single_1,niah_multivalue]"} <= set(long_)
+    assert long_[long_.index("--out") + 1] == str(run / "eval/gca/ruler_0")
+    seed = calls["ruler-seeds/seed1-gca"]
+    assert seed[seed.index("--checkpoint") + 1] == str(run / "seeds/seed1/gca/long/export")
+    assert seed[seed.index("--task") :][4:] == calls["ruler-gca"][calls["ruler-gca"].index("--task") :][4:]
+    _main_run_config(tmp_path / "plain" / "run")
+    plain = _recorded_demo(tmp_path / "plain", monkeypatch, ["seeds=[1]"])
+    assert [name for name in plain if name.startswith("ruler")] == ["ruler-gca"]  # seeds read the passkey only
+
+
+@pytest.mark.parametrize(
+    "overrides,error",
+    [
+        (["ruler_slices=[{lengths: [4096], samples: 2, tasks: [niah_x]}]"], "'ruler_slices[0].tasks' has a wrong"),
+        (["ruler_slices=[{lengths: [], samples: 2}]"], "'ruler_slices[0]' has a wrong value: lengths=[]"),
+        (["ruler_slices=[{lengths: [4096], samples: 0}]"], "samples=0 >= 1"),
+        (["seed_ruler=true", "ruler_lengths=[]"], "'seed_ruler' needs a RULER stage"),
+    ],
+)
+def test_bad_ruler_slices_are_one_line(overrides, error):
+    with pytest.raises(ConfigError) as err:
+        load_demo_config(Path(__file__).resolve().parents[2] / "configs/demo/demo.yaml", overrides)
+    assert error in str(err.value) and "\n" not in str(err.value)
+
+
+def test_every_ruler_run_joins_the_report_and_the_spread_over_seeds(tmp_path):
+    def ruler(where: Path, folder: str, task: str, length: int, score: float, n: int) -> None:
+        row = {"task": task, "family": "single", "held_out": False, "length": length, "metric": "string_match_all"}
+        row |= {"string_match_all": score, "string_match_part": score, "score": score, "n": n, "seconds": 1.0}
+        _write(where / "eval" / "gca" / folder / "ruler.json", [row])
+
+    runs = {0: (tmp_path, tmp_path / "p0"), 1: (tmp_path / "seeds/seed1", tmp_path / "p1")}
+    ruler(tmp_path, "ruler", "niah_single_1", 4096, 1.0, 10)
+    ruler(tmp_path, "ruler_0", "niah_single_1", 1048576, 0.75, 4)
+    ruler(runs[1][0], "ruler", "niah_single_1", 4096, 0.8, 10)
+    ruler(runs[1][0], "ruler_0", "niah_single_1", 1048576, 1.0, 4)
+    report = write_report(tmp_path, ["gca"], {}, seed_runs=runs)
+    merged = json.loads((tmp_path / "ruler.json").read_text())["results"]
+    assert [(r["length"], r["n"]) for r in merged] == [(4096, 10), (1048576, 4)]
+    assert "| niah_single_1 | 4K | 100 (10) | 80 (10) | 80-100% |" in report
+    assert "| niah_single_1 | 1M | 75 (4) | 100 (4) | 75-100% |" in report
+    assert len(json.loads((tmp_path / "seeds.json").read_text())["ruler"]) == 4
+    assert "across training seeds (`seed_ruler`)" not in write_report(tmp_path, ["gca"], {})
