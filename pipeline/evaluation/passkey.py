@@ -290,19 +290,23 @@ def retrieval_checks(
 ) -> dict[str, dict[str, bool]]:
     """Per retrieval group ``g<i>``, what the question's retrieval fetched: the two-hop checks
     (``HopChunks.followed``), else ``asked_needle`` -- the row of landmark ``c - 1``, which the chunk ``c``
-    predicting the first answer token reads, holds a chunk of an asked needle. A wrong answer with the needle
-    fetched is a copy error; without it, a retrieval error. Empty for a model without retrieval and for a sample
-    without needles (RULER's word lists and QA)."""
+    predicting the first answer token reads, holds a chunk of an asked needle -- and, for a sample that asks for
+    several values (multivalue, multiquery), ``every_asked_needle``: that row holds every asked needle's chunks. A
+    wrong answer with the needles fetched is a copy error; without them, a retrieval error. Empty for a model
+    without retrieval and for a sample without needles (RULER's word lists and QA)."""
     if sample.hop is not None:
         return sample.hop.followed(picks)
     if not sample.asked_chunks or sample.family in AGGREGATION_FAMILIES:  # a word list's words are no needles
         return {}
     row = sample.question_row(chunk_size)
-    return {
-        f"g{group}": {"asked_needle": bool(sample.asked_chunks & set(picks[(group, query)][0]))}
-        for group, query in sorted(picks)
-        if query == row
-    }
+    checks = {}
+    for group, query in sorted(picks):
+        if query == row:
+            fetched = set(picks[(group, query)][0])
+            checks[f"g{group}"] = {"asked_needle": bool(sample.asked_chunks & fetched)}
+            if len(sample.answers) > 1:
+                checks[f"g{group}"]["every_asked_needle"] = sample.asked_chunks <= fetched
+    return checks
 
 
 SPEED_WINDOW = 65536

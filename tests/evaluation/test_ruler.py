@@ -264,6 +264,35 @@ def test_rows_count_the_fetched_needles_of_needle_tasks_only(tiny_model):
     assert "retrieval" not in by_task["ruler_cwe"]
 
 
+def test_a_several_needle_sample_records_whether_every_asked_needle_was_fetched(tiny_model):
+    """``every_asked_needle``: the question's row holds all the asked needles' chunks (multivalue asks for all
+    its values), beside ``asked_needle`` (one of them); a one-needle sample records only the latter."""
+    from pipeline.evaluation.passkey import retrieval_checks
+
+    sources = {"data": TokenSource("builtin", TOK, 0), "noise": TokenSource("noise", TOK, 0)}
+    grid = ruler.RulerGrid(["niah_multivalue", "niah_single_2"], [1024], 1, seed=0)
+    S = tiny_model.cfg.chunk_size
+    multi, single = (
+        ruler.build_ruler_sample(
+            name, sources, TOK, length=1024, rng=ruler.sample_rng(grid, name, 1024, 0), chunk_size=S
+        )
+        for name in ("niah_multivalue", "niah_single_2")
+    )
+    row = multi.question_row(S)
+    asked = sorted(multi.asked_chunks)
+    assert len(asked) >= 4  # RULER's four values, each in chunks of its own
+    other = next(c for c in range(row) if c not in multi.asked_chunks)
+    assert retrieval_checks(multi, {(0, row): [asked]}, S) == {"g0": {"asked_needle": True, "every_asked_needle": True}}
+    assert retrieval_checks(multi, {(0, row): [[*asked[1:], other]]}, S) == {
+        "g0": {"asked_needle": True, "every_asked_needle": False}
+    }
+    assert retrieval_checks(multi, {(0, row): [[other]], (0, row - 1): [asked]}, S) == {
+        "g0": {"asked_needle": False, "every_asked_needle": False}
+    }
+    one = single.question_row(S)
+    assert retrieval_checks(single, {(0, one): [sorted(single.asked_chunks)]}, S) == {"g0": {"asked_needle": True}}
+
+
 def _greedy_one_shot(model, ids: list[int], n: int) -> list[int]:
     out = []
     with torch.no_grad():
