@@ -9,7 +9,7 @@ PYTEST := $(PY) -m pytest -q
 # The default CPU tier: everything not behind a heavier marker.
 DEFAULT_MARKERS := not slow and not gpu and not dist and not slurm and not multinode
 
-.PHONY: install lint format typecheck test test-slow test-dist test-gpu test-kernels test-reliability test-slurm test-multinode preflight demo demo-baseline demo-seeds demo-16m demo-multihop demo-smoke demo-lm demo-lm-smoke demo-cpt demo-cpt-smoke prep bench bench-train bench-kernels bench-cp bench-reader bench-prep test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv gpu-wheels gpu-check gpu-stamp gpu-publish demo-lm-gpu bench-gpu test-gpu-wheels test-gpu-check test-gpu-compile reference-curves help train prep-text test-quickstart bench-data-order bench-mixture report
+.PHONY: install lint format typecheck test test-slow test-dist test-gpu test-kernels test-reliability test-slurm test-multinode preflight demo demo-baseline demo-seeds demo-16m demo-multihop demo-smoke demo-lm demo-lm-smoke demo-cpt demo-cpt-smoke demo-ruler demo-ruler-smoke prep bench bench-train bench-kernels bench-cp bench-reader bench-prep test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv gpu-wheels gpu-check gpu-stamp gpu-publish demo-lm-gpu bench-gpu test-gpu-wheels test-gpu-check test-gpu-compile reference-curves help train prep-text test-quickstart bench-data-order bench-mixture report
 
 ## create .venv and install the pinned dependencies (every target runs it first)
 install: $(STAMP)
@@ -287,6 +287,19 @@ demo-cpt: install ds-warmup
 ## make demo-cpt's plumbing at tiny sizes
 demo-cpt-smoke: install ds-warmup
 	$(PY) launch/demo_cpt.py --config configs/demo_cpt/smoke.yaml $(ARGS)
+
+# RULER's needle families (single 1-3, multikey, multivalue, multiquery) from one recipe of its own: two training
+# stages from scratch, then passkey to 1M, ppl, RULER at 4K/64K and the needle tasks at 1M (docs/demo.md).
+# ARGS="seeds=[1]" also trains and reads a second training seed. Interrupted? Run it again: it continues.
+## RULER's needle families from one recipe -> runs/demo_ruler/results.md
+demo-ruler: install ds-warmup
+	@test -f data/default/_COMPLETE || $(PY) launch/prep.py --config configs/data/default.yaml
+	$(PY) launch/demo.py --config configs/demo_ruler/demo.yaml $(ARGS)
+
+## make demo-ruler's plumbing at tiny sizes (both stages, a second seed, every eval)
+demo-ruler-smoke: install ds-warmup
+	@test -f data/default/_COMPLETE || $(PY) launch/prep.py --config configs/data/default.yaml
+	$(PY) launch/demo.py --config configs/demo_ruler/smoke.yaml $(ARGS)
 
 ## delete .venv
 clean-venv:

@@ -1,8 +1,9 @@
-"""The demo's training recipe is pinned: every key of each stage's resolved train config (as ``make demo`` passes
-it to the trainer) equals ``tests/assets/demo_recipe.json``, so a change of the recipe -- in ``configs/demo/``, or
-of a trainer default it relies on -- is a decision made in a commit, not a side effect.
+"""The demos' training recipes are pinned: every key of each stage's resolved train config (as ``make demo`` and
+``make demo-ruler`` pass it to the trainer) equals ``tests/assets/demo_recipe.json`` /
+``demo_ruler_recipe.json``, so a change of a recipe -- in ``configs/demo/`` or ``configs/demo_ruler/``, or of a
+trainer default it relies on -- is a decision made in a commit, not a side effect.
 
-After a deliberate change: ``python tests/pipeline/test_demo_recipe.py`` rewrites the asset; the commit says why and
+After a deliberate change: ``python tests/pipeline/test_demo_recipe.py`` rewrites the assets; the commit says why and
 docs/demo.md gives the new recipe's measured per-seed table.
 """
 
@@ -12,10 +13,16 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[2]
 ASSET = ROOT / "tests" / "assets" / "demo_recipe.json"
+ASSETS = {
+    "configs/demo/demo.yaml": ASSET,
+    "configs/demo_ruler/demo.yaml": ROOT / "tests" / "assets" / "demo_ruler_recipe.json",
+}
+"""Each pinned demo config and the asset that pins its stages."""
 PLACES = ("run_dir", "data.path", "checkpoint.init_from")
 """Keys naming where a run reads and writes, which differ between machines; everything else is the recipe."""
 
@@ -29,12 +36,12 @@ def _flat(tree: object, prefix: str = "") -> dict[str, object]:
     return {prefix[:-1]: tree}
 
 
-def resolved_recipe() -> dict[str, dict[str, object]]:
+def resolved_recipe(demo_yaml: str = "configs/demo/demo.yaml") -> dict[str, dict[str, object]]:
     """``{stage: {dotted key: value}}`` of the GCA model's stages, resolved as the trainer resolves them."""
     from pipeline.demos.demo import MODEL_OVERRIDES, load_demo_config
     from pipeline.train.config import load_config
 
-    cfg, _ = load_demo_config(ROOT / "configs/demo/demo.yaml", [])
+    cfg, _ = load_demo_config(ROOT / demo_yaml, [])
     recipe = {}
     for stage in cfg.train_stages:
         overrides = [*MODEL_OVERRIDES["gca"], *stage.overrides, *cfg.train_overrides]
@@ -44,9 +51,10 @@ def resolved_recipe() -> dict[str, dict[str, object]]:
     return recipe
 
 
-def test_the_demo_recipe_is_the_pinned_one():
-    pinned = json.loads(ASSET.read_text())
-    got = json.loads(json.dumps(resolved_recipe()))  # the asset's own types (tuples as lists)
+@pytest.mark.parametrize("demo_yaml", list(ASSETS))
+def test_the_demo_recipe_is_the_pinned_one(demo_yaml):
+    pinned = json.loads(ASSETS[demo_yaml].read_text())
+    got = json.loads(json.dumps(resolved_recipe(demo_yaml)))  # the asset's own types (tuples as lists)
     assert list(got) == list(pinned), "the demo's stages changed"
     for stage in pinned:
         changed = {
@@ -55,7 +63,7 @@ def test_the_demo_recipe_is_the_pinned_one():
             if pinned[stage].get(key, "<absent>") != got[stage].get(key, "<absent>")
         }
         assert not changed, (
-            f"stage {stage}: the demo recipe changed (pinned, now): {changed}; if on purpose, rerun "
+            f"stage {stage} of {demo_yaml}: the recipe changed (pinned, now): {changed}; if on purpose, rerun "
             "`python tests/pipeline/test_demo_recipe.py` and measure the per-seed table again (docs/demo.md)"
         )
 
@@ -80,5 +88,6 @@ def test_the_recipe_holds_what_its_docs_say():
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    ASSET.write_text(json.dumps(resolved_recipe(), indent=1) + "\n")
-    print(f"wrote {ASSET}")
+    for demo_yaml, asset in ASSETS.items():
+        asset.write_text(json.dumps(resolved_recipe(demo_yaml), indent=1) + "\n")
+        print(f"wrote {asset}")
