@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,9 +40,17 @@ def test_demo_ruler_smoke_runs_and_resumes(tmp_path):
         for task, length in [*((t, 1024) for t in tasks), ("niah_multiquery", 2048)]
     }
     assert "across training seeds (`seed_ruler`)" in (run_dir / "results.md").read_text()
-    # the second stage trained the mixed families (the variant among them), from the first stage's weights
-    mixed = (run_dir / "gca" / "mixed" / "config.yaml").read_text()
-    assert "uuid_single" in mixed and f"init_from: {run_dir / 'gca' / 'single' / 'export'}" in mixed
+    # the first stage trained single pass keys only; the second every number family, from the first one's weights
+    single = OmegaConf.load(run_dir / "gca" / "single" / "config.yaml")
+    mixed = OmegaConf.load(run_dir / "gca" / "mixed" / "config.yaml")
+    assert {k for k, w in single.data.retrieval_mix.families.items() if w > 0} == {"single"}
+    assert {k for k, w in mixed.data.retrieval_mix.families.items() if w > 0} == {
+        "single",
+        "multikey",
+        "multivalue",
+        "multiquery",
+    }
+    assert mixed.checkpoint.init_from == str(run_dir / "gca" / "single" / "export")
     export = run_dir / "seeds" / "seed1" / "gca" / "mixed" / "export" / "model.safetensors"
     before = export.stat().st_mtime_ns
     again = _run(demo)
