@@ -268,11 +268,10 @@ class Stages:
         """``--task ruler`` of the main slice (``ruler_lengths``) into ``<run_dir>/<part>/eval/<model>/ruler``, then
         of every ``ruler_slices`` entry into ``.../ruler_<i>``."""
         cfg = self.cfg
-        main = [RulerSlice(cfg.ruler_lengths, cfg.ruler_samples)] if cfg.ruler_lengths else []
-        for i, piece in enumerate([*main, *cfg.ruler_slices]):
-            index = i - len(main)
-            folder = "ruler" if index < 0 else f"ruler_{index}"
-            out = self.run_dir / part / "eval" / model / folder
+        runs = [("", piece) for piece in [RulerSlice(cfg.ruler_lengths, cfg.ruler_samples)] if cfg.ruler_lengths]
+        runs += [(str(i), piece) for i, piece in enumerate(cfg.ruler_slices)]
+        for index, piece in runs:
+            out = self.run_dir / part / "eval" / model / "_".join(filter(None, ["ruler", index]))
             tasks = piece.tasks or cfg.ruler_tasks
             keys = [
                 f"lengths={piece.lengths}",
@@ -282,7 +281,7 @@ class Stages:
                 *([f"ruler_tasks=[{','.join(tasks)}]"] if tasks else []),
             ]
             cmd, env = eval_command(export, "ruler", out, keys)
-            name = "-".join(filter(None, ["ruler", part, model, None if index < 0 else str(index)]))
+            name = "-".join(filter(None, ["ruler", part, model, index]))
             self.run(name, cmd, out / "ruler.json", env)
 
 

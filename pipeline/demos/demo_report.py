@@ -162,7 +162,8 @@ def _multihop_section(run_dir: Path, models: list[str]) -> list[str]:
 def _ruler_results(model_dir: Path) -> list[dict]:
     """The rows of a model's RULER runs: ``ruler`` (the main one), then ``ruler_0``, ``ruler_1``, ...
     (``ruler_slices``)."""
-    extra = sorted(model_dir.glob("ruler_*/ruler.json"), key=lambda p: int(p.parent.name.split("_")[1]))
+    numbered = [p for p in model_dir.glob("ruler_*/ruler.json") if p.parent.name.split("_", 1)[1].isdigit()]
+    extra = sorted(numbered, key=lambda p: int(p.parent.name.split("_", 1)[1]))  # a folder of another name is not ours
     paths = [model_dir / "ruler" / "ruler.json", *extra]
     return [row for path in paths if path.is_file() for row in read_result(path, "ruler")["results"]]
 

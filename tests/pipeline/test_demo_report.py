@@ -464,6 +464,7 @@ def test_every_ruler_run_joins_the_report_and_the_spread_over_seeds(tmp_path):
     ruler(tmp_path, "ruler_0", "niah_single_1", 1048576, 0.75, 4)
     ruler(runs[1][0], "ruler", "niah_single_1", 4096, 0.8, 10)
     ruler(runs[1][0], "ruler_0", "niah_single_1", 1048576, 1.0, 4)
+    ruler(tmp_path, "ruler_old", "niah_single_1", 2048, 0.0, 1)  # not a folder the demo writes: left out
     report = write_report(tmp_path, ["gca"], {}, seed_runs=runs)
     merged = json.loads((tmp_path / "ruler.json").read_text())["results"]
     assert [(r["length"], r["n"]) for r in merged] == [(4096, 10), (1048576, 4)]
