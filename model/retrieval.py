@@ -175,9 +175,12 @@ def retrieve(
     return RetrievalRows(torch.where(valid, index, torch.zeros_like(index)), weights)
 
 
-NEEDLE_QUERY, NEEDLE_CHUNK = 2, 1
-"""Marks of a retrieval label row ``[C]`` (``needle_loss``): the landmark whose retrieval serves a task's answer, and
-the chunks holding the needles it asks for; every other chunk is 0."""
+NEEDLE_QUERY, NEEDLE_CHUNK, NEEDLE_EACH = 2, 1, 3
+"""Marks of a retrieval label row ``[C]`` (``needle_loss``): the landmarks whose retrievals serve a task's answer
+(one per chunk that predicts answer tokens, so an answer longer than a chunk has several), and the chunks holding
+the needles it asks for -- ``NEEDLE_CHUNK`` where the softmax mass on them as a set is the target,
+``NEEDLE_EACH`` where every one of them is a target of its own (an answer copied out of several chunks, such as a
+UUID over four, needs each of them among the top-k); every other chunk is 0."""
 
 
 @dataclass
@@ -187,7 +190,7 @@ class NeedleLabels:
     labels: torch.Tensor
     """``[B, C]`` int64 marks per chunk (``NEEDLE_QUERY``, ``NEEDLE_CHUNK``, else 0)."""
     terms: list[torch.Tensor] = field(default_factory=list)
-    """Each group's summed loss over the labelled rows."""
+    """Each group's summed loss over the labelled sequences."""
 
     def mean(self) -> torch.Tensor:
         """The loss per sequence of the batch (unlabelled ones count 0), averaged over the groups: a mean over rows,
@@ -196,39 +199,46 @@ class NeedleLabels:
 
 
 def needle_loss(queries: torch.Tensor, keys: torch.Tensor, labels: torch.Tensor, *, scale: float) -> torch.Tensor:
-    """The retriever's supervised loss on retrieval tasks whose needles are known: for each row of ``labels`` that
-    marks a query landmark ``q`` (``NEEDLE_QUERY``), minus the log of the softmax mass that ``q``'s scores over
-    *every* visible chunk ``j < q`` (not only its top-k) put on the asked needles' chunks (``NEEDLE_CHUNK``).
+    """The retriever's supervised loss on retrieval tasks whose needles are known: for each landmark ``q`` that
+    ``labels`` marks as a query (``NEEDLE_QUERY``), the cross-entropy of the asked needles' chunks under the softmax
+    of ``q``'s scores over *every* visible chunk ``j < q`` (not only its top-k): minus the log of the mass on the
+    ``NEEDLE_CHUNK`` chunks as one set, and of each ``NEEDLE_EACH`` chunk's own probability, averaged over those
+    targets (a set counts as one). A sequence's term is the mean over its query landmarks whose needles are
+    visible, so it weighs one however many chunks its answer spans.
 
     The language-model loss reaches a score only through the chunks a row picked, so a needle the retriever does
     not pick yet gets no gradient from it (and none at all while the GCA output is zero, as after a dense
-    conversion); this loss gives every needle score a gradient from the first step.
+    conversion); this loss gives every needle score a gradient from the first step. An answer that spans several
+    chunks is read through several retrievals (each chunk reads its own row), and each of them must fetch the
+    needles: the question's row alone is not enough for the values written after the answer's first chunk.
 
     Args:
         queries: ``[B, C, d_model]`` normalised landmark states of chunks ``0 .. C-1`` (a whole sequence).
         keys: ``[B, Cm, d_model]`` landmark keys of chunks ``0 .. Cm-1``.
-        labels: ``[B, >= C]`` marks per chunk; rows without a query mark, or whose needles are not visible from
-            it, contribute nothing.
+        labels: ``[B, >= C]`` marks per chunk; query landmarks without a visible needle chunk contribute nothing.
         scale: the retrieval score scale.
 
     Returns:
-        The summed loss over the labelled rows (fp32 scalar).
+        The summed loss over the labelled sequences (fp32 scalar).
     """
     C, Cm = queries.shape[1], keys.shape[1]
     labels = labels[:, :C]
-    is_query = labels == NEEDLE_QUERY
-    query = is_query.long().argmax(1)  # [B]
-    rows = torch.arange(labels.shape[0], device=labels.device)
     with torch.autocast(keys.device.type, enabled=False):
-        scores = torch.einsum("bd,bmd->bm", queries[rows, query].float(), keys.float()) * scale  # [B, Cm]
-        visible = torch.arange(Cm, device=keys.device)[None, :] < query[:, None]
-        target = visible & (labels[:, :Cm] == NEEDLE_CHUNK)
-        used = is_query.any(1) & target.any(1)
-        # An unlabelled row scores every chunk on both sides: its term is exactly 0 with a zero (not NaN) gradient.
-        unused = ~used[:, None]
-        every = torch.logsumexp(scores.masked_fill(~(visible | unused), float("-inf")), 1)
-        asked = torch.logsumexp(scores.masked_fill(~(target | unused), float("-inf")), 1)
-        return (every - asked).sum()
+        scores = torch.einsum("bcd,bmd->bcm", queries.float(), keys.float()) * scale  # [B, C, Cm]
+        visible = torch.arange(Cm, device=keys.device)[None, :] < torch.arange(C, device=keys.device)[:, None]
+        in_set = visible[None] & (labels[:, :Cm] == NEEDLE_CHUNK)[:, None, :]  # [B, C, Cm]
+        each = visible[None] & (labels[:, :Cm] == NEEDLE_EACH)[:, None, :]
+        has_set = in_set.any(-1)
+        targets = has_set.float() + each.sum(-1)  # [B, C]: the set counts as one target
+        used = (labels == NEEDLE_QUERY) & (targets > 0)
+        # An unused row scores every chunk on both sides: its term is exactly 0 with a zero (not NaN) gradient.
+        unused = ~used[..., None]
+        every = torch.logsumexp(scores.masked_fill(~(visible[None] | unused), float("-inf")), -1)
+        set_mass = torch.logsumexp(scores.masked_fill(~(in_set | unused), float("-inf")), -1)
+        log_likelihood = torch.where(has_set, set_mass, 0.0) + (scores * each).sum(-1)
+        row = torch.where(used, every - log_likelihood / targets.clamp_min(1), 0.0)
+        per_sequence = row.sum(-1) / used.sum(-1).clamp_min(1)
+        return per_sequence.sum()
 
 
 def _random_rows(visible: torch.Tensor, top_k: int, uniform: torch.Tensor | None) -> RetrievalRows:

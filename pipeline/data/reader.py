@@ -61,7 +61,7 @@ from data_prep.safe_files import (
 )
 from data_prep.safe_write import move
 from data_prep.streaming_compat import ensure_streaming_importable
-from model.retrieval import NEEDLE_CHUNK, NEEDLE_QUERY
+from model.retrieval import NEEDLE_CHUNK, NEEDLE_EACH, NEEDLE_QUERY
 
 if TYPE_CHECKING:
     from pipeline.data.mix import RetrievalMix
@@ -624,6 +624,8 @@ class RankBatches:
         answer_weight: loss weight of the tasks' answer tokens (1: no weights are produced).
         needle_labels: also mark, per micro-batch, where each task's answer retrieves and its needles are
             (``retrieval_labels``, for the retriever's supervised loss ``model.retrieval.needle_loss``).
+        each_needle_chunk: mark every needle chunk as a target of its own (``NEEDLE_EACH``) instead of the
+            chunks as one set (``data.retrieval_mix.retriever_loss_each``).
     """
 
     def __init__(
@@ -638,6 +640,7 @@ class RankBatches:
         seed: int = 0,
         answer_weight: float = 1.0,
         needle_labels: bool = False,
+        each_needle_chunk: bool = False,
     ) -> None:
         self.stream, self.global_batch, self.micro_batch = stream, global_batch, micro_batch
         self.rank, self.world_size = rank, world_size
@@ -655,9 +658,10 @@ class RankBatches:
         self.rank_sources = np.zeros(0, dtype=np.int64)
         """The source index of each of this rank's sequences of the last step, in micro-batch order."""
         self.needle_labels = needle_labels
+        self.each_needle_chunk = each_needle_chunk
         self.retrieval_labels: list[torch.Tensor] = []
         """With ``needle_labels``: the last step's ``[micro_batch, seq_len // chunk_size]`` int64 marks per
-        micro-batch (``model.retrieval.NEEDLE_QUERY`` at the landmark whose retrieval serves a task's answer,
+        micro-batch (``model.retrieval.NEEDLE_QUERY`` at the landmarks whose retrievals serve a task's answer,
         ``NEEDLE_CHUNK`` at the chunks of the needles it asks for, 0 elsewhere and on sequences without a task)."""
 
     @property
@@ -700,7 +704,7 @@ class RankBatches:
             if weights is not None:
                 weights[row, sample.answer] = self.answer_weight
             if labels is not None:
-                mark_needles(labels[row], sample, self.mix.chunk_size)
+                mark_needles(labels[row], sample, self.mix.chunk_size, each=self.each_needle_chunk)
         self.retrieval_labels = [] if labels is None else list(torch.from_numpy(labels).split(self.micro_batch))
         tokens = torch.from_numpy(rows).split(self.micro_batch)
         if weights is None:
@@ -722,15 +726,16 @@ class RankBatches:
             log.warning("data.retrieval_mix changed since the checkpoint: %s -> %s, from this step on", before, now)
 
 
-def mark_needles(labels: np.ndarray, sample: TaskSample, chunk_size: int) -> None:
-    """Write ``sample``'s retrieval label into its row ``labels [C]``: its question's landmark
-    (``TaskSample.question_row``) and, as targets, the asked needles' chunks."""
-    row = sample.question_row(chunk_size)
-    if row >= 0:
-        labels[row] = NEEDLE_QUERY
+def mark_needles(labels: np.ndarray, sample: TaskSample, chunk_size: int, *, each: bool = False) -> None:
+    """Write ``sample``'s retrieval label into its row ``labels [C]``: every landmark whose retrieval serves its
+    answer (``TaskSample.answer_rows``, the question's first) and, as targets, the asked needles' chunks (each a
+    target of its own with ``each``, else one set)."""
+    for row in sample.answer_rows(chunk_size):
+        if 0 <= row < len(labels):
+            labels[row] = NEEDLE_QUERY
     for chunk in sample.asked_chunks:
         if chunk < len(labels):
-            labels[chunk] = NEEDLE_CHUNK
+            labels[chunk] = NEEDLE_EACH if each else NEEDLE_CHUNK
 
 
 MIX_STATE_KEY = "retrieval_mix"

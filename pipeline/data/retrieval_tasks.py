@@ -214,6 +214,13 @@ class TaskSample:
         ``c - 1``."""
         return (self.answer_start - 1) // chunk_size - 1
 
+    def answer_rows(self, chunk_size: int) -> range:
+        """Every landmark whose retrieval serves the answer, the question's first: answer token ``i`` is predicted
+        at position ``answer_start + i - 1``, whose chunk reads the row of the landmark before it, so an answer
+        longer than a chunk is read through several rows."""
+        last_chunk = (self.answer_start + self.answer_len - 2) // chunk_size
+        return range(self.question_row(chunk_size), last_chunk)
+
 
 def default_spec(family: str, shape: TaskShape) -> NeedleSpec:
     """The texts of a ``family`` sample of ``shape``: the family's own (``NeedleSpec.template``; multikey's say

@@ -288,24 +288,29 @@ def _run_sample(
 def retrieval_checks(
     sample: TaskSample, picks: dict[tuple[int, int], list[list[int]]], chunk_size: int
 ) -> dict[str, dict[str, bool]]:
-    """Per retrieval group ``g<i>``, what the question's retrieval fetched: the two-hop checks
+    """Per retrieval group ``g<i>``, what the answer's retrievals fetched: the two-hop checks
     (``HopChunks.followed``), else ``asked_needle`` -- the row of landmark ``c - 1``, which the chunk ``c``
     predicting the first answer token reads, holds a chunk of an asked needle -- and, for a sample that asks for
-    several values (multivalue, multiquery), ``every_asked_needle``: that row holds every asked needle's chunks. A
-    wrong answer with the needles fetched is a copy error; without them, a retrieval error. Empty for a model
-    without retrieval and for a sample without needles (RULER's word lists and QA)."""
+    several values (multivalue, multiquery), ``every_asked_needle``: that row holds every asked needle's chunks. An
+    answer longer than a chunk is read through later rows too (``TaskSample.answer_rows``); where the prediction
+    reached them, ``every_asked_needle_later``: each of them holds every asked needle's chunks as well. A wrong
+    answer with the needles fetched is a copy error; without them, a retrieval error. Empty for a model without
+    retrieval and for a sample without needles (RULER's word lists and QA)."""
     if sample.hop is not None:
         return sample.hop.followed(picks)
     if not sample.asked_chunks or sample.family in AGGREGATION_FAMILIES:  # a word list's words are no needles
         return {}
-    row = sample.question_row(chunk_size)
+    first, *later = sample.answer_rows(chunk_size)
     checks = {}
     for group, query in sorted(picks):
-        if query == row:
+        if query == first:
             fetched = set(picks[(group, query)][0])
             checks[f"g{group}"] = {"asked_needle": bool(sample.asked_chunks & fetched)}
             if len(sample.answers) > 1:
                 checks[f"g{group}"]["every_asked_needle"] = sample.asked_chunks <= fetched
+            reached = [picks[(group, row)][0] for row in later if (group, row) in picks]
+            if reached:
+                checks[f"g{group}"]["every_asked_needle_later"] = all(sample.asked_chunks <= set(r) for r in reached)
     return checks
 
 

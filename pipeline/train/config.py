@@ -90,6 +90,10 @@ class RetrievalMixConfig:
     landmark scores every earlier chunk and is trained to put its softmax mass on the asked needles' chunks
     (``model.retrieval.needle_loss``). 0: the retriever learns from the LM loss alone. It reaches needles the
     retriever does not pick yet, and trains the retriever while a dense conversion's GCA output is still zero."""
+    retriever_loss_each: bool = False
+    """With ``retriever_loss``: every asked needle chunk is a target of its own (the loss averages their
+    log-probabilities), so each must rank high -- what an answer copied out of several chunks needs (a UUID value
+    spans four 16-token chunks). False: the softmax mass on the asked chunks as one set, which one chunk can fill."""
     needles: int = 4
     """multikey, multiquery: needles per sample (distinct names)."""
     values: int = 3
@@ -125,6 +129,7 @@ class MixSettings:
     shape: TaskShape
     answer_weight: float
     retriever_loss: float = 0.0
+    retriever_loss_each: bool = False
     variants: dict[str, tuple[str, TaskShape]] = field(default_factory=dict)
     """Variant name -> (its family, its shape)."""
 
@@ -174,6 +179,7 @@ def mix_settings(data: DataConfig) -> MixSettings:
         shape=shape,
         answer_weight=m.answer_weight,
         retriever_loss=m.retriever_loss,
+        retriever_loss_each=m.retriever_loss_each,
         variants=mix_variants(m, shape),
     )
 
@@ -779,6 +785,11 @@ def _check_retriever_loss(cfg: TrainConfig) -> None:
     sequences."""
     weight, m = cfg.data.retrieval_mix.retriever_loss, cfg.model
     if weight == 0:
+        if cfg.data.retrieval_mix.retriever_loss_each:
+            raise ConfigError(
+                "data.retrieval_mix.retriever_loss_each=true shapes the retriever's supervised loss, which is off "
+                "(data.retrieval_mix.retriever_loss=0); set a weight > 0 or leave it false"
+            )
         return
     key = f"data.retrieval_mix.retriever_loss={weight}"
     tasks = mix_settings(cfg.data).fraction > 0 or any(s.task == "retrieval" for s in cfg.data.sources)

@@ -175,6 +175,7 @@ class Trainer:
             seed=cfg.seed,
             answer_weight=mix_settings(cfg.data).answer_weight,
             needle_labels=mix_settings(cfg.data).retriever_loss > 0,
+            each_needle_chunk=mix_settings(cfg.data).retriever_loss_each,
         )
         return batches, fingerprint
 

@@ -266,7 +266,8 @@ def test_rows_count_the_fetched_needles_of_needle_tasks_only(tiny_model):
 
 def test_a_several_needle_sample_records_whether_every_asked_needle_was_fetched(tiny_model):
     """``every_asked_needle``: the question's row holds all the asked needles' chunks (multivalue asks for all
-    its values), beside ``asked_needle`` (one of them); a one-needle sample records only the latter."""
+    its values), beside ``asked_needle`` (one of them); a one-needle sample records only the latter. The rows
+    read by the answer's later chunks are checked too."""
     from pipeline.evaluation.passkey import retrieval_checks
 
     sources = {"data": TokenSource("builtin", TOK, 0), "noise": TokenSource("noise", TOK, 0)}
@@ -291,6 +292,19 @@ def test_a_several_needle_sample_records_whether_every_asked_needle_was_fetched(
     }
     one = single.question_row(S)
     assert retrieval_checks(single, {(0, one): [sorted(single.asked_chunks)]}, S) == {"g0": {"asked_needle": True}}
+
+    # An answer longer than a chunk: each chunk that predicts answer tokens reads its own row, and
+    # ``every_asked_needle_later`` says whether all of those after the question's held every asked needle too.
+    readers = sorted({(multi.answer_start + i - 1) // S - 1 for i in range(multi.answer_len)})
+    assert readers[0] == row and len(readers) >= 2
+    later = {(0, r): [asked] for r in readers[1:]}
+    assert retrieval_checks(multi, {(0, row): [asked], **later}, S)["g0"]["every_asked_needle_later"] is True
+    later[(0, readers[-1])] = [asked[1:]]
+    assert retrieval_checks(multi, {(0, row): [asked], **later}, S)["g0"]["every_asked_needle_later"] is False
+    beyond = {(0, readers[-1] + 1): [[other]]}  # a row no answer token reads does not count
+    assert retrieval_checks(multi, {(0, row): [asked], (0, readers[1]): [asked], **beyond}, S)["g0"][
+        "every_asked_needle_later"
+    ]
 
 
 def _greedy_one_shot(model, ids: list[int], n: int) -> list[int]:

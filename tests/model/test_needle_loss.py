@@ -11,7 +11,7 @@ from helpers import tiny_config
 
 import model.gca as gca_module
 from model import build_model
-from model.retrieval import NEEDLE_CHUNK, NEEDLE_QUERY, needle_loss
+from model.retrieval import NEEDLE_CHUNK, NEEDLE_EACH, NEEDLE_QUERY, needle_loss
 
 
 def _naive(queries, keys, row, query, targets, scale):
@@ -38,6 +38,52 @@ def test_it_is_the_needles_share_of_a_softmax_over_every_visible_chunk():
     for row in (2, 3):  # rows without a usable label: exactly no gradient (not NaN)
         assert queries.grad[row].abs().sum() == 0 and keys.grad[row].abs().sum() == 0
     assert keys.grad[0, 5:].abs().sum() == 0  # chunks at or after the query are not candidates
+
+
+def test_an_answer_read_through_several_rows_is_the_mean_of_their_terms():
+    """An answer longer than a chunk marks every row that serves it; the sequence's term is the mean of those rows'
+    terms (it weighs one, as a one-row answer does), and a marked row with no needle before it counts for
+    nothing."""
+    torch.manual_seed(3)
+    B, C, D, scale = 2, 9, 8, 0.5
+    queries = torch.randn(B, C, D)
+    keys = torch.randn(B, C, D)
+    labels = torch.zeros(B, C, dtype=torch.long)
+    labels[0, 5:8] = NEEDLE_QUERY  # three rows serve the answer
+    labels[0, 1], labels[0, 3] = NEEDLE_CHUNK, NEEDLE_CHUNK
+    labels[1, 2], labels[1, 5], labels[1, 3] = NEEDLE_QUERY, NEEDLE_QUERY, NEEDLE_CHUNK  # row 2 sees no needle
+    loss = needle_loss(queries, keys, labels, scale=scale)
+    first = sum(_naive(queries, keys, 0, q, [1, 3], scale) for q in (5, 6, 7)) / 3
+    expected = first + _naive(queries, keys, 1, 5, [3], scale)
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_each_marked_chunk_is_a_target_of_its_own():
+    """``NEEDLE_EACH``: the mean of each chunk's own cross-entropy, so one chunk holding all the mass no longer
+    satisfies it (the set form would be ~0 there); a single marked chunk gives the set form's value."""
+    torch.manual_seed(4)
+    B, C, D, scale = 2, 8, 8, 0.5
+    queries, keys = torch.randn(B, C, D), torch.randn(B, C, D)
+    labels = torch.zeros(B, C, dtype=torch.long)
+    labels[0, 6:8] = NEEDLE_QUERY
+    labels[0, 1], labels[0, 2], labels[0, 4] = NEEDLE_EACH, NEEDLE_EACH, NEEDLE_EACH
+    labels[1, 5], labels[1, 3] = NEEDLE_QUERY, NEEDLE_EACH
+    loss = needle_loss(queries, keys, labels, scale=scale)
+    first = sum(_naive(queries, keys, 0, q, [j], scale) for q in (6, 7) for j in (1, 2, 4)) / 6
+    expected = first + _naive(queries, keys, 1, 5, [3], scale)
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    as_set = labels.clone()
+    as_set[as_set == NEEDLE_EACH] = NEEDLE_CHUNK
+    assert needle_loss(queries[1:], keys[1:], as_set[1:], scale=scale).item() == pytest.approx(
+        needle_loss(queries[1:], keys[1:], labels[1:], scale=scale).item(), rel=1e-6
+    )
+    keys_peaked = keys.clone()  # row 7's query points at chunk 1 only: the set's mass is ~1, each is not
+    keys_peaked[0, 1] = queries[0, 7] * 50
+    one = torch.zeros(1, C, dtype=torch.long)
+    one[0, 7], one[0, 1], one[0, 2] = NEEDLE_QUERY, NEEDLE_CHUNK, NEEDLE_CHUNK
+    assert needle_loss(queries[:1], keys_peaked[:1], one, scale=scale).item() < 1e-3
+    one[0, 1], one[0, 2] = NEEDLE_EACH, NEEDLE_EACH
+    assert needle_loss(queries[:1], keys_peaked[:1], one, scale=scale).item() > 10
 
 
 def test_the_models_needle_loss_is_minus_the_log_of_the_weight_its_own_retrieval_gives_the_needle(monkeypatch):

@@ -20,11 +20,11 @@ import pytest
 import torch
 from helpers import train_test_tokenizer
 
-from model.retrieval import NEEDLE_CHUNK, NEEDLE_QUERY
+from model.retrieval import NEEDLE_CHUNK, NEEDLE_EACH, NEEDLE_QUERY
 from pipeline.data.mix import RetrievalMix, sentencepiece_codec
 from pipeline.data.mixture import with_tasks
 from pipeline.data.needle import SYLLABLES, TEMPLATES, NeedleSpec, lay_out_needle, needle_parts
-from pipeline.data.reader import MDSReader, PackedSequences, RankBatches
+from pipeline.data.reader import MDSReader, PackedSequences, RankBatches, mark_needles
 from pipeline.data.retrieval_tasks import DEFAULT_SHAPE, FAMILIES, FIXED_TEMPLATES, Codec, TaskShape, build_task
 from pipeline.evaluation.haystack import TokenSource
 from pipeline.evaluation.passkey import build_sample
@@ -529,6 +529,29 @@ def test_the_retriever_loss_labels_each_tasks_question_landmark_and_needle_chunk
     assert labelled == sum(trainer.batches.families.values()) > 0
 
 
+@pytest.mark.parametrize("family", ["multivalue", "multiquery"])
+def test_an_answer_longer_than_a_chunk_marks_every_row_that_reads_it(family, codec):
+    """Answer token ``i`` is predicted at position ``answer_start + i - 1``, whose chunk reads the row of the
+    landmark before it: the label marks exactly those rows (several for four 5-digit values on 8-token chunks),
+    and the asked values' chunks, whose tokens hold each asked value."""
+    S, L = 8, 512
+    shape = TaskShape(values=4, needles=4, queries=4)
+    mix = RetrievalMix(codec, seq_len=L, chunk_size=S, fraction=1.0, families={family: 1.0}, shape=shape)
+    for seed in range(10):
+        sample = mix.insert(haystack(codec, L, seed), np.random.default_rng(seed), family)
+        marks = np.zeros(L // S, dtype=np.int64)
+        mark_needles(marks, sample, S)
+        readers = {(sample.answer_start + i - 1) // S - 1 for i in range(sample.answer_len)}
+        assert len(readers) >= 2
+        assert set(np.flatnonzero(marks == NEEDLE_QUERY)) == readers
+        held = codec.decode(sample.ids[np.repeat(marks == NEEDLE_CHUNK, S)].tolist())
+        assert all(value in held for value in sample.answers)
+        each = np.zeros_like(marks)
+        mark_needles(each, sample, S, each=True)  # the same chunks, each a target of its own
+        assert np.array_equal(each == NEEDLE_EACH, marks == NEEDLE_CHUNK) and not (each == NEEDLE_CHUNK).any()
+        assert np.array_equal(each == NEEDLE_QUERY, marks == NEEDLE_QUERY)
+
+
 def test_the_retriever_loss_is_refused_where_it_cannot_apply(tmp_path):
     base = [f"run_dir={tmp_path / 'run'}", f"data.path={tmp_path / 'data'}", "data.retrieval_mix.retriever_loss=1"]
     refused = [
@@ -537,6 +560,14 @@ def test_the_retriever_loss_is_refused_where_it_cannot_apply(tmp_path):
         (["data.retrieval_mix.fraction=0.5", "model.retrieval=random"], "supervises a learned retriever"),
         (["data.retrieval_mix.fraction=0.5", "model.retrieval_grad=false"], "trains the retriever"),
         (["data.retrieval_mix.fraction=0.5", "data.retrieval_mix.retriever_loss=-1"], "finite weight >= 0; got -1"),
+        (
+            [
+                "data.retrieval_mix.fraction=0.5",
+                "data.retrieval_mix.retriever_loss=0",
+                "data.retrieval_mix.retriever_loss_each=true",
+            ],
+            r"retriever_loss_each=true shapes the retriever's supervised loss, which is off",
+        ),
     ]
     for extra, message in refused:
         with pytest.raises(ConfigError, match=message):
