@@ -26,7 +26,7 @@ from data_prep.safe_write import write_text
 from pipeline.evaluation.config import TASKS
 from pipeline.evaluation.plots import short_length
 from pipeline.evaluation.resume import SAMPLES_FILE as PASSKEY_SAMPLES
-from pipeline.evaluation.ruler import RULER_TASKS, markdown_table
+from pipeline.evaluation.ruler import RULER_TASKS, errors_table, markdown_table
 from pipeline.evaluation.ruler import SAMPLES_FILE as RULER_SAMPLES
 
 REPORT_FILE = "report.md"
@@ -312,6 +312,8 @@ def ruler_section(rows: list[dict], models: list[str]) -> list[str]:
         mine = [r for r in rows if r["model"] == model]
         if mine:
             lines += [f"**{model}**", "", markdown_table(mine)]
+            if errors := errors_table(mine):
+                lines += ["Why its wrong needle answers are wrong (docs/evaluation.md):", "", errors]
     return lines
 
 

@@ -31,6 +31,7 @@ import numpy as np
 from model import CausalLM
 from pipeline.data.qa_task import build_qa, load_qa
 from pipeline.data.retrieval_tasks import AGGREGATION_FAMILIES, Codec, TaskSample, TaskShape, default_spec
+from pipeline.evaluation.answer_errors import ERROR_KINDS, TOKEN_KINDS, classify, copy_trace, summarize
 from pipeline.evaluation.haystack import TokenSource
 from pipeline.evaluation.passkey import build_sample, count_retrievals, predict_answer, retrieval_checks
 from pipeline.evaluation.plots import short_length
@@ -245,6 +246,7 @@ def evaluate_ruler(
                     "seconds": round(seconds, 3),
                     "tokens_per_s": round(len(records) * length / max(seconds, 1e-3), 1),
                     **({"retrieval": retrieval} if (retrieval := count_retrievals(records)) else {}),
+                    **summarize(records),
                 }
             )
             log.info("ruler %s length=%d: %s %.3f", name, length, task.metric, rows[-1]["score"])
@@ -286,6 +288,7 @@ def _run_sample(
     if on_tokens is not None:  # the haystack after the answer is never streamed: the progress counts length
         on_tokens(length - streamed)
     prediction = postprocess(tokenizer.decode(predicted))
+    checks = retrieval_checks(sample, picks, model.cfg.chunk_size)
     record = {
         "task": name,
         "length": length,
@@ -296,7 +299,8 @@ def _run_sample(
         "string_match_all": match_all(prediction, sample.answers),
         "string_match_part": match_part(prediction, sample.answers),
         "seconds": round(time.perf_counter() - t0, 3),
-        **({"retrieval": retrieval} if (retrieval := retrieval_checks(sample, picks, model.cfg.chunk_size)) else {}),
+        **({"retrieval": checks} if checks else {}),
+        **_why_wrong(sample, checks, predicted, prediction, tokenizer),
     }
     log.info(
         "ruler %s length=%d sample %d: %.2f (answers %s, predicted %r)",
@@ -308,6 +312,26 @@ def _run_sample(
         prediction,
     )
     return record
+
+
+def _why_wrong(
+    sample: TaskSample,
+    checks: dict[str, dict[str, bool]],
+    predicted: list[int],
+    prediction: str,
+    tokenizer: ModelTokenizer | ByteTokenizer,
+) -> dict:
+    """A needle sample's ``error`` (``answer_errors.classify``; absent when right) and, for a one-value answer, its
+    ``copy`` trace (``answer_errors.copy_trace``)."""
+    if not any("asked_needle" in group for group in checks.values()):
+        return {}
+    out: dict = {}
+    if (error := classify(checks, prediction, sample.answers)) is not None:
+        out["error"] = error
+    if len(sample.answers) == 1:
+        expected = sample.ids[sample.answer].tolist()
+        out["copy"] = copy_trace(expected, predicted, tokenizer.decode)
+    return out
 
 
 def markdown_table(rows: list[dict], metric: str = "score") -> str:
@@ -329,4 +353,25 @@ def markdown_table(rows: list[dict], metric: str = "score") -> str:
         scores = [cell[t, n] for t in tasks if (t, n) in cell]
         means.append(f"{100 * sum(scores) / len(scores):.1f}" if scores else "-")
     lines.append("| **mean** | " + " | ".join(means) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def errors_table(rows: list[dict]) -> str:
+    """Why the needle tasks' wrong answers are wrong: a line per (task, length) with wrong samples, their count per
+    ``answer_errors.ERROR_KINDS``, and for one-value answers the right tokens per kind after a correct prefix
+    (``right/n``). Empty when no row has wrong needle answers."""
+    wrong = [r for r in rows if r.get("errors")]
+    if not wrong:
+        return ""
+    kinds = [k for k in TOKEN_KINDS if any(k in r.get("copy_by_kind", {}) for r in wrong)]
+    lines = [
+        "| task | length | wrong | " + " | ".join(ERROR_KINDS) + "".join(f" | {k} right" for k in kinds) + " |",
+        "|---|---:|---:|" + "---:|" * (len(ERROR_KINDS) + len(kinds)),
+    ]
+    for r in wrong:
+        counts = [str(r["errors"].get(kind, 0)) for kind in ERROR_KINDS]
+        copy = r.get("copy_by_kind", {})
+        tokens = [f"{copy[k]['right']}/{copy[k]['n']}" if k in copy else "-" for k in kinds]
+        cells = [r["task"], short_length(r["length"]), f"{sum(r['errors'].values())}/{r['n']}", *counts, *tokens]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

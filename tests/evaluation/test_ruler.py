@@ -370,7 +370,10 @@ def test_killed_ruler_run_resumes_without_recomputing(tiny_export, tmp_path, mon
         whole = run_eval(str(tiny_export), "ruler", tmp_path / "whole", SETTINGS)
     assert len(calls) == 4  # 2 lengths x 2 tasks x 1 sample
     assert (tmp_path / "whole" / "ruler.png").read_bytes()[:4] == b"\x89PNG"
-    assert (tmp_path / "whole" / "ruler.md").read_text() == ruler.markdown_table(whole["results"])
+    errors = ruler.errors_table(whole["results"])  # the untrained model's answers are wrong: the table says why
+    assert errors and "niah_single_2" in errors
+    expected = ruler.markdown_table(whole["results"]) + "\nWhy the wrong answers are wrong:\n\n" + errors
+    assert (tmp_path / "whole" / "ruler.md").read_text() == expected
 
     out = tmp_path / "killed"
     with monkeypatch.context() as m:
