@@ -59,6 +59,7 @@ def test_copy_trace_counts_the_tokens_up_to_the_first_wrong_one():
         (FETCHED_ALL, "55236, 45291, 17707, 28613", "splice"),  # 552|36 and 452|91
         (FETCHED_ALL, "55291, 45236, 17707, 17707", "repeat"),
         (FETCHED_ALL, "55291, 45236, 17707, 99999", "miscopy"),
+        (FETCHED_ALL, "55293, 45236, 17707, 28613", "miscopy"),  # 5529|3: a one-digit end is no splice
         ({}, "nothing", None),  # no needle checks (a word list, a model without retrieval): not classified
     ],
 )
