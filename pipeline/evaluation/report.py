@@ -26,7 +26,7 @@ from data_prep.safe_write import write_text
 from pipeline.evaluation.config import TASKS
 from pipeline.evaluation.plots import short_length
 from pipeline.evaluation.resume import SAMPLES_FILE as PASSKEY_SAMPLES
-from pipeline.evaluation.ruler import RULER_TASKS, errors_table, markdown_table
+from pipeline.evaluation.ruler import RULER_TASKS, tables
 from pipeline.evaluation.ruler import SAMPLES_FILE as RULER_SAMPLES
 
 REPORT_FILE = "report.md"
@@ -311,9 +311,7 @@ def ruler_section(rows: list[dict], models: list[str]) -> list[str]:
     for model in models:
         mine = [r for r in rows if r["model"] == model]
         if mine:
-            lines += [f"**{model}**", "", markdown_table(mine)]
-            if errors := errors_table(mine):
-                lines += ["Why its wrong needle answers are wrong (docs/evaluation.md):", "", errors]
+            lines += [f"**{model}**", "", tables(mine)]
     return lines
 
 

@@ -375,3 +375,12 @@ def errors_table(rows: list[dict]) -> str:
         cells = [r["task"], short_length(r["length"]), f"{sum(r['errors'].values())}/{r['n']}", *counts, *tokens]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def tables(rows: list[dict]) -> str:
+    """The scores (``markdown_table``), then, when some needle answers are wrong, why (``errors_table``): what
+    ``ruler.md`` holds and the reports show per model."""
+    errors = errors_table(rows)
+    return markdown_table(rows) + (
+        f"\nWhy the wrong needle answers are wrong (docs/evaluation.md):\n\n{errors}" if errors else ""
+    )

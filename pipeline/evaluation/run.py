@@ -120,11 +120,7 @@ def run_eval(checkpoint: str, task: str, out: str | Path, overrides: list[str], 
         plot = functools.partial(plot_ruler, rows, train_seq_len, heading)
         table = out / "ruler.md"
         try:
-            errors = ruler.errors_table(rows)
-            write_text(
-                table,
-                ruler.markdown_table(rows) + (f"\nWhy the wrong answers are wrong:\n\n{errors}" if errors else ""),
-            )
+            write_text(table, ruler.tables(rows))
         except (OSError, UnsafeWriteError) as err:
             raise EvalOutputError(
                 f"the result is in {json_path}, but {table} could not be written ({_why(err)})",

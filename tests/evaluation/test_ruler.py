@@ -372,8 +372,10 @@ def test_killed_ruler_run_resumes_without_recomputing(tiny_export, tmp_path, mon
     assert (tmp_path / "whole" / "ruler.png").read_bytes()[:4] == b"\x89PNG"
     errors = ruler.errors_table(whole["results"])  # the untrained model's answers are wrong: the table says why
     assert errors and "niah_single_2" in errors
-    expected = ruler.markdown_table(whole["results"]) + "\nWhy the wrong answers are wrong:\n\n" + errors
-    assert (tmp_path / "whole" / "ruler.md").read_text() == expected
+    expected = (
+        ruler.markdown_table(whole["results"]) + "\nWhy the wrong needle answers are wrong (docs/evaluation.md):\n\n"
+    )
+    assert (tmp_path / "whole" / "ruler.md").read_text() == expected + errors
 
     out = tmp_path / "killed"
     with monkeypatch.context() as m:
