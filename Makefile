@@ -9,7 +9,7 @@ PYTEST := $(PY) -m pytest -q
 # The default CPU tier: everything not behind a heavier marker.
 DEFAULT_MARKERS := not slow and not gpu and not dist and not slurm and not multinode
 
-.PHONY: install lint format typecheck test test-slow test-dist test-gpu test-kernels test-reliability test-slurm test-multinode preflight demo demo-baseline demo-seeds demo-16m demo-multihop demo-smoke demo-lm demo-lm-smoke demo-cpt demo-cpt-smoke demo-ruler demo-ruler-smoke prep bench bench-train bench-kernels bench-cp bench-reader bench-prep test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv gpu-wheels gpu-check gpu-stamp gpu-publish demo-lm-gpu bench-gpu test-gpu-wheels test-gpu-check test-gpu-compile reference-curves help train prep-text test-quickstart bench-data-order bench-mixture report
+.PHONY: install lint format typecheck test test-slow test-dist test-gpu test-kernels test-reliability test-slurm test-multinode preflight demo demo-baseline demo-seeds demo-16m demo-multihop demo-smoke demo-lm demo-lm-smoke demo-cpt demo-cpt-smoke demo-ruler demo-ruler-long demo-ruler-smoke prep bench bench-train bench-kernels bench-cp bench-reader bench-prep test-eval bench-eval train-debug train-fsdp-cpu train-ds-cpu ds-warmup clean-shm clean-venv gpu-wheels gpu-check gpu-stamp gpu-publish demo-lm-gpu bench-gpu test-gpu-wheels test-gpu-check test-gpu-compile reference-curves help train prep-text test-quickstart bench-data-order bench-mixture report
 
 ## create .venv and install the pinned dependencies (every target runs it first)
 install: $(STAMP)
@@ -295,6 +295,12 @@ demo-cpt-smoke: install ds-warmup
 demo-ruler: install ds-warmup
 	@test -f data/default/_COMPLETE || $(PY) launch/prep.py --config configs/data/default.yaml
 	$(PY) launch/demo.py --config configs/demo_ruler/demo.yaml $(ARGS)
+
+# make demo-ruler with its mixed stage run twice (~22 min more training): the budget that reads niah_single_3 too.
+## make demo-ruler past its 45-min budget (mixed stage twice) -> runs/demo_ruler_long/results.md
+demo-ruler-long: install ds-warmup
+	@test -f data/default/_COMPLETE || $(PY) launch/prep.py --config configs/data/default.yaml
+	$(PY) launch/demo.py --config configs/demo_ruler/long.yaml $(ARGS)
 
 ## make demo-ruler's plumbing at tiny sizes (both stages, a second seed, every eval)
 demo-ruler-smoke: install ds-warmup

@@ -86,6 +86,26 @@ def test_the_recipe_holds_what_its_docs_say():
         assert stage["seed"] == 0 and stage["optim.lr"] == 5e-4 and stage["model.top_k"] == 2
 
 
+def test_demo_ruler_long_is_demo_ruler_with_its_mixed_stage_twice():
+    """``make demo-ruler-long`` is ``make demo-ruler``'s pinned recipe, its mixed stage run once more, and the same
+    evaluation; only the run directory differs (so the two never share stages)."""
+    from pipeline.demos.demo import load_demo_config
+
+    short, long_ = resolved_recipe("configs/demo_ruler/demo.yaml"), resolved_recipe("configs/demo_ruler/long.yaml")
+    assert list(long_) == [*short, "again"]
+    for stage in short:
+        assert long_[stage] == short[stage], stage
+    assert long_["again"] == short["mixed"]
+    demo, longer = (
+        OmegaConf.to_container(OmegaConf.structured(load_demo_config(ROOT / "configs/demo_ruler" / name, [])[0]))
+        for name in ("demo.yaml", "long.yaml")
+    )
+    assert isinstance(demo, dict) and isinstance(longer, dict)
+    assert (demo.pop("run_dir"), longer.pop("run_dir")) == ("runs/demo_ruler", "runs/demo_ruler_long")
+    assert len(longer.pop("train_stages")) == len(demo.pop("train_stages")) + 1
+    assert longer == demo
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     for demo_yaml, asset in ASSETS.items():

@@ -40,7 +40,8 @@ def test_demo_ruler_smoke_runs_and_resumes(tmp_path):
         for task, length in [*((t, 1024) for t in tasks), ("niah_multiquery", 2048)]
     }
     assert "across training seeds (`seed_ruler`)" in (run_dir / "results.md").read_text()
-    # the first stage trained single pass keys only; the second every number family, from the first one's weights
+    # the first stage trained single pass keys only; the second every number family and the UUID variant, from the
+    # first one's weights
     single = OmegaConf.load(run_dir / "gca" / "single" / "config.yaml")
     mixed = OmegaConf.load(run_dir / "gca" / "mixed" / "config.yaml")
     assert {k for k, w in single.data.retrieval_mix.families.items() if w > 0} == {"single"}
@@ -49,7 +50,10 @@ def test_demo_ruler_smoke_runs_and_resumes(tmp_path):
         "multikey",
         "multivalue",
         "multiquery",
+        "uuid_single",
     }
+    # the smoke's tiny batch overrides the recipe's per-stage batch in both stages
+    assert (single.train.global_batch, mixed.train.global_batch) == (4, 4)
     assert mixed.checkpoint.init_from == str(run_dir / "gca" / "single" / "export")
     export = run_dir / "seeds" / "seed1" / "gca" / "mixed" / "export" / "model.safetensors"
     before = export.stat().st_mtime_ns
